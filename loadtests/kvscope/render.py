@@ -1,0 +1,62 @@
+"""Render a storage config into what a deployment starts: server arguments, environment, store paths.
+
+The output is deployment-neutral: the process runtime prepends `python -m vllm.entrypoints.openai.api_server`,
+a container runtime passes the same arguments to the image's entrypoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .matrix import Matrix, Platform, StorageConfig
+
+SERVED_MODEL_NAME = "tiny"
+
+
+def _flag_args(flags: dict) -> list[str]:
+    args: list[str] = []
+    for flag, value in flags.items():
+        if value is True:
+            args.append(flag)
+        elif value is not False:
+            args += [flag, str(value)]
+    return args
+
+
+def _fill_stores(value, stores: dict[str, str]):
+    if isinstance(value, str):
+        for name, path in stores.items():
+            value = value.replace("{store:" + name + "}", path)
+        return value
+    if isinstance(value, dict):
+        return {k: _fill_stores(v, stores) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill_stores(v, stores) for v in value]
+    return value
+
+
+def store_paths(cfg: StorageConfig, store_root: Path) -> dict[str, str]:
+    return {name: str(store_root / cfg.name / name) for name in cfg.stores}
+
+
+def render(
+    matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str
+) -> dict:
+    """Everything a runtime needs to start `cfg`, as plain JSON-able data."""
+    defaults = matrix.platforms[platform]
+    stores = store_paths(cfg, store_root)
+    args = ["--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(cfg.port)]
+    args += _flag_args({**defaults.flags, **cfg.flags})
+    if cfg.kv_transfer_config is not None:
+        ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
+        args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]
+    return {
+        "name": cfg.name,
+        "role": cfg.role,
+        "port": cfg.port,
+        "platform": platform,
+        "server_args": args,
+        "env": {**defaults.env, **cfg.env},
+        "stores": stores,
+    }

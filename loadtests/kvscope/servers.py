@@ -1,0 +1,173 @@
+"""The process runtime's helpers for Ansible: probe a server, stop it by pid, write its manifest.
+
+Each server runs in a session of its own (started with `setsid`), so its pid is also its process-group id and
+stopping the group stops vLLM's engine-core children too, and nothing that kvscope did not start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+HEALTHY, STARTING, NOT_RUNNING = 0, 1, 3  # probe exit codes, read by the Ansible role
+
+
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(Path(pid_file).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read()
+
+
+def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> int:
+    """HEALTHY when our process lives and /health answers, STARTING while it lives, else NOT_RUNNING."""
+    pid = read_pid(pid_file)
+    if pid is None or not alive(pid):
+        return NOT_RUNNING
+    try:
+        http_get(f"http://{host}:{port}/health", timeout=2)
+        return HEALTHY
+    except (urllib.error.URLError, OSError):
+        return STARTING
+
+
+def stop(pid_file: Path, grace_s: float = 30.0) -> str:
+    """Stop the process group started under `pid_file`: SIGTERM, then SIGKILL after `grace_s`."""
+    pid = read_pid(pid_file)
+    if pid is None:
+        return "no pid file"
+    if alive(pid):
+        if os.getpgid(pid) != pid:
+            raise RuntimeError(f"pid {pid} from {pid_file} is not a session leader; refusing to signal its group")
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+            while _group_alive(pid):
+                time.sleep(0.1)
+            outcome = f"killed {pid}"
+        else:
+            outcome = f"stopped {pid}"
+    else:
+        outcome = f"{pid} was not running"
+    Path(pid_file).unlink()
+    return outcome
+
+
+def group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+def cache_config(metrics_text: str) -> dict[str, str]:
+    """The labels of vllm:cache_config_info (block size, KV size in tokens, prefix caching on/off, ...)."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "vllm:cache_config_info":
+            for sample in family.samples:
+                return dict(sample.labels)
+    return {}
+
+
+def kv_capacity_tokens(labels: dict[str, str]) -> int | None:
+    """KV-cache capacity in tokens; None when the server does not say."""
+    if labels.get("kv_cache_size_tokens", "None") != "None":
+        return int(labels["kv_cache_size_tokens"])
+    blocks, size = labels.get("num_gpu_blocks", "None"), labels.get("block_size", "None")
+    return int(blocks) * int(size) if "None" not in (blocks, size) else None
+
+
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def redact(env: dict[str, str]) -> dict[str, str]:
+    """Environment safe to write into results: values of secret-looking names are replaced."""
+    return {k: "<redacted>" if any(w in k.upper() for w in SECRET_WORDS) else v for k, v in env.items()}
+
+
+def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Path, model_hash: str,
+             host: str = "127.0.0.1") -> dict:
+    """What a deployed server is, read off the live server."""
+    base = f"http://{host}:{port}"
+    labels = cache_config(http_get(f"{base}/metrics").decode())
+    models = json.loads(http_get(f"{base}/v1/models"))
+    version = json.loads(http_get(f"{base}/version")).get("version")
+    return {
+        "config": name,
+        "role": rendered["role"],
+        "platform": rendered["platform"],
+        "host": host,
+        "port": port,
+        "pid": read_pid(pid_file),
+        "vllm_version": version,
+        "kv_capacity_tokens": kv_capacity_tokens(labels),
+        "block_size": int(labels["block_size"]) if labels.get("block_size", "None") != "None" else None,
+        "prefix_caching": labels.get("enable_prefix_caching") == "True",
+        "max_model_len": models["data"][0].get("max_model_len"),
+        "model_path": str(model_dir),
+        "model_hash": model_hash,
+        "server_args": rendered["server_args"],
+        "env": redact(rendered["env"]),
+        "stores": rendered["stores"],
+    }
+
+
+def deployed(run_dir: Path) -> list[dict]:
+    """Manifests of the servers of `run_dir` that have a pid file (started and not torn down)."""
+    return [
+        json.loads(m.read_text())
+        for m in sorted(Path(run_dir).glob("*/manifest.json"))
+        if (m.parent / "server.pid").exists()
+    ]
+
+
+def write_deployment(run_dir: Path) -> Path:
+    """deployment.json: one manifest per deployed server, what `make bench` reads."""
+    out = Path(run_dir) / "deployment.json"
+    out.write_text(json.dumps({"servers": deployed(run_dir)}, indent=2) + "\n")
+    return out
+
+
+def status(run_dir: Path) -> list[dict]:
+    rows = []
+    for pid_file in sorted(Path(run_dir).glob("*/server.pid")):
+        manifest_file = pid_file.parent / "manifest.json"
+        port = json.loads(manifest_file.read_text())["port"] if manifest_file.exists() else None
+        code = probe(pid_file, port) if port else (STARTING if alive(read_pid(pid_file) or -1) else NOT_RUNNING)
+        state = {HEALTHY: "healthy", STARTING: "running, not healthy", NOT_RUNNING: "dead (stale pid file)"}[code]
+        rows.append({"config": pid_file.parent.name, "port": port, "pid": read_pid(pid_file), "state": state})
+    return rows

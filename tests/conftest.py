@@ -1,0 +1,47 @@
+"""Shared fixtures: the repository's environments and a real deployment made through Ansible."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "models" / "tiny-qwen3"
+PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
+INVENTORY = REPO / "ansible" / "inventories" / "local"
+
+
+def ansible(playbook: str, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Run one of kvscope's playbooks against the local inventory with an isolated run folder."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    cmd = [str(PLAYBOOK), "-i", str(INVENTORY), str(REPO / "ansible" / playbook),
+           "-e", f"kvscope_run_dir={run_dir}", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def servers_of(run_dir: Path) -> dict[str, dict]:
+    doc = json.loads((run_dir / "deployment.json").read_text())
+    return {s["config"]: s for s in doc["servers"]}
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    if not (MODEL / "model.safetensors").exists():
+        pytest.fail("the tiny model is missing: run `make model` (make test does it)")
+    return MODEL
+
+
+@pytest.fixture(scope="session")
+def deployment(tmp_path_factory, model_dir):
+    """baseline + apc + example-fs, deployed once for the session by the real playbook, then torn down."""
+    run_dir = tmp_path_factory.mktemp("run")
+    result = ansible("deploy.yml", run_dir, "-e", "kvscope_configs=baseline,apc,example-fs")
+    if result.returncode != 0:
+        ansible("teardown.yml", run_dir)
+        pytest.fail(f"deploy failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")
+    yield run_dir
+    ansible("teardown.yml", run_dir)

@@ -1,0 +1,100 @@
+"""Real deployments through Ansible: servers answer, deploy is idempotent, teardown leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+
+import yaml
+
+from conftest import REPO, ansible, servers_of
+from kvscope import servers
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.read()
+
+
+def complete(port: int, prompt: str, max_tokens: int = 12) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment):
+    deployed = servers_of(deployment)
+    assert set(deployed) == {"baseline", "apc", "example-fs"}
+    for name, srv in deployed.items():
+        assert srv["vllm_version"] == "0.32.0"
+        assert srv["kv_capacity_tokens"] == 32768
+        assert len(srv["model_hash"]) == 64
+        assert servers.alive(srv["pid"])
+        models = json.loads(get(f"http://127.0.0.1:{srv['port']}/v1/models"))
+        assert models["data"][0]["id"] == "tiny"
+        assert b"vllm:prefix_cache_queries" in get(f"http://127.0.0.1:{srv['port']}/metrics")
+        out = complete(srv["port"], "The for statement is used to iterate over")
+        assert out["usage"]["completion_tokens"] == 12
+    assert deployed["apc"]["prefix_caching"] and not deployed["baseline"]["prefix_caching"]
+
+
+def test_greedy_output_is_identical_across_configs_and_sensitive_to_one_early_token(deployment):
+    deployed = servers_of(deployment)
+    prefix = " ".join(f"word{i}" for i in range(60))
+    a = [complete(s["port"], "Alpha " + prefix, 16)["choices"][0]["token_ids"] for s in deployed.values()]
+    b = complete(deployed["baseline"]["port"], "Omega " + prefix, 16)["choices"][0]["token_ids"]
+    assert a[0] == a[1] == a[2]
+    assert a[0] != b
+
+
+def test_redeploy_is_idempotent(deployment):
+    before = {n: s["pid"] for n, s in servers_of(deployment).items()}
+    result = ansible("deploy.yml", deployment, "-e", "kvscope_configs=baseline,apc,example-fs")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "changed=0" in result.stdout
+    assert {n: s["pid"] for n, s in servers_of(deployment).items()} == before
+
+
+def test_bad_config_stops_deploy_before_anything_starts(tmp_path):
+    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    doc["configs"][1]["port"] = doc["configs"][0]["port"]
+    bad = tmp_path / "matrix.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    result = ansible("deploy.yml", tmp_path / "run", "-e", f"kvscope_matrix={bad}", "-e", "kvscope_configs=baseline,apc")
+    assert result.returncode != 0
+    assert "config 'apc': field 'port'" in result.stdout
+    assert not list((tmp_path / "run").glob("*/server.pid"))
+
+
+def test_config_for_another_platform_is_refused(tmp_path):
+    result = ansible("deploy.yml", tmp_path / "run", "-e", "kvscope_configs=baseline",
+                     "-e", "kvscope_platform=tpu")
+    assert result.returncode != 0
+    assert not list((tmp_path / "run").glob("*/server.pid"))
+
+
+def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
+    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    doc["configs"] = [dict(doc["configs"][0], port=8190)]  # apart from the session's servers
+    own = tmp_path / "matrix.yaml"
+    own.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    bystander = subprocess.Popen(["sleep", "600"])
+    try:
+        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "kvscope_configs=baseline")
+        assert result.returncode == 0, result.stdout[-3000:]
+        pgid = servers_of(run_dir)["baseline"]["pid"]
+        assert len(servers.group_members(pgid)) >= 2  # the API server and its engine core
+        result = ansible("teardown.yml", run_dir)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert servers.group_members(pgid) == []
+        assert not list(run_dir.glob("*/server.pid"))
+        assert servers_of(run_dir) == {}
+        assert bystander.poll() is None  # a process kvscope did not start is left alone
+    finally:
+        ansible("teardown.yml", run_dir)
+        bystander.kill()

@@ -1,0 +1,77 @@
+"""The storage-config matrix: the shipped file is valid, and each kind of mistake is named precisely."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvscope import matrix
+from kvscope.render import render
+
+SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml"
+
+
+def write(tmp_path, doc) -> Path:
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.fixture
+def doc():
+    return yaml.safe_load(SHIPPED.read_text())
+
+
+def test_shipped_matrix_has_the_three_first_configs():
+    m = matrix.load(SHIPPED)
+    names = [c.name for c in m.configs]
+    assert {"baseline", "apc", "example-fs"} <= set(names)
+    assert m.golden().name == "baseline"
+    assert m.get("baseline").flags["--no-enable-prefix-caching"] is True
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda d: d["configs"][1].update(colour="red"), "config 'apc': field 'colour': Extra inputs are not permitted"),
+        (lambda d: d["configs"][1].update(port="eighty"), "config 'apc': field 'port'"),
+        (lambda d: d["configs"][2].update(port=8100), "config 'example-fs': field 'port': 8100 is already used by 'baseline'"),
+        (lambda d: d["configs"][1].update(platforms=["tpu"]), "config 'apc': field 'platforms.0'"),
+        (lambda d: d["configs"][1]["flags"].update({"--port": 1}), "config 'apc': field 'flags'"),
+        (lambda d: d["configs"][1]["flags"].update({"no-dashes": 1}), "must start with '--'"),
+        (lambda d: d["configs"][2].update(stores=[]), "config 'example-fs': field 'stores': Value error, kv_transfer_config uses store(s) ['kv']"),
+        (lambda d: d["configs"][2]["kv_transfer_config"].update(kv_role="both"), "config 'example-fs': field 'kv_transfer_config.kv_role'"),
+        (lambda d: d["configs"][1].update(name="baseline"), "config 'baseline': field 'name': duplicate"),
+        (lambda d: d.update(extra=1), "field 'extra': unknown key"),
+        (lambda d: d["configs"][0].update(role="candidate"), "exactly one config must have role 'golden'"),
+    ],
+)
+def test_mistakes_name_the_config_and_the_field(tmp_path, doc, mutate, expected):
+    bad = copy.deepcopy(doc)
+    mutate(bad)
+    with pytest.raises(matrix.MatrixError) as err:
+        matrix.load(write(tmp_path, bad))
+    assert expected in str(err.value)
+
+
+def test_selection_refuses_unknown_names_and_other_platforms(tmp_path, doc):
+    doc["configs"][1]["platforms"] = ["cuda"]
+    m = matrix.load(write(tmp_path, doc))
+    with pytest.raises(matrix.MatrixError, match="unknown config 'nope'"):
+        matrix.select(m, ["baseline", "nope"], "cpu")
+    with pytest.raises(matrix.MatrixError, match=r"config 'apc': field 'platforms': runs on \['cuda'\], not on this platform \(cpu\)"):
+        matrix.select(m, ["baseline", "apc"], "cpu")
+    assert [c.name for c in matrix.select(m, ["apc"], "cuda")] == ["apc"]
+
+
+def test_render_merges_platform_flags_and_fills_store_paths(tmp_path):
+    m = matrix.load(SHIPPED)
+    out = render(m, m.get("example-fs"), "cpu", tmp_path / "model", tmp_path / "stores", "127.0.0.1")
+    args = out["server_args"]
+    assert args[args.index("--port") + 1] == "8102"
+    assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
+    ktc = args[args.index("--kv-transfer-config") + 1]
+    assert f'"shared_storage_path": "{tmp_path}/stores/example-fs/kv"' in ktc
+    assert out["stores"] == {"kv": f"{tmp_path}/stores/example-fs/kv"}
+    assert out["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
