@@ -50,7 +50,7 @@ def test_shipped_matrix_has_the_three_first_configs():
 def test_mistakes_name_the_config_and_the_field(tmp_path, doc, mutate, expected):
     bad = copy.deepcopy(doc)
     mutate(bad)
-    with pytest.raises(matrix.MatrixError) as err:
+    with pytest.raises(matrix.ConfigError) as err:
         matrix.load(write(tmp_path, bad))
     assert expected in str(err.value)
 
@@ -58,9 +58,9 @@ def test_mistakes_name_the_config_and_the_field(tmp_path, doc, mutate, expected)
 def test_selection_refuses_unknown_names_and_other_platforms(tmp_path, doc):
     doc["configs"][1]["platforms"] = ["cuda"]
     m = matrix.load(write(tmp_path, doc))
-    with pytest.raises(matrix.MatrixError, match="unknown config 'nope'"):
+    with pytest.raises(matrix.ConfigError, match="unknown config 'nope'"):
         matrix.select(m, ["baseline", "nope"], "cpu")
-    with pytest.raises(matrix.MatrixError, match=r"config 'apc': field 'platforms': runs on \['cuda'\], not on this platform \(cpu\)"):
+    with pytest.raises(matrix.ConfigError, match=r"config 'apc': field 'platforms': runs on \['cuda'\], not on this platform \(cpu\)"):
         matrix.select(m, ["baseline", "apc"], "cpu")
     assert [c.name for c in matrix.select(m, ["apc"], "cuda")] == ["apc"]
 

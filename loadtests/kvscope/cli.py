@@ -31,7 +31,7 @@ def cmd_render(args) -> int:
     chosen = matrix_mod.select(m, _names(args.configs), args.platform)
     model = Path(args.model).resolve()
     if not (model / "config.json").is_file():
-        raise matrix_mod.MatrixError(f"model folder {model} has no config.json: run `make model` first")
+        raise matrix_mod.ConfigError(f"model folder {model} has no config.json: run `make model` first")
     store_root = Path(args.run_dir).resolve() / "stores"
     rendered = [render(m, c, args.platform, model, store_root, args.host) for c in chosen]
     out = Path(args.out)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except matrix_mod.MatrixError as exc:
+    except matrix_mod.ConfigError as exc:
         print(f"kvscope: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
 

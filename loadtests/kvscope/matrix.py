@@ -19,8 +19,8 @@ FlagValue = bool | int | float | str
 RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config"}
 
 
-class MatrixError(ValueError):
-    """A matrix or a selection that must not be deployed; the message names the config and the field."""
+class ConfigError(ValueError):
+    """Input that must not be run (matrix, selection, scenario); the message names the item and the field."""
 
 
 class Strict(BaseModel):
@@ -88,7 +88,7 @@ class Matrix(Strict):
         for cfg in self.configs:
             if cfg.name == name:
                 return cfg
-        raise MatrixError(f"unknown config '{name}'; the matrix has: {', '.join(c.name for c in self.configs)}")
+        raise ConfigError(f"unknown config '{name}'; the matrix has: {', '.join(c.name for c in self.configs)}")
 
     def golden(self) -> StorageConfig:
         return next(c for c in self.configs if c.role == "golden")
@@ -117,12 +117,12 @@ def load(path: Path) -> Matrix:
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise MatrixError(f"{path}: cannot read the matrix: {exc}") from exc
+        raise ConfigError(f"{path}: cannot read the matrix: {exc}") from exc
     if not isinstance(raw, dict):
-        raise MatrixError(f"{path}: the matrix must be a mapping with 'platforms' and 'configs'")
+        raise ConfigError(f"{path}: the matrix must be a mapping with 'platforms' and 'configs'")
     raw_configs = raw.get("configs")
     if not isinstance(raw_configs, list) or not raw_configs:
-        raise MatrixError(f"{path}: field 'configs' must be a non-empty list")
+        raise ConfigError(f"{path}: field 'configs' must be a non-empty list")
 
     errors, configs = [], []
     for index, item in enumerate(raw_configs):
@@ -140,9 +140,9 @@ def load(path: Path) -> Matrix:
         errors.append(f"{path}: field '{key}': unknown key")
     errors.extend(_cross_config_errors(configs))
     if errors:
-        raise MatrixError("\n".join(errors))
+        raise ConfigError("\n".join(errors))
     if sum(c.role == "golden" for c in matrix.configs) != 1:
-        raise MatrixError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
+        raise ConfigError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
     return matrix
 
 
@@ -162,16 +162,16 @@ def _cross_config_errors(configs: list[StorageConfig]) -> list[str]:
 def select(matrix: Matrix, names: list[str], platform: Platform) -> list[StorageConfig]:
     """The configs to deploy, in the order asked; refuses unknown names and configs for another platform."""
     if not names:
-        raise MatrixError("no configs selected")
+        raise ConfigError("no configs selected")
     chosen = [matrix.get(n) for n in names]
     wrong = [c for c in chosen if platform not in c.platforms]
     if wrong:
-        raise MatrixError(
+        raise ConfigError(
             "\n".join(
                 f"config '{c.name}': field 'platforms': runs on {c.platforms}, not on this platform ({platform})"
                 for c in wrong
             )
         )
     if platform not in matrix.platforms:
-        raise MatrixError(f"field 'platforms': no server defaults for platform '{platform}'")
+        raise ConfigError(f"field 'platforms': no server defaults for platform '{platform}'")
     return chosen

@@ -1,0 +1,166 @@
+"""kvscope's Locust user: takes the next workload session, streams each request, emits one record each.
+
+The user stays thin: `records.parse_stream` defines every measurement. Records leave through Locust's own
+channels: a local run appends them to --kvscope-records as they finish; a worker sends them to the master
+with each `report_to_master`, and the master writes one merged file.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import gevent
+import numpy as np
+from gevent.queue import Empty, Queue
+from locust import FastHttpUser, constant, events, task
+from locust.runners import MasterRunner, WorkerRunner
+
+from . import records
+from .workload import Request, read_jsonl, sessions
+
+
+@events.init_command_line_parser.add_listener
+def _add_options(parser):
+    parser.add_argument("--kvscope-workload", default="", help="workload JSONL to replay")
+    parser.add_argument("--kvscope-records", default="", help="JSONL file the records are appended to")
+    parser.add_argument("--kvscope-config", default="", help="storage config under test (for the records)")
+    parser.add_argument("--kvscope-block-size", type=int, default=128, help="server KV block size in tokens")
+    parser.add_argument("--kvscope-workers", type=int, default=1, help="worker processes sharing the workload")
+    parser.add_argument("--kvscope-rate", type=float, default=0.0, help="sessions/s (open loop); 0 = closed loop")
+    parser.add_argument("--kvscope-arrivals", choices=["constant", "poisson"], default="poisson")
+    parser.add_argument("--kvscope-seed", type=int, default=0, help="seed of the Poisson arrivals")
+
+
+class _Feed:
+    """This process's share of the sessions, released at once (closed loop) or by a pacer (open loop)."""
+
+    def __init__(self):
+        self.queue: Queue = Queue()
+        self.remaining = 0
+        self.pacing = False
+        self.buffer: list[dict] = []
+
+    def start(self, environment) -> None:
+        opts = environment.parsed_options
+        index = environment.runner.worker_index if isinstance(environment.runner, WorkerRunner) else 0
+        mine = sessions(read_jsonl(opts.kvscope_workload))[index::max(1, opts.kvscope_workers)]
+        self.remaining = len(mine)
+        if opts.kvscope_rate <= 0:
+            for s in mine:
+                self.queue.put(s)
+        else:
+            self.pacing = True
+            gevent.spawn(self._pace, mine, opts.kvscope_rate, opts.kvscope_arrivals, opts.kvscope_seed + index)
+        if not mine:
+            gevent.spawn_later(0.1, environment.runner.quit)
+
+    def _pace(self, mine, rate, arrivals, seed) -> None:
+        rng = np.random.default_rng(seed)
+        for s in mine:
+            self.queue.put(s)
+            gevent.sleep(rng.exponential(1 / rate) if arrivals == "poisson" else 1 / rate)
+        self.pacing = False
+
+    def next(self) -> list[Request] | None:
+        while True:
+            try:
+                return self.queue.get(timeout=0.2)
+            except Empty:
+                if not self.pacing:
+                    return None
+
+    def done_one(self, environment) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            gevent.spawn_later(0.1, environment.runner.quit)
+
+
+FEED = _Feed()
+
+
+@events.test_start.add_listener
+def _on_start(environment, **_kw):
+    if not isinstance(environment.runner, MasterRunner):
+        FEED.start(environment)
+
+
+@events.report_to_master.add_listener
+def _send_records(client_id, data):
+    data["kvscope_records"], FEED.buffer = FEED.buffer, []
+
+
+@events.init.add_listener
+def _on_init(environment, **_kw):
+    if isinstance(environment.runner, MasterRunner):
+        path = environment.parsed_options.kvscope_records
+
+        @environment.events.worker_report.add_listener
+        def _merge_records(client_id, data):
+            if data.get("kvscope_records"):
+                records.write(data["kvscope_records"], path)
+
+
+class KVScopeUser(FastHttpUser):
+    """Replays kvscope workload sessions against one server, streaming every request."""
+
+    wait_time = constant(0)
+    network_timeout = 300.0
+    connection_timeout = 10.0
+    max_retries = 0
+
+    @task
+    def run_session(self) -> None:
+        session = FEED.next()
+        if session is None:
+            self.stop()
+            return
+        history: list[dict] = []
+        for req in session:
+            rec = self._send(req, history)
+            if req.endpoint == "chat":
+                history += (req.messages or []) + [{"role": "assistant", "content": rec.output_text}]
+        FEED.done_one(self.environment)
+
+    def _send(self, req: Request, history: list[dict]) -> records.Record:
+        opts = self.environment.parsed_options
+        runner = self.environment.runner
+        worker = runner.worker_index if isinstance(runner, WorkerRunner) else 0
+        path, body = records.request_body(req, history)
+        rec = records.new_record(req, opts.kvscope_config, time.time(), worker)
+        t0 = time.perf_counter()
+        try:
+            with self.client.post(path, json=body, stream=True, catch_response=True, name=req.scenario) as resp:
+                rec.http_status = resp.status_code or None
+                if resp.status_code != 200:
+                    rec.error = f"HTTP {resp.status_code}: {(getattr(resp, 'error', None) or resp.text or '')!s:.200}"
+                else:
+                    # NOTE: geventhttpclient's read(n) waits for n bytes; readline returns each SSE line as it
+                    # arrives, which is what TTFT needs. FastResponse exposes no public line reader.
+                    records.parse_stream(_lines(resp._response), t0, rec, opts.kvscope_block_size)
+                if rec.e2e_s is not None:
+                    resp.request_meta["response_time"] = rec.e2e_s * 1000
+                resp.success() if rec.error is None else resp.failure(rec.error)
+        except Exception as exc:  # a fault mid-request is a failed record, never a lost run
+            rec.error = rec.error or f"{type(exc).__name__}: {exc}"
+        rec.ok = rec.error is None
+        if rec.ttft_s is not None:
+            self.environment.events.request.fire(
+                request_type="TTFT", name=req.scenario, response_time=rec.ttft_s * 1000, response_length=0,
+                exception=None, context={"request_id": req.request_id, "cached_tokens": rec.cached_tokens})
+        self._emit(rec)
+        return rec
+
+    def _emit(self, rec: records.Record) -> None:
+        if isinstance(self.environment.runner, WorkerRunner):
+            FEED.buffer.append(asdict(rec))
+        else:
+            records.write([rec], self.environment.parsed_options.kvscope_records)
+
+
+def _lines(raw):
+    while True:
+        line = raw.readline(b"\n")
+        if not line:
+            return
+        yield time.perf_counter(), line

@@ -1,0 +1,173 @@
+"""One record per request, and the single place that turns a streamed OpenAI response into one.
+
+No Locust here: `parse_stream` takes (arrival time, line) pairs, so tests feed it recorded SSE bytes.
+Units are in the field names; None means "not reported", never 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from .workload import Request
+
+
+@dataclass
+class Record:
+    config: str
+    scenario: str
+    phase: str
+    request_id: str
+    session_id: str
+    turn: int
+    endpoint: str
+    start_unix_s: float
+    ok: bool = False
+    error: str | None = None
+    http_status: int | None = None
+    ttft_s: float | None = None  # to the first chunk that carries a generated token
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between token-bearing chunks
+    prompt_tokens: int | None = None  # server counts, from the usage chunk
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    output_text: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[list[list]] = field(default_factory=list)  # per position: [[token, logprob], ...] best first
+    prompt_sha: str | None = None  # sha256 of the prompt token ids: the exact input the server saw
+    prompt_block_hashes: list[str] = field(default_factory=list)  # chained, one per full block
+    needle: str | None = None
+    worker: int = 0
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
+    """Chained per-block hashes of full blocks, like vLLM's prefix-cache keys (not byte-equal to them)."""
+    out, prev = [], b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = ",".join(map(str, token_ids[start:start + block_size])).encode()
+        prev = hashlib.sha256(prev + b"|" + block).digest()
+        out.append(prev[:8].hex())
+    return out
+
+
+def _set_prompt(rec: Record, ids: list[int], block_size: int) -> None:
+    rec.prompt_sha = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+    rec.prompt_block_hashes = block_hashes(ids, block_size)
+
+
+def _top(entry: dict | None, endpoint: str) -> list[list]:
+    """Alternatives at one position, best first, from a chat or a completions logprobs entry."""
+    if not entry:
+        return []
+    if endpoint == "chat":
+        return [[alt["token"], alt["logprob"]] for alt in entry.get("top_logprobs", [])]
+    return sorted(([tok, lp] for tok, lp in entry.items()), key=lambda x: -x[1])
+
+
+def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Record, block_size: int) -> Record:
+    """Fill `rec` from an SSE stream of (perf_counter time, raw line) pairs.
+
+    TTFT is the time to the first chunk that carries a generated token: non-empty `content`/`text`, or,
+    for a token that decodes to no text yet (a partial UTF-8 byte), non-empty `token_ids`. vLLM's first
+    chat chunk carries only the role, so "first chunk" would under-report TTFT.
+    """
+    last_token_t, done = None, False
+    for t, raw in lines:
+        line = raw.strip()
+        if not line or line.startswith(b":"):
+            continue
+        if not line.startswith(b"data:"):
+            rec.error = f"malformed SSE line: {line[:80]!r}"
+            break
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            done = True
+            rec.e2e_s = t - t_start
+            break
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError:
+            rec.error = f"malformed SSE JSON: {payload[:80]!r}"
+            break
+        if "error" in chunk:
+            rec.error = f"server error in stream: {json.dumps(chunk['error'])[:200]}"
+            break
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.completion_tokens = usage.get("completion_tokens")
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        for choice in chunk.get("choices") or []:
+            if choice.get("prompt_token_ids"):  # completions put them on the choice
+                _set_prompt(rec, choice["prompt_token_ids"], block_size)
+            text = (choice.get("delta") or {}).get("content") if rec.endpoint == "chat" else choice.get("text")
+            ids = choice.get("token_ids") or []
+            if text or ids:
+                if last_token_t is None:
+                    rec.ttft_s = t - t_start
+                else:
+                    rec.itl_s.append(t - last_token_t)
+                last_token_t = t
+            rec.output_text += text or ""
+            rec.output_token_ids += ids
+            lp = choice.get("logprobs")
+            if lp:
+                if rec.endpoint == "chat":
+                    rec.top_logprobs += [_top(e, "chat") for e in lp.get("content") or []]
+                else:
+                    rec.top_logprobs += [_top(e, "completions") for e in lp.get("top_logprobs") or []]
+            if choice.get("finish_reason"):
+                rec.finish_reason = choice["finish_reason"]
+        if chunk.get("prompt_token_ids"):  # chat puts them on the chunk
+            _set_prompt(rec, chunk["prompt_token_ids"], block_size)
+    if rec.error is None and not done:
+        rec.error = "truncated stream: ended without [DONE]"
+    if rec.error is None and rec.ttft_s is None:
+        rec.error = "no token in stream"
+    rec.ok = rec.error is None
+    return rec
+
+
+def request_body(req: Request, history: list[dict], logprobs: int = 2) -> tuple[str, dict]:
+    """The HTTP path and JSON body of a workload request; `history` holds a session's earlier turns."""
+    body = {
+        "model": "tiny",
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    if req.endpoint == "chat":
+        body.update(messages=history + (req.messages or []), logprobs=True, top_logprobs=logprobs)
+        return "/v1/chat/completions", body
+    body.update(prompt=req.prompt, logprobs=logprobs)
+    return "/v1/completions", body
+
+
+def new_record(req: Request, config: str, start_unix_s: float, worker: int = 0) -> Record:
+    return Record(config=config, scenario=req.scenario, phase=req.phase, request_id=req.request_id,
+                  session_id=req.session_id, turn=req.turn, endpoint=req.endpoint, start_unix_s=start_unix_s,
+                  needle=req.needle, worker=worker)
+
+
+def write(records: Iterable[Record | dict], path: Path) -> None:
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(asdict(r) if isinstance(r, Record) else r, ensure_ascii=False) + "\n")
+
+
+def read(path: Path) -> list[Record]:
+    """All records of a JSONL file; a truncated or foreign line is an error naming the file and line."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                out.append(Record(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: truncated or not a kvscope record: {exc}") from exc
+    return out

@@ -1,0 +1,251 @@
+"""Workload generation: an offline document pool and the RAG, multi-turn and repeat-867 scenarios.
+
+Everything is deterministic from the scenario's seed and written as JSONL, so every storage config replays
+exactly the same requests. Document lengths are measured in tokens of the served model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import yaml
+from pydantic import Field, ValidationError
+
+from .matrix import ConfigError, Strict
+
+SEED_SYSTEM = "你是一个简洁、专业的中文助手"
+SEED_USER = (
+    "你好Passage 1: 人工智能是计算机科学的一个分支。Passage 2: 机器学习是人工智能的核心技术。"
+    "Passage 3: 深度学习是机器学习的一个分支。\n\nQuestion: 什么是人工智能？\nAnswer:"
+)
+
+
+class Scenario(Strict):
+    """A named, parameterised workload profile (loadtests/scenarios.yaml)."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    kind: Literal["rag", "multiturn", "repeat"]
+    description: str = ""
+    endpoint: Literal["chat", "completions"] = "chat"
+    seed: int = 0
+    num_docs: int = Field(default=32, ge=1, description="document pool size (ignored with working_set)")
+    working_set: float | None = Field(
+        default=None, gt=0, description="size the pool to this multiple of the servers' KV capacity"
+    )
+    doc_tokens_median: int = Field(default=160, ge=16, description="lognormal median document length")
+    doc_tokens_sigma: float = Field(default=0.4, ge=0)
+    docs_per_query: int = Field(default=3, ge=1, description="k documents per query")
+    zipf_s: float = Field(default=1.0, ge=0, description="Zipf exponent of document popularity")
+    order: Literal["canonical", "relevance"] = Field(
+        default="canonical", description="canonical: sorted ids (prefix-friendly); relevance: shuffled"
+    )
+    num_queries: int = Field(default=24, ge=1, description="queries, or sessions for multiturn")
+    turns: int = Field(default=3, ge=1, description="turns per multiturn session")
+    tenants: int = Field(default=1, ge=1, description="distinct shared system prompts")
+    system_prompt_tokens: int = Field(default=96, ge=0)
+    repeats: int = Field(default=2, ge=1, description="repeat: how often the seed request is sent in a row")
+    max_tokens: int = Field(default=16, ge=1)
+    prime: Literal["none", "replay"] = Field(default="none", description="replay: send every request once first")
+
+
+@dataclass
+class Document:
+    doc_id: int
+    text: str
+    tokens: int
+    needle: str
+
+
+@dataclass
+class Request:
+    """One request of a workload; a session's requests run in order on one user."""
+
+    request_id: str
+    scenario: str
+    phase: Literal["prime", "measure"]
+    session_id: str
+    turn: int
+    endpoint: Literal["chat", "completions"]
+    max_tokens: int
+    messages: list[dict] | None = None  # chat: this turn's new messages (earlier turns are added at run time)
+    prompt: str | None = None  # completions
+    doc_ids: list[int] = field(default_factory=list)
+    needle: str | None = None  # the string a correct answer contains
+
+
+def load_scenarios(path: Path) -> dict[str, Scenario]:
+    raw = yaml.safe_load(Path(path).read_text())
+    out = {}
+    for item in raw.get("scenarios", []):
+        try:
+            sc = Scenario.model_validate(item)
+        except ValidationError as exc:
+            fields = "; ".join(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"scenario '{item.get('name', '?')}': {fields}") from exc
+        out[sc.name] = sc
+    return out
+
+
+def _paragraphs() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+
+    out = []
+    for topic in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[topic]):
+            para = " ".join(para.split())
+            if len(para) > 40:
+                out.append((topic, para))
+    return out
+
+
+def _code(rng: np.random.Generator) -> str:
+    letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
+    return "".join(letters[i] for i in rng.integers(0, len(letters), 2)) + "".join(
+        str(d) for d in rng.integers(0, 10, 4)
+    )
+
+
+def build_pool(sc: Scenario, num_docs: int, tokenizer) -> list[Document]:
+    """Documents with unique headers (none is a prefix of another) and one planted needle fact each."""
+    rng = np.random.default_rng([sc.seed, 1])
+    paras = _paragraphs()
+    docs = []
+    for doc_id in range(num_docs):
+        target = int(np.clip(rng.lognormal(math.log(sc.doc_tokens_median), sc.doc_tokens_sigma),
+                             sc.doc_tokens_median // 4, sc.doc_tokens_median * 4))
+        start = int(rng.integers(0, len(paras)))
+        topic = paras[start][0]
+        code = _code(rng)
+        needle = f"The audit code for doc {doc_id:04d} is {code}."
+        body, i = [], start
+        while len(tokenizer.encode(" ".join(body)).ids) < target:
+            body.append(paras[i % len(paras)][1])
+            i += 1
+        words = " ".join(body).split()
+        # trim to the target length in tokens, then plant the needle at a seeded position
+        lo, hi = 1, len(words)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if len(tokenizer.encode(" ".join(words[:mid])).ids) <= target else (lo, mid - 1)
+        words = words[:lo]
+        at = int(rng.integers(0, len(words) + 1))
+        text = f"[doc {doc_id:04d} | {topic}]\n" + " ".join(words[:at] + [needle] + words[at:])
+        docs.append(Document(doc_id, text, len(tokenizer.encode(text).ids), code))
+    return docs
+
+
+def system_prompts(sc: Scenario, tokenizer) -> list[str]:
+    paras = [p for _, p in _paragraphs()]
+    out = []
+    for tenant in range(sc.tenants):
+        text = f"You are the assistant of tenant {tenant}. Answer from the documents only."
+        i = tenant * 7
+        while len(tokenizer.encode(text).ids) < sc.system_prompt_tokens:
+            text += " " + paras[i % len(paras)]
+            i += 1
+        words = text.split()
+        while len(tokenizer.encode(" ".join(words)).ids) > sc.system_prompt_tokens and len(words) > 12:
+            words.pop()
+        out.append(" ".join(words))
+    return out
+
+
+def zipf_weights(n: int, s: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1) ** s
+    return w / w.sum()
+
+
+def _question(doc: Document) -> str:
+    return f"Question: What is the audit code for doc {doc.doc_id:04d}?\nAnswer:"
+
+
+def _rag_request(sc, rid, session, turn, system, docs, target) -> Request:
+    context = "\n\n".join(d.text for d in docs)
+    question = _question(target)
+    if sc.endpoint == "chat":
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"{context}\n\n{question}"}]
+        return Request(rid, sc.name, "measure", session, turn, "chat", sc.max_tokens, messages=messages,
+                       doc_ids=[d.doc_id for d in docs], needle=target.needle)
+    return Request(rid, sc.name, "measure", session, turn, "completions", sc.max_tokens,
+                   prompt=f"{system}\n\n{context}\n\n{question}", doc_ids=[d.doc_id for d in docs],
+                   needle=target.needle)
+
+
+def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None) -> list[Request]:
+    """The scenario's requests, in session order; the same seed gives the same requests."""
+    if sc.kind == "repeat":
+        return _repeat(sc)
+    num_docs = sc.num_docs
+    if sc.working_set is not None:
+        if not kv_capacity_tokens:
+            raise ConfigError(f"scenario '{sc.name}': field 'working_set' needs the servers' KV capacity")
+        num_docs = max(sc.docs_per_query, math.ceil(sc.working_set * kv_capacity_tokens / sc.doc_tokens_median))
+    if sc.docs_per_query > num_docs:
+        raise ConfigError(f"scenario '{sc.name}': field 'docs_per_query' exceeds the pool of {num_docs} documents")
+    pool = build_pool(sc, num_docs, tokenizer)
+    systems = system_prompts(sc, tokenizer)
+    rng = np.random.default_rng([sc.seed, 2])
+    popularity = rng.permutation(num_docs)  # popularity rank -> doc id
+    weights = zipf_weights(num_docs, sc.zipf_s)
+    requests: list[Request] = []
+    for q in range(sc.num_queries):
+        picked = [int(popularity[r]) for r in rng.choice(num_docs, sc.docs_per_query, replace=False, p=weights)]
+        docs = [pool[i] for i in (sorted(picked) if sc.order == "canonical" else rng.permutation(picked))]
+        system = systems[int(rng.integers(0, len(systems)))]
+        session = f"{sc.name}-{q:04d}"
+        target = docs[int(rng.integers(0, len(docs)))]
+        requests.append(_rag_request(sc, f"{session}-t0", session, 0, system, docs, target))
+        if sc.kind == "multiturn":
+            for turn in range(1, sc.turns):
+                follow = pool[int(popularity[rng.choice(num_docs, p=weights)])]
+                requests.append(Request(
+                    f"{session}-t{turn}", sc.name, "measure", session, turn, "chat", sc.max_tokens,
+                    messages=[{"role": "user", "content": f"{follow.text}\n\n{_question(follow)}"}],
+                    doc_ids=[follow.doc_id], needle=follow.needle))
+    if sc.prime == "replay":
+        requests = [Request(**{**asdict(r), "request_id": "prime-" + r.request_id, "phase": "prime",
+                               "session_id": "prime-" + r.session_id}) for r in requests] + requests
+    return requests
+
+
+def _repeat(sc: Scenario) -> list[Request]:
+    """The upstream bug's scenario: the same greedy chat request sent `repeats` times in a row."""
+    messages = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_USER}]
+    return [
+        Request(f"{sc.name}-r{i}", sc.name, "measure", sc.name, i, sc.endpoint, sc.max_tokens,
+                messages=messages if sc.endpoint == "chat" else None,
+                prompt=None if sc.endpoint == "chat" else f"{SEED_SYSTEM}\n{SEED_USER}")
+        for i in range(sc.repeats)
+    ]
+
+
+def write_jsonl(requests: list[Request], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps(asdict(r), ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: Path) -> list[Request]:
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                out.append(Request(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError) as exc:
+                raise ConfigError(f"{path}:{n}: not a kvscope workload request: {exc}") from exc
+    return out
+
+
+def sessions(requests: list[Request]) -> list[list[Request]]:
+    """Group requests into sessions, keeping first-appearance order; prime sessions come first."""
+    grouped: dict[str, list[Request]] = {}
+    for r in requests:
+        grouped.setdefault(r.session_id, []).append(r)
+    return list(grouped.values())

@@ -1,0 +1,101 @@
+"""The workload generator: deterministic, Zipf-skewed, ordered as asked, sized in model tokens."""
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from kvscope.matrix import ConfigError
+from kvscope.workload import (Scenario, build_pool, generate, load_scenarios, read_jsonl, sessions, write_jsonl,
+                              zipf_weights)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load_scenarios(REPO / "loadtests" / "scenarios.yaml")
+
+
+def test_shipped_scenarios_include_the_four_defaults(shipped):
+    assert {"rag-zipf", "rag-relevance", "multiturn", "repeat-867"} <= set(shipped)
+
+
+def test_same_seed_same_requests_other_seed_other_requests(tok, shipped, tmp_path):
+    sc = shipped["rag-zipf"]
+    a, b = generate(sc, tok), generate(sc, tok)
+    write_jsonl(a, tmp_path / "a.jsonl")
+    write_jsonl(b, tmp_path / "b.jsonl")
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert read_jsonl(tmp_path / "a.jsonl") == a
+    c = generate(sc.model_copy(update={"seed": 7}), tok)
+    assert [r.doc_ids for r in c] != [r.doc_ids for r in a]
+
+
+def test_documents_have_unique_headers_needles_and_measured_lengths(tok):
+    sc = Scenario(name="t", kind="rag", num_docs=20, doc_tokens_median=120, doc_tokens_sigma=0.5)
+    pool = build_pool(sc, 20, tok)
+    for d in pool:
+        assert d.text.startswith(f"[doc {d.doc_id:04d} |")
+        assert f"The audit code for doc {d.doc_id:04d} is {d.needle}." in d.text
+        assert d.tokens == len(tok.encode(d.text).ids)
+        assert 30 <= d.tokens <= 480 + 40
+    texts = [d.text for d in pool]
+    assert not any(a != b and b.startswith(a) for a in texts for b in texts)
+    lengths = sorted(d.tokens for d in pool)
+    assert lengths[0] < lengths[-1]  # drawn, not constant
+
+
+def test_zipf_popularity_is_skewed(tok):
+    sc = Scenario(name="z", kind="rag", num_docs=30, doc_tokens_median=40, docs_per_query=1, zipf_s=1.2,
+                  num_queries=400, system_prompt_tokens=0)
+    counts = Counter(r.doc_ids[0] for r in generate(sc, tok))
+    top = counts.most_common()
+    assert top[0][1] > 5 * top[-1][1]
+    w = zipf_weights(30, 1.2)
+    assert abs(top[0][1] / 400 - w[0]) < 0.08
+
+
+def test_canonical_order_is_sorted_relevance_order_is_not(tok, shipped):
+    canon = generate(shipped["rag-zipf"], tok)
+    assert all(r.doc_ids == sorted(r.doc_ids) for r in canon)
+    rel = generate(shipped["rag-relevance"], tok)
+    assert any(r.doc_ids != sorted(r.doc_ids) for r in rel)
+    assert all(len(set(r.doc_ids)) == len(r.doc_ids) == 3 for r in rel)  # without replacement
+
+
+def test_multiturn_sessions_and_the_repeat_scenario(tok, shipped):
+    mt = generate(shipped["multiturn"], tok)
+    grouped = sessions(mt)
+    assert len(grouped) == 6 and all([r.turn for r in s] == [0, 1, 2] for s in grouped)
+    assert [m["role"] for m in grouped[0][1].messages] == ["user"]
+    rep = generate(shipped["repeat-867"], tok)
+    assert len(rep) == 2 and rep[0].messages == rep[1].messages and rep[0].session_id == rep[1].session_id
+    assert "人工智能" in rep[0].messages[1]["content"]
+
+
+def test_working_set_sizes_the_pool_against_kv_capacity(tok):
+    sc = Scenario(name="w", kind="rag", working_set=2.0, doc_tokens_median=100, num_queries=2)
+    reqs = generate(sc, tok, kv_capacity_tokens=1000)
+    assert max(max(r.doc_ids) for r in reqs) < 20
+    with pytest.raises(ConfigError, match="working_set"):
+        generate(sc, tok, kv_capacity_tokens=None)
+
+
+def test_prime_replay_sends_everything_once_first(tok):
+    sc = Scenario(name="p", kind="rag", num_docs=5, doc_tokens_median=40, num_queries=3, prime="replay")
+    reqs = generate(sc, tok)
+    assert [r.phase for r in reqs] == ["prime"] * 3 + ["measure"] * 3
+    assert reqs[0].messages == reqs[3].messages
+
+
+def test_bad_scenario_names_the_field(tmp_path):
+    (tmp_path / "s.yaml").write_text("scenarios:\n  - name: x\n    kind: rag\n    zipf: 1\n")
+    with pytest.raises(ConfigError, match="scenario 'x': field 'zipf'"):
+        load_scenarios(tmp_path / "s.yaml")
