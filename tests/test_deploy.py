@@ -26,12 +26,18 @@ def complete(port: int, prompt: str, max_tokens: int = 12) -> dict:
         return json.loads(resp.read())
 
 
-def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment):
+def kv_tokens_expected(model_dir) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4  # K and V, fp32
+    return 67108864 // per_token  # the matrix's --kv-cache-memory-bytes
+
+
+def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment, model_dir):
     deployed = servers_of(deployment)
     assert set(deployed) == {"baseline", "apc", "example-fs"}
     for name, srv in deployed.items():
         assert srv["vllm_version"] == "0.32.0"
-        assert srv["kv_capacity_tokens"] == 32768
+        assert srv["kv_capacity_tokens"] == kv_tokens_expected(model_dir)
         assert len(srv["model_hash"]) == 64
         assert servers.alive(srv["pid"])
         models = json.loads(get(f"http://127.0.0.1:{srv['port']}/v1/models"))

@@ -75,8 +75,10 @@ def test_multiturn_sessions_and_the_repeat_scenario(tok, shipped):
     grouped = sessions(mt)
     assert len(grouped) == 6 and all([r.turn for r in s] == [0, 1, 2] for s in grouped)
     assert [m["role"] for m in grouped[0][1].messages] == ["user"]
+    assert [r.with_history for r in grouped[0]] == [False, True, True]
     rep = generate(shipped["repeat-867"], tok)
     assert len(rep) == 2 and rep[0].messages == rep[1].messages and rep[0].session_id == rep[1].session_id
+    assert not any(r.with_history for r in rep)  # identical requests, sent in a row
     assert "人工智能" in rep[0].messages[1]["content"]
 
 

@@ -84,6 +84,31 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    folder = bench.run(Path(args.deployment), Path(args.results), Path(args.scenarios), _names(args.configs),
+                       _names(args.scenarios_list), users=args.users, processes=args.processes, rate=args.rate,
+                       timeout_s=args.timeout_s, command=" ".join(sys.argv), run_id=args.run_id)
+    print(f"records written to {folder}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from . import report
+
+    code = report.write(Path(args.run))
+    print(f"report: {Path(args.run) / 'report.md'}" + ("" if code == 0 else "  (fidelity gate: FAIL)"))
+    return code
+
+
+def cmd_compare(args) -> int:
+    from . import report
+
+    print(report.compare([Path(r) for r in _names(args.runs)], Path(args.out) if args.out else None))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvscope", description=__doc__)
     p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, help="storage-config matrix YAML")
@@ -127,6 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.set_defaults(func=cmd_manifest)
 
+    s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")
+    s.add_argument("--deployment", default="runs/local/deployment.json")
+    s.add_argument("--results", default="results")
+    s.add_argument("--scenarios-file", dest="scenarios", default=str(DEFAULT_MATRIX.parent / "scenarios.yaml"))
+    s.add_argument("--configs", default="", help="comma-separated; default every deployed config")
+    s.add_argument("--scenarios", dest="scenarios_list", default="rag-zipf,rag-relevance,multiturn,repeat-867")
+    s.add_argument("--users", type=int, default=2, help="concurrent Locust users (closed loop)")
+    s.add_argument("--processes", type=int, default=1, help="Locust worker processes (distributed mode)")
+    s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
+    s.add_argument("--timeout-s", type=float, default=1800)
+    s.add_argument("--run-id", default=None)
+    s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed)")
+    s.add_argument("run")
+    s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("compare", help="put runs side by side (they must share a workload)")
+    s.add_argument("runs", help="comma-separated run folders")
+    s.add_argument("--out", default=None)
+    s.set_defaults(func=cmd_compare)
+
     s = sub.add_parser("status", help="list the servers of a run folder and whether they run")
     s.add_argument("--run-dir", required=True)
     s.set_defaults(func=cmd_status)
@@ -139,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except matrix_mod.ConfigError as exc:
         print(f"kvscope: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # report.RunError and unreadable records name their file
+        print(f"kvscope: {exc}", file=sys.stderr)
         return 2
 
 

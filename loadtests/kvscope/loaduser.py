@@ -112,12 +112,12 @@ class KVScopeUser(FastHttpUser):
     @task
     def run_session(self) -> None:
         session = FEED.next()
-        if session is None:
-            self.stop()
+        if session is None:  # nothing left for this user: idle until the last session ends the run
+            gevent.sleep(0.5)
             return
         history: list[dict] = []
         for req in session:
-            rec = self._send(req, history)
+            rec = self._send(req, history if req.with_history else [])
             if req.endpoint == "chat":
                 history += (req.messages or []) + [{"role": "assistant", "content": rec.output_text}]
         FEED.done_one(self.environment)

@@ -77,6 +77,7 @@ class Request:
     prompt: str | None = None  # completions
     doc_ids: list[int] = field(default_factory=list)
     needle: str | None = None  # the string a correct answer contains
+    with_history: bool = False  # chat: prepend the session's earlier turns, with the answers actually given
 
 
 def load_scenarios(path: Path) -> dict[str, Scenario]:
@@ -207,7 +208,7 @@ def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None) -> 
                 requests.append(Request(
                     f"{session}-t{turn}", sc.name, "measure", session, turn, "chat", sc.max_tokens,
                     messages=[{"role": "user", "content": f"{follow.text}\n\n{_question(follow)}"}],
-                    doc_ids=[follow.doc_id], needle=follow.needle))
+                    doc_ids=[follow.doc_id], needle=follow.needle, with_history=True))
     if sc.prime == "replay":
         requests = [Request(**{**asdict(r), "request_id": "prime-" + r.request_id, "phase": "prime",
                                "session_id": "prime-" + r.session_id}) for r in requests] + requests

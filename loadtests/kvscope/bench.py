@@ -1,0 +1,171 @@
+"""`make bench`: every deployed config x every scenario, with the cache state controlled per treatment.
+
+Per treatment: reset every tier (POST /reset_prefix_cache?reset_external=true, and wipe the config's
+stores), then the optional prime phase, then the measure phase, with /metrics snapshots around each phase.
+The golden config runs first. Faults are recorded in status rows; finished records are never lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from . import metrics
+from .matrix import ConfigError
+from .workload import Request, generate, load_scenarios, sessions, write_jsonl
+
+LOCUSTFILE = Path(__file__).resolve().parent.parent / "locustfile.py"
+
+
+def _post(url: str, timeout: float = 60) -> int:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _snapshot(base: str) -> dict[str, float] | None:
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+            return metrics.parse(resp.read().decode())
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def reset(server: dict) -> dict:
+    """Empty every tier of one server: vLLM's prefix cache, the connector's cache, the config's stores."""
+    base = f"http://{server['host']}:{server['port']}"
+    try:
+        status = _post(f"{base}/reset_prefix_cache?reset_external=true")
+    except (urllib.error.URLError, OSError) as exc:
+        status = f"{type(exc).__name__}"
+    for path in server.get("stores", {}).values():
+        for child in Path(path).glob("*"):
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    return {"reset_prefix_cache_http": status, "stores_wiped": sorted(server.get("stores", {}))}
+
+
+def warm_up(server: dict) -> None:
+    """One throwaway request, so a fresh server's first-request start-up cost is not measured as cold TTFT."""
+    body = json.dumps({"model": "tiny", "prompt": "kvscope warm-up " * 40, "max_tokens": 4, "temperature": 0})
+    req = urllib.request.Request(f"http://{server['host']}:{server['port']}/v1/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=300).read()
+    except (urllib.error.URLError, OSError):
+        pass  # a dead server shows up as failed records, with reasons, in the treatment itself
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                  if line.startswith("MemTotal"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1), "arch": platform.machine(),
+            "os": platform.platform(), "python": platform.python_version(), "gpu": None}
+
+
+def run_locust(server: dict, workload: Path, records: Path, users: int, processes: int, rate: float,
+               timeout_s: float) -> dict:
+    """One headless Locust run of a workload file against one server; returns its status row."""
+    cmd = [str(Path(sys.executable).parent / "locust"), "-f", str(LOCUSTFILE), "--headless",
+           "-u", str(users), "-r", str(users), "--host", f"http://{server['host']}:{server['port']}",
+           "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING",
+           "--kvscope-workload", str(workload), "--kvscope-records", str(records),
+           "--kvscope-config", server["config"], "--kvscope-block-size", str(server.get("block_size") or 128),
+           "--kvscope-rate", str(rate)]
+    if processes > 1:
+        cmd += ["--processes", str(processes), "--kvscope-workers", str(processes)]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 120)
+    return {"locust_exit": proc.returncode, "seconds": round(time.monotonic() - started, 1),
+            "locust_stderr_tail": proc.stderr.strip().splitlines()[-5:] if proc.returncode not in (0, 1) else []}
+
+
+def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str, opts) -> dict:
+    base = f"http://{server['host']}:{server['port']}"
+    before = _snapshot(base)
+    row = run_locust(server, workload, folder / "records" / f"{stem}.jsonl", opts["users"], opts["processes"],
+                     opts["rate"], opts["timeout_s"])
+    after = _snapshot(base)
+    row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
+    row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
+    row["sessions"] = len(sessions(reqs))
+    row["requests"] = len(reqs)
+    return row
+
+
+def run(deployment: Path, results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
+        users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
+        command: str = "", run_id: str | None = None) -> Path:
+    servers = json.loads(Path(deployment).read_text())["servers"]
+    by_name = {s["config"]: s for s in servers}
+    missing = [c for c in configs if c not in by_name]
+    if missing:
+        raise ConfigError(f"config(s) {missing} are not deployed (deployed: {sorted(by_name)}); run `make deploy`")
+    chosen = [by_name[c] for c in configs] if configs else servers
+    golden = [s for s in chosen if s["role"] == "golden"]
+    if not golden:
+        raise ConfigError("no golden config (role 'golden', e.g. baseline) among the configs: fidelity needs it")
+    chosen = golden + [s for s in chosen if s["role"] != "golden"]
+    all_scenarios = load_scenarios(scenarios_file)
+    unknown = [n for n in scenario_names if n not in all_scenarios]
+    if unknown:
+        raise ConfigError(f"unknown scenario(s) {unknown}; known: {sorted(all_scenarios)}")
+    hashes = {s["model_hash"] for s in chosen}
+    if len(hashes) != 1:
+        raise ConfigError(f"deployed servers serve different models ({sorted(hashes)}); outputs are not comparable")
+
+    run_id = run_id or datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    folder = Path(results) / run_id
+    (folder / "records").mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(Path(chosen[0]["model_path"]) / "tokenizer.json"))
+    capacity = min(s["kv_capacity_tokens"] or 0 for s in chosen) or None
+    workloads = {n: generate(all_scenarios[n], tokenizer, capacity) for n in scenario_names}
+    phase_files = {}
+    for name, reqs in workloads.items():
+        for phase in ("prime", "measure"):
+            part = [r for r in reqs if r.phase == phase]
+            if part:
+                phase_files[name, phase] = (folder / "workloads" / f"{name}.{phase}.jsonl", part)
+                write_jsonl(part, phase_files[name, phase][0])
+    (folder / "run.json").write_text(json.dumps({
+        "run_id": run_id, "command": command, "machine": machine(), "servers": chosen,
+        "scenarios": {n: all_scenarios[n].model_dump() for n in scenario_names},
+        "load": {"users": users, "processes": processes, "rate_sessions_per_s": rate},
+        "kv_capacity_tokens_for_sizing": capacity,
+    }, indent=2, ensure_ascii=False) + "\n")
+
+    opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s}
+    status_path = folder / "status.jsonl"
+    total, step = len(chosen) * len(scenario_names), 0
+    for server in chosen:
+        warm_up(server)
+    for scenario in scenario_names:
+        for server in chosen:
+            step += 1
+            stem = f"{server['config']}__{scenario}"
+            print(f"[{step}/{total}] {server['config']} x {scenario}: reset", end="", flush=True)
+            row = {"config": server["config"], "scenario": scenario, "reset": reset(server), "phases": {}}
+            for phase in ("prime", "measure"):
+                if (scenario, phase) in phase_files:
+                    workload, part = phase_files[scenario, phase]
+                    print(f", {phase} {len(part)} requests", end="", flush=True)
+                    row["phases"][phase] = _phase(server, workload, part, folder, stem, opts)
+            print(f" ({sum(p['seconds'] for p in row['phases'].values()):.1f} s)", flush=True)
+            with open(status_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return folder
