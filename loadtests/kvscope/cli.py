@@ -91,7 +91,13 @@ def cmd_bench(args) -> int:
                        _names(args.scenarios_list), users=args.users, processes=args.processes, rate=args.rate,
                        timeout_s=args.timeout_s, command=" ".join(sys.argv), run_id=args.run_id)
     print(f"records written to {folder}")
-    return 0
+    if not args.report:
+        return 0
+    from . import report
+
+    code = report.write(folder)
+    print(f"report: {folder / 'report.md'}" + ("" if code == 0 else "  (fidelity gate: FAIL, see the verdicts)"))
+    return code
 
 
 def cmd_report(args) -> int:
@@ -163,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
     s.add_argument("--timeout-s", type=float, default=1800)
     s.add_argument("--run-id", default=None)
+    s.add_argument("--report", action="store_true", help="score and write the report when the run ends")
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed)")

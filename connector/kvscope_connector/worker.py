@@ -1,0 +1,117 @@
+"""Worker side: copy blocks between vLLM's paged KV cache and the tiers, verifying every load.
+
+Loads run in start_load_kv, before the forward; stores run in wait_for_save, after it, so a block is
+saved only once the step has computed it. A block that fails verification is a miss: its id goes back
+to vLLM through get_block_ids_with_load_errors() and vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .scheduler import KVScopeMetadata, LoadSpec
+from .store import Block, FsTier, RamTier, Stats, checksum, decode
+
+
+class WorkerSide:
+    def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None):
+        self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
+        self.layers: dict[str, torch.Tensor] = {}
+        self.like: Block = {}  # one block's tensors: the shape and dtype a stored block must have
+        self.stats = Stats()
+        self.load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layers = dict(sorted(kv_caches.items()))
+        self.like = {name: t[0] for name, t in self.layers.items()}
+
+    def block_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.like.values())
+
+    def extract(self, block_id: int) -> Block:
+        return {name: t[block_id].contiguous().cpu() for name, t in self.layers.items()}
+
+    def inject(self, block_id: int, block: Block) -> None:
+        for name, t in self.layers.items():
+            t[block_id].copy_(block[name])
+
+    def fetch(self, spec: LoadSpec) -> Block | None:
+        """The verified block for `spec`, or None (a miss, counted)."""
+        if self.ram is not None:
+            hit = self.ram.get(spec.key)
+            if hit is not None:
+                block, digest = hit
+                if checksum(block) == digest:
+                    self.stats.ram_hits += 1
+                    return block
+                self.stats.corrupt += 1
+                self.stats.warn_once("corrupt", "RAM block %s failed its checksum", spec.key)
+                self.ram.drop(spec.key)
+        if self.fs is None:
+            self.stats.misses += 1
+            return None
+        try:
+            data = self.fs.read(spec.key)
+        except OSError as exc:
+            self.stats.io_errors += 1
+            self.stats.warn_once("io", "cannot read block %s: %s", spec.key, exc)
+            return None
+        if data is None:
+            self.stats.misses += 1
+            return None
+        try:
+            block = decode(data, self.fp, spec.key, self.like)
+        except ValueError as exc:
+            self.stats.corrupt += 1
+            self.stats.warn_once("corrupt", "block %s rejected: %s", spec.key, exc)
+            self.fs.quarantine(spec.key)
+            return None
+        self.stats.fs_hits += 1
+        if spec.promote and self.ram is not None:
+            self.stats.evictions += self.ram.put(spec.key, block, checksum(block))
+        return block
+
+    def load(self, meta: KVScopeMetadata) -> None:
+        if meta.reset and self.ram is not None:
+            self.ram.clear()
+        started = time.perf_counter()
+        for spec in meta.loads:
+            block = self.fetch(spec)
+            if block is None:
+                self.load_errors.add(spec.block_id)
+                continue
+            self.inject(spec.block_id, self.transform(spec, block, meta))
+            self.stats.load_bytes += self.block_bytes()
+        self.stats.load_s += time.perf_counter() - started
+
+    def transform(self, spec: LoadSpec, block: Block, meta: KVScopeMetadata) -> Block:
+        """What is written into the KV cache for a verified block: the block itself (canaries override)."""
+        return block
+
+    def save(self, meta: KVScopeMetadata) -> None:
+        started = time.perf_counter()
+        for key in meta.ram_evict:
+            if self.ram is not None and key in self.ram.blocks:
+                self.ram.drop(key)
+                self.stats.evictions += 1
+        for spec in meta.stores:
+            block = self.extract(spec.block_id)
+            digest = checksum(block)
+            if spec.to_ram and self.ram is not None:
+                self.stats.evictions += self.ram.put(spec.key, block, digest)
+            if spec.to_fs and self.fs is not None:
+                try:
+                    self.stats.evictions += self.fs.write(spec.key, block, digest)
+                except OSError as exc:
+                    self.stats.save_errors += 1
+                    self.stats.warn_once("save", "cannot write block %s: %s", spec.key, exc)
+                    continue
+            self.stats.saves += 1
+            self.stats.save_bytes += self.block_bytes()
+        self.stats.save_s += time.perf_counter() - started
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
