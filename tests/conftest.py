@@ -35,11 +35,14 @@ def model_dir() -> Path:
     return MODEL
 
 
+SESSION_CONFIGS = "baseline,apc,example-fs,kvscope-fs,canary-shift,canary-perturb"
+
+
 @pytest.fixture(scope="session")
 def deployment(tmp_path_factory, model_dir):
-    """baseline + apc + example-fs, deployed once for the session by the real playbook, then torn down."""
+    """The session's servers, deployed once by the real playbook, then torn down."""
     run_dir = tmp_path_factory.mktemp("run")
-    result = ansible("deploy.yml", run_dir, "-e", "kvscope_configs=baseline,apc,example-fs")
+    result = ansible("deploy.yml", run_dir, "-e", f"kvscope_configs={SESSION_CONFIGS}")
     if result.returncode != 0:
         ansible("teardown.yml", run_dir)
         pytest.fail(f"deploy failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")

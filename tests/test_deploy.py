@@ -8,7 +8,7 @@ import urllib.request
 
 import yaml
 
-from conftest import REPO, ansible, servers_of
+from conftest import REPO, SESSION_CONFIGS, ansible, servers_of
 from kvscope import servers
 
 
@@ -34,7 +34,7 @@ def kv_tokens_expected(model_dir) -> int:
 
 def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment, model_dir):
     deployed = servers_of(deployment)
-    assert set(deployed) == {"baseline", "apc", "example-fs"}
+    assert set(deployed) == set(SESSION_CONFIGS.split(","))
     for name, srv in deployed.items():
         assert srv["vllm_version"] == "0.32.0"
         assert srv["kv_capacity_tokens"] == kv_tokens_expected(model_dir)
@@ -51,7 +51,8 @@ def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment, 
 def test_greedy_output_is_identical_across_configs_and_sensitive_to_one_early_token(deployment):
     deployed = servers_of(deployment)
     prefix = " ".join(f"word{i}" for i in range(60))
-    a = [complete(s["port"], "Alpha " + prefix, 16)["choices"][0]["token_ids"] for s in deployed.values()]
+    a = [complete(deployed[c]["port"], "Alpha " + prefix, 16)["choices"][0]["token_ids"]
+         for c in ("baseline", "apc", "example-fs")]
     b = complete(deployed["baseline"]["port"], "Omega " + prefix, 16)["choices"][0]["token_ids"]
     assert a[0] == a[1] == a[2]
     assert a[0] != b
@@ -59,7 +60,7 @@ def test_greedy_output_is_identical_across_configs_and_sensitive_to_one_early_to
 
 def test_redeploy_is_idempotent(deployment):
     before = {n: s["pid"] for n, s in servers_of(deployment).items()}
-    result = ansible("deploy.yml", deployment, "-e", "kvscope_configs=baseline,apc,example-fs")
+    result = ansible("deploy.yml", deployment, "-e", f"kvscope_configs={SESSION_CONFIGS}")
     assert result.returncode == 0, result.stdout[-3000:]
     assert "changed=0" in result.stdout
     assert {n: s["pid"] for n, s in servers_of(deployment).items()} == before

@@ -59,7 +59,7 @@ def reset(server: dict) -> dict:
 
 
 def warm_up(server: dict) -> None:
-    """One throwaway request, so a fresh server's first-request start-up cost is not measured as cold TTFT."""
+    """One throwaway request before the reset, so an idle server's slow first request is not measured."""
     body = json.dumps({"model": "tiny", "prompt": "kvscope warm-up " * 40, "max_tokens": 4, "temperature": 0})
     req = urllib.request.Request(f"http://{server['host']}:{server['port']}/v1/completions", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
@@ -152,13 +152,12 @@ def run(deployment: Path, results: Path, scenarios_file: Path, configs: list[str
     opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s}
     status_path = folder / "status.jsonl"
     total, step = len(chosen) * len(scenario_names), 0
-    for server in chosen:
-        warm_up(server)
     for scenario in scenario_names:
         for server in chosen:
             step += 1
             stem = f"{server['config']}__{scenario}"
-            print(f"[{step}/{total}] {server['config']} x {scenario}: reset", end="", flush=True)
+            print(f"[{step}/{total}] {server['config']} x {scenario}: warm-up, reset", end="", flush=True)
+            warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
             row = {"config": server["config"], "scenario": scenario, "reset": reset(server), "phases": {}}
             for phase in ("prime", "measure"):
                 if (scenario, phase) in phase_files:

@@ -2,7 +2,8 @@
 
 The user stays thin: `records.parse_stream` defines every measurement. Records leave through Locust's own
 channels: a local run appends them to --kvscope-records as they finish; a worker sends them to the master
-with each `report_to_master`, and the master writes one merged file.
+with each `report_to_master` and, when its share is done, in a `kvscope_done` message; the master writes
+one merged file and ends the run once every worker is done.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class _Feed:
             self.pacing = True
             gevent.spawn(self._pace, mine, opts.kvscope_rate, opts.kvscope_arrivals, opts.kvscope_seed + index)
         if not mine:
-            gevent.spawn_later(0.1, environment.runner.quit)
+            self.finish(environment)
 
     def _pace(self, mine, rate, arrivals, seed) -> None:
         rng = np.random.default_rng(seed)
@@ -73,7 +74,15 @@ class _Feed:
     def done_one(self, environment) -> None:
         self.remaining -= 1
         if self.remaining == 0:
-            gevent.spawn_later(0.1, environment.runner.quit)
+            self.finish(environment)
+
+    def finish(self, environment) -> None:
+        runner = environment.runner
+        if isinstance(runner, WorkerRunner):
+            records_left, self.buffer = self.buffer, []
+            runner.send_message("kvscope_done", {"records": records_left})
+        else:
+            gevent.spawn_later(0.1, runner.quit)
 
 
 FEED = _Feed()
@@ -92,13 +101,24 @@ def _send_records(client_id, data):
 
 @events.init.add_listener
 def _on_init(environment, **_kw):
-    if isinstance(environment.runner, MasterRunner):
-        path = environment.parsed_options.kvscope_records
+    runner = environment.runner
+    if not isinstance(runner, MasterRunner):
+        return
+    path = environment.parsed_options.kvscope_records
+    done: set[str] = set()
 
-        @environment.events.worker_report.add_listener
-        def _merge_records(client_id, data):
-            if data.get("kvscope_records"):
-                records.write(data["kvscope_records"], path)
+    @environment.events.worker_report.add_listener
+    def _merge_records(client_id, data):
+        if data.get("kvscope_records"):
+            records.write(data["kvscope_records"], path)
+
+    def _worker_done(environment, msg, **_kw):
+        records.write(msg.data["records"], path)
+        done.add(msg.node_id)
+        if len(done) >= environment.parsed_options.kvscope_workers:
+            gevent.spawn_later(0.1, runner.quit)
+
+    runner.register_message("kvscope_done", _worker_done)
 
 
 class KVScopeUser(FastHttpUser):

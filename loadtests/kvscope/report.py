@@ -278,7 +278,7 @@ def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
     v["verdict"] = [f"**{x}**" + ("" if ok else " (unexpected)") for x, ok in zip(v.verdict, v.as_expected)]
     lines += [_md_table(v.drop(columns=["as_expected"])), ""]
     for row in verdicts.itertuples():
-        speed = (f"TTFT {row.speedup_hits_median}x faster than golden on its cache hits"
+        speed = (f"speed-up {row.speedup_hits_median}x on its cache hits (golden TTFT p50 / its TTFT p50)"
                  if pd.notna(row.speedup_hits_median) and row.hit_requests else "no cache hits")
         tag = " (fault-injection canary: FAIL is the expected result)" if row.role == "canary" else ""
         lines.append(f"- `{row.config}`: fidelity **{row.verdict}**, {row.fail_requests} FAIL of {row.scored} "

@@ -1,0 +1,118 @@
+"""A real short bench through Locust against real servers: records, counters, fidelity, faults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from conftest import REPO
+from kvscope.records import read
+
+SMALL = """scenarios:
+  - name: rag-small
+    kind: rag
+    num_docs: 8
+    doc_tokens_median: 120
+    docs_per_query: 2
+    num_queries: 6
+    max_tokens: 12
+  - name: repeat-867
+    kind: repeat
+    repeats: 2
+    max_tokens: 24
+"""
+
+
+def bench(deployment_file, results, *args) -> subprocess.CompletedProcess:
+    scenarios = results / "scenarios.yaml"
+    scenarios.parent.mkdir(parents=True, exist_ok=True)
+    scenarios.write_text(SMALL)
+    cmd = [sys.executable, "-m", "kvscope.cli", "bench", "--deployment", str(deployment_file), "--results",
+           str(results), "--scenarios-file", str(scenarios), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def short_run(deployment, tmp_path_factory):
+    results = tmp_path_factory.mktemp("results")
+    out = bench(deployment / "deployment.json", results, "--scenarios", "rag-small,repeat-867", "--run-id", "e2e",
+                "--report")
+    return out, results / "e2e"
+
+
+def test_bench_writes_records_for_every_config_and_scenario(short_run, deployment):
+    out, run = short_run
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[12/12]" in out.stdout  # visible progress, one line per treatment
+    configs = [s["config"] for s in json.loads((run / "run.json").read_text())["servers"]]
+    assert configs[0] == "baseline"  # the golden config runs first
+    for config in configs:
+        for scenario, n in (("rag-small", 6), ("repeat-867", 2)):
+            recs = read(run / "records" / f"{config}__{scenario}.jsonl")
+            assert len(recs) == n and all(r.ok for r in recs), (config, scenario)
+            assert all(r.ttft_s and r.e2e_s >= r.ttft_s and r.prompt_tokens and r.output_token_ids for r in recs)
+            assert all(r.cached_tokens is not None and r.prompt_block_hashes for r in recs)
+
+
+def test_the_repeated_request_hits_every_cache_and_counters_agree(short_run):
+    _, run = short_run
+    for config in ("apc", "kvscope-fs", "canary-shift", "canary-perturb"):
+        first, second = read(run / "records" / f"{config}__repeat-867.jsonl")
+        assert first.cached_tokens == 0 and second.cached_tokens > 0, config
+    base = read(run / "records" / "baseline__repeat-867.jsonl")
+    assert [r.cached_tokens for r in base] == [0, 0]
+    rows = {(r["config"], r["scenario"]): r for r in map(json.loads, (run / "status.jsonl").read_text().splitlines())}
+    apc = rows["apc", "repeat-867"]["phases"]["measure"]["metrics_delta"]
+    assert apc["vllm:prefix_cache_hits_total"] == second_hit(run, "apc")
+    fs = rows["kvscope-fs", "repeat-867"]["phases"]["measure"]["metrics_delta"]
+    assert fs["vllm:external_prefix_cache_hits_total"] == second_hit(run, "kvscope-fs")
+    assert rows["kvscope-fs", "repeat-867"]["reset"]["stores_wiped"] == ["blocks"]
+
+
+def second_hit(run, config) -> int:
+    return read(run / "records" / f"{config}__repeat-867.jsonl")[1].cached_tokens
+
+
+def test_canaries_fail_fidelity_and_every_other_config_passes(short_run):
+    _, run = short_run
+    verdicts = pd.read_csv(run / "verdicts.csv").set_index("config")
+    assert verdicts.loc["canary-shift", "verdict"] == "FAIL"
+    assert verdicts.loc["canary-perturb", "verdict"] == "FAIL"
+    for config in ("baseline", "apc", "example-fs", "kvscope-fs"):
+        assert verdicts.loc[config, "verdict"] == "PASS", config
+    summary = pd.read_csv(run / "summary.csv")
+    apc = summary[(summary.config == "apc")]
+    assert (apc.fail_hit + apc.fail_miss).sum() == 0 and apc.identical_hit.sum() > 0
+    scores = pd.read_csv(run / "scores.csv")
+    shifted = scores[(scores.config == "canary-shift") & (scores.cls == "FAIL")]
+    assert (shifted.cached_tokens > 0).all()  # the canary fails exactly where it served from cache
+    assert "report.md" in {p.name for p in run.iterdir()}
+
+
+def test_distributed_locust_merges_one_set_of_records(deployment, tmp_path):
+    out = bench(deployment / "deployment.json", tmp_path, "--configs", "baseline,apc", "--scenarios", "rag-small",
+                "--processes", "2", "--run-id", "dist")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for config in ("baseline", "apc"):
+        recs = read(tmp_path / "dist" / "records" / f"{config}__rag-small.jsonl")
+        assert sorted(r.request_id for r in recs) == [f"rag-small-{i:04d}-t0" for i in range(6)]
+        assert {r.worker for r in recs} == {0, 1}
+
+
+def test_a_dead_server_gives_failed_records_and_the_run_goes_on(deployment, tmp_path):
+    doc = json.loads((deployment / "deployment.json").read_text())
+    for server in doc["servers"]:
+        if server["config"] == "apc":
+            server["port"] = 8199  # nothing listens there
+    broken = tmp_path / "deployment.json"
+    broken.write_text(json.dumps(doc))
+    out = bench(broken, tmp_path, "--configs", "baseline,apc", "--scenarios", "repeat-867", "--run-id", "dead")
+    assert out.returncode == 0, out.stderr[-2000:]
+    dead = read(tmp_path / "dead" / "records" / "apc__repeat-867.jsonl")
+    assert len(dead) == 2 and not any(r.ok for r in dead)
+    assert all("refused" in r.error.lower() or "HTTP 0" in r.error for r in dead), [r.error for r in dead]
+    assert all(r.ok for r in read(tmp_path / "dead" / "records" / "baseline__repeat-867.jsonl"))
