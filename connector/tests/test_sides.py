@@ -1,0 +1,109 @@
+"""Scheduler and worker sides on fake vLLM objects: plans, stores, verified loads, faults counted."""
+
+from types import SimpleNamespace as NS
+
+import torch
+
+from kvscope_connector.keys import block_keys
+from kvscope_connector.scheduler import KVScopeMetadata, LoadSpec, SchedulerSide, StoreSpec
+from kvscope_connector.store import FsTier, RamTier
+from kvscope_connector.worker import WorkerSide
+
+FP, B = "f" * 32, 4
+
+
+def caches(num_blocks=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn(num_blocks, 2, B, 6, generator=gen) for i in range(2)}
+
+
+def worker(tmp_path, ram=True, fs=True):
+    w = WorkerSide(FP, B, RamTier(1 << 20) if ram else None, FsTier(str(tmp_path), FP, None) if fs else None)
+    w.register(caches())
+    return w
+
+
+def test_store_then_load_into_another_block_from_each_tier(tmp_path):
+    w = worker(tmp_path)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True)]))
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
+    assert all(torch.equal(t[5], t[1]) for t in w.layers.values())
+    w.ram.clear()
+    w.load(KVScopeMetadata(loads=[LoadSpec(6, "k1", "fs")]))
+    assert all(torch.equal(t[6], t[1]) for t in w.layers.values())
+    assert (w.stats.ram_hits, w.stats.fs_hits, w.stats.saves) == (1, 1, 1)
+    assert w.take_load_errors() == set()
+
+
+def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
+    w = worker(tmp_path, ram=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    path = w.fs.path("k1")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = w.layers["layer0"][5].clone()
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
+    assert torch.equal(w.layers["layer0"][5], before)  # nothing was written into the KV cache
+    assert w.take_load_errors() == {5} and w.stats.corrupt == 1
+    assert not w.fs.exists("k1") and path.with_suffix(".corrupt").exists()
+
+
+def test_a_vanished_block_is_a_counted_miss(tmp_path):
+    w = worker(tmp_path, ram=False)
+    w.load(KVScopeMetadata(loads=[LoadSpec(3, "never-stored", "fs")]))
+    assert w.take_load_errors() == {3} and w.stats.misses == 1
+
+
+def test_write_faults_are_counted_and_serving_goes_on(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    w = WorkerSide(FP, B, None, FsTier(str(blocker), FP, None))
+    w.register(caches())
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    assert w.stats.save_errors == 1 and w.stats.saves == 0
+
+
+def request(rid, tokens):
+    return NS(request_id=rid, prompt_token_ids=tokens)
+
+
+def sched_output(new=(), finished=()):
+    return NS(scheduled_new_reqs=list(new), num_scheduled_tokens={n.req_id: n.scheduled for n in new},
+              scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]),
+              finished_req_ids=set(finished))
+
+
+def new_req(rid, tokens, block_ids, computed=0):
+    return NS(req_id=rid, prompt_token_ids=tokens, block_ids=(block_ids,), num_computed_tokens=computed,
+              scheduled=len(tokens) - computed)
+
+
+def test_scheduler_plans_stores_then_finds_them_and_plans_loads(tmp_path):
+    s = SchedulerSide(FP, B, ram_blocks=2, fs=FsTier(str(tmp_path), FP, None))
+    tokens = list(range(11))  # 2 usable blocks: (11 - 1) // 4
+    assert s.lookup(request("a", tokens), 0) == (0, False)
+    meta = s.build_meta(sched_output([new_req("a", tokens, [7, 8, 9])]))
+    assert [(x.block_id, x.to_ram, x.to_fs) for x in meta.stores] == [(7, True, True), (8, True, True)]
+    assert [x.key for x in meta.stores] == block_keys(FP, tokens, B, 2)
+    # the worker wrote nothing to disk yet, but the RAM index knows both blocks
+    assert s.lookup(request("b", tokens), 0) == (8, False)
+    s.after_alloc(request("b", tokens), NS(get_block_ids=lambda: ([3, 4, 5],)), 8)
+    meta = s.build_meta(sched_output())
+    assert [(x.block_id, x.tier) for x in meta.loads] == [(3, "ram"), (4, "ram")]
+    # local prefix-cache hits come first: only the blocks after them are loaded
+    assert s.lookup(request("c", tokens), 4) == (4, False)
+
+
+def test_scheduler_evicts_ram_keys_beyond_capacity_and_forgets_failed_loads():
+    s = SchedulerSide(FP, B, ram_blocks=1, fs=None)
+    tokens = list(range(9))
+    meta = s.build_meta(sched_output([new_req("a", tokens, [1, 2, 3])]))
+    assert len(meta.stores) == 2 and meta.ram_evict == [meta.stores[0].key]
+    s.lookup(request("b", tokens), 0)
+    assert s.lookup(request("b", tokens), 0) == (0, False)  # block 0 was evicted, so nothing leads
+    s.lookup(request("c", tokens), 4)
+    s.after_alloc(request("c", tokens), NS(get_block_ids=lambda: ([5, 6, 7],)), 4)
+    s.build_meta(sched_output())
+    s.load_failed({6})
+    assert not s.ram_index and s.build_meta(sched_output()).ram_evict == [meta.stores[1].key]
