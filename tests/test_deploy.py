@@ -61,7 +61,7 @@ def test_greedy_output_is_identical_across_configs_and_sensitive_to_one_early_to
 
 def test_redeploy_is_idempotent(deployment):
     before = {n: s["pid"] for n, s in servers_of(deployment).items()}
-    result = ansible("deploy.yml", deployment, "-e", f"kvscope_configs={SESSION_CONFIGS}")
+    result = ansible("deploy.yml", deployment, "-e", f"vllm_configs={SESSION_CONFIGS}")
     assert result.returncode == 0, result.stdout[-3000:]
     assert "changed=0" in result.stdout
     assert {n: s["pid"] for n, s in servers_of(deployment).items()} == before
@@ -72,14 +72,14 @@ def test_bad_config_stops_deploy_before_anything_starts(tmp_path):
     doc["configs"][1]["port"] = doc["configs"][0]["port"]
     bad = tmp_path / "matrix.yaml"
     bad.write_text(yaml.safe_dump(doc))
-    result = ansible("deploy.yml", tmp_path / "run", "-e", f"kvscope_matrix={bad}", "-e", "kvscope_configs=baseline,apc")
+    result = ansible("deploy.yml", tmp_path / "run", "-e", f"kvscope_matrix={bad}", "-e", "vllm_configs=baseline,apc")
     assert result.returncode != 0
     assert "config 'apc': field 'port'" in result.stdout
     assert not list((tmp_path / "run").glob("*/server.pid"))
 
 
 def test_config_for_another_platform_is_refused(tmp_path):
-    result = ansible("deploy.yml", tmp_path / "run", "-e", "kvscope_configs=baseline",
+    result = ansible("deploy.yml", tmp_path / "run", "-e", "vllm_configs=baseline",
                      "-e", "kvscope_platform=tpu")
     assert result.returncode != 0
     assert not list((tmp_path / "run").glob("*/server.pid"))
@@ -93,7 +93,7 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     bystander = subprocess.Popen(["sleep", "600"])
     try:
-        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "kvscope_configs=baseline")
+        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline")
         assert result.returncode == 0, result.stdout[-3000:]
         pgid = servers_of(run_dir)["baseline"]["pid"]
         assert len(servers.group_members(pgid)) >= 2  # the API server and its engine core

@@ -75,3 +75,10 @@ def test_render_merges_platform_flags_and_fills_store_paths(tmp_path):
     assert f'"shared_storage_path": "{tmp_path}/stores/example-fs/kv"' in ktc
     assert out["stores"] == {"kv": f"{tmp_path}/stores/example-fs/kv"}
     assert out["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
+    m = matrix.load(SHIPPED)
+    a = render(m, m.get("kvscope-shared"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
+    b = render(m, m.get("kvscope-shared-b"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
+    assert a["stores"] == b["stores"] == {"shared-blocks": f"{tmp_path}/stores/shared/shared-blocks"}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from .keys import fingerprint, weights_identity
 from .scheduler import KVScopeMetadata, SchedulerSide
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 COUNTERS = ("ram_hits", "fs_hits", "misses", "corrupt", "io_errors", "saves", "save_errors", "load_bytes",
-            "save_bytes", "load_s", "save_s", "evictions")
+            "save_bytes", "load_seconds", "save_seconds", "evictions")
 
 
 @dataclass
@@ -59,6 +59,25 @@ class KVScopeStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(k) for k in COUNTERS)
+
+
+class KVScopePromMetrics(KVConnectorPromMetrics):
+    """Each counter as a Prometheus counter `kvscope:connector_<name>_total` on /metrics, per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        for name in COUNTERS:
+            counter = self._counter_cls(name=f"kvscope:connector_{name}",
+                                        documentation=f"kvscope connector: {name.replace('_', ' ')}",
+                                        labelnames=labelnames)
+            self.counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for name, per_engine in self.counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
 
 
 def _layout() -> str:
@@ -143,6 +162,10 @@ class KVScopeConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVScopeStats(data=data) if data is not None else KVScopeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # Scheduler-side methods
 

@@ -8,7 +8,9 @@ block. Anything that does not verify is a miss: counted, moved aside once, never
 
 from __future__ import annotations
 
-import hashlib
+import json
+import struct
+import zlib
 import logging
 import os
 from collections import OrderedDict
@@ -16,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .keys import FORMAT_VERSION
@@ -27,11 +28,16 @@ Block = dict[str, torch.Tensor]
 
 
 def checksum(block: Block) -> str:
-    digest = hashlib.blake2b(digest_size=16)
+    """CRC-32 over the layer names and tensor bytes in name order (zlib's, ~3 GB/s, no copies).
+
+    It guards against torn, truncated and bit-flipped blocks; the header's fingerprint and key guard
+    against foreign ones. It is not a defence against someone who can rewrite the store.
+    """
+    crc = 0
     for name in sorted(block):
-        digest.update(name.encode())
-        digest.update(block[name].contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(block[name].contiguous().view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 
 def nbytes(block: Block) -> int:
@@ -51,8 +57,8 @@ class Stats:
     save_errors: int = 0
     load_bytes: int = 0
     save_bytes: int = 0
-    load_s: float = 0.0
-    save_s: float = 0.0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
     evictions: int = 0
     logged: set = field(default_factory=set)
 
@@ -159,12 +165,17 @@ class FsTier:
             evicted += 1
         return evicted
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str) -> bytearray | None:
+        """The file's bytes in a writable buffer, so decode() can view tensors in place."""
         try:
-            data = self.path(key).read_bytes()
+            with open(self.path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data = bytearray(size)
+                if f.readinto(data) != size:
+                    return bytearray()  # shrank while reading: decode() rejects it
         except FileNotFoundError:
             return None
-        self._note(key, len(data))
+        self._note(key, size)
         return data
 
     def quarantine(self, key: str) -> None:
@@ -176,13 +187,31 @@ class FsTier:
         self.used -= self.sizes.pop(key, 0)
 
 
-def decode(data: bytes, fingerprint: str, key: str, like: Block) -> Block:
-    """Parse and verify one stored block against what this server expects; raises ValueError if it differs."""
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def decode(data: bytearray, fingerprint: str, key: str, like: Block) -> Block:
+    """Parse and verify one stored block; raises ValueError if it is not exactly what this server expects.
+
+    Tensors are views into `data` (no copy); safetensors' layout is read from its JSON header, never
+    executed.
+    """
     try:
-        block = st_load(data)
-        meta = _metadata(data)
-    except Exception as exc:  # truncated or not safetensors at all
-        raise ValueError(f"unreadable block: {type(exc).__name__}") from exc
+        (n,) = struct.unpack_from("<Q", data, 0)
+        header = json.loads(bytes(data[8:8 + n]))
+        meta = header.pop("__metadata__", {})
+        block = {}
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            dtype = _DTYPES[info["dtype"]]
+            if 8 + n + end > len(data):
+                raise ValueError("truncated")
+            count = (end - start) // torch.tensor([], dtype=dtype).element_size()
+            block[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=8 + n + start).view(info["shape"])
+    except (struct.error, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"unreadable block: {exc}") from exc
     if meta.get("kvscope_format") != FORMAT_VERSION:
         raise ValueError(f"format {meta.get('kvscope_format')!r}, expected {FORMAT_VERSION}")
     if meta.get("fingerprint") != fingerprint or meta.get("key") != key:
@@ -195,11 +224,3 @@ def decode(data: bytes, fingerprint: str, key: str, like: Block) -> Block:
     if checksum(block) != meta.get("checksum"):
         raise ValueError("checksum mismatch")
     return block
-
-
-def _metadata(data: bytes) -> dict:
-    import json
-    import struct
-
-    (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n]).get("__metadata__", {})

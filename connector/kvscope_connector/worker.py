@@ -8,6 +8,8 @@ to vLLM through get_block_ids_with_load_errors() and vLLM recomputes it.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import torch
 
@@ -22,6 +24,7 @@ class WorkerSide:
         self.like: Block = {}  # one block's tensors: the shape and dtype a stored block must have
         self.stats = Stats()
         self.load_errors: set[int] = set()
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvscope-io")
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = dict(sorted(kv_caches.items()))
@@ -37,54 +40,77 @@ class WorkerSide:
         for name, t in self.layers.items():
             t[block_id].copy_(block[name])
 
-    def fetch(self, spec: LoadSpec) -> Block | None:
-        """The verified block for `spec`, or None (a miss, counted)."""
-        if self.ram is not None:
-            hit = self.ram.get(spec.key)
-            if hit is not None:
-                block, digest = hit
-                if checksum(block) == digest:
-                    self.stats.ram_hits += 1
-                    return block
-                self.stats.corrupt += 1
-                self.stats.warn_once("corrupt", "RAM block %s failed its checksum", spec.key)
-                self.ram.drop(spec.key)
-        if self.fs is None:
-            self.stats.misses += 1
+    def _from_ram(self, spec: LoadSpec) -> Block | None:
+        hit = self.ram.get(spec.key) if self.ram is not None else None
+        if hit is None:
             return None
+        block, digest = hit
+        if checksum(block) == digest:
+            self.stats.ram_hits += 1
+            return block
+        self.stats.corrupt += 1
+        self.stats.warn_once("corrupt", "RAM block %s failed its checksum", spec.key)
+        self.ram.drop(spec.key)
+        return None
+
+    def _read_fs(self, key: str) -> tuple[Block | None, str, str]:
+        """Read and verify one file; runs in the I/O threads, so it only returns what happened."""
         try:
-            data = self.fs.read(spec.key)
+            data = self.fs.read(key)
         except OSError as exc:
-            self.stats.io_errors += 1
-            self.stats.warn_once("io", "cannot read block %s: %s", spec.key, exc)
-            return None
+            return None, "io", str(exc)
         if data is None:
-            self.stats.misses += 1
-            return None
+            return None, "miss", ""
         try:
-            block = decode(data, self.fp, spec.key, self.like)
+            return decode(data, self.fp, key, self.like), "hit", ""
         except ValueError as exc:
+            return None, "corrupt", str(exc)
+
+    def _settle(self, spec: LoadSpec, result: tuple[Block | None, str, str]) -> Block | None:
+        """Count a filesystem-tier outcome; quarantine what failed verification; promote hits to RAM."""
+        block, outcome, why = result
+        if outcome == "hit":
+            self.stats.fs_hits += 1
+            if spec.promote and self.ram is not None:
+                self.stats.evictions += self.ram.put(spec.key, block, checksum(block))
+        elif outcome == "miss":
+            self.stats.misses += 1
+        elif outcome == "io":
+            self.stats.io_errors += 1
+            self.stats.warn_once("io", "cannot read block %s: %s", spec.key, why)
+        else:
             self.stats.corrupt += 1
-            self.stats.warn_once("corrupt", "block %s rejected: %s", spec.key, exc)
+            self.stats.warn_once("corrupt", "block %s rejected: %s", spec.key, why)
             self.fs.quarantine(spec.key)
-            return None
-        self.stats.fs_hits += 1
-        if spec.promote and self.ram is not None:
-            self.stats.evictions += self.ram.put(spec.key, block, checksum(block))
         return block
+
+    def fetch_all(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block | None]]:
+        """Verified blocks in load order, or None for a miss. RAM first; filesystem reads and checksums run
+        on I/O threads (file reads, CRC-32 and tensor copies release the GIL) while earlier blocks are
+        injected."""
+        ram = {spec.key: self._from_ram(spec) for spec in loads}
+        pending = {spec.key: self.pool.submit(self._read_fs, spec.key)
+                   for spec in loads if ram[spec.key] is None and self.fs is not None}
+        for spec in loads:
+            if ram[spec.key] is not None:
+                yield spec, ram[spec.key]
+            elif spec.key in pending:
+                yield spec, self._settle(spec, pending[spec.key].result())
+            else:
+                self.stats.misses += 1
+                yield spec, None
 
     def load(self, meta: KVScopeMetadata) -> None:
         if meta.reset and self.ram is not None:
             self.ram.clear()
         started = time.perf_counter()
-        for spec in meta.loads:
-            block = self.fetch(spec)
+        for spec, block in self.fetch_all(meta.loads):
             if block is None:
                 self.load_errors.add(spec.block_id)
                 continue
             self.inject(spec.block_id, self.transform(spec, block, meta))
             self.stats.load_bytes += self.block_bytes()
-        self.stats.load_s += time.perf_counter() - started
+        self.stats.load_seconds += time.perf_counter() - started
 
     def transform(self, spec: LoadSpec, block: Block, meta: KVScopeMetadata) -> Block:
         """What is written into the KV cache for a verified block: the block itself (canaries override)."""
@@ -110,7 +136,7 @@ class WorkerSide:
                     continue
             self.stats.saves += 1
             self.stats.save_bytes += self.block_bytes()
-        self.stats.save_s += time.perf_counter() - started
+        self.stats.save_seconds += time.perf_counter() - started
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

@@ -115,6 +115,13 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_image_info(args) -> int:
+    from .images import info
+
+    print(json.dumps(info(args.image)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvscope", description=__doc__)
     p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, help="storage-config matrix YAML")
@@ -180,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("runs", help="comma-separated run folders")
     s.add_argument("--out", default=None)
     s.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("image-info", help="build arguments, labels and content tag of an image (JSON)")
+    s.add_argument("--image", choices=["gb10", "cpu"], required=True)
+    s.set_defaults(func=cmd_image_info)
 
     s = sub.add_parser("status", help="list the servers of a run folder and whether they run")
     s.add_argument("--run-dir", required=True)

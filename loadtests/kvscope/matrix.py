@@ -66,6 +66,9 @@ class StorageConfig(Strict):
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags over the platform's")
     env: dict[str, str] = Field(default_factory=dict, description="environment over the platform's")
     kv_transfer_config: KVTransferConfig | None = None
+    shared_stores: list[str] = Field(
+        default_factory=list, description="store dirs shared with every config that names them, wiped on reset"
+    )
     stores: list[str] = Field(default_factory=list, description="store dirs it owns, wiped on reset")
 
     _flags = field_validator("flags")(_check_flags)
@@ -74,7 +77,8 @@ class StorageConfig(Strict):
     @classmethod
     def _stores_cover_the_connector(cls, stores: list[str], info: ValidationInfo) -> list[str]:
         ktc = info.data.get("kv_transfer_config")
-        missing = (_store_refs(ktc.kv_connector_extra_config) if ktc else set()) - set(stores)
+        declared = set(stores) | set(info.data.get("shared_stores") or [])
+        missing = (_store_refs(ktc.kv_connector_extra_config) if ktc else set()) - declared
         if missing:
             raise ValueError(f"kv_transfer_config uses store(s) {sorted(missing)} that are not listed here")
         return stores

@@ -18,6 +18,7 @@ COUNTERS = (
 )
 HISTOGRAMS = ("vllm:time_to_first_token_seconds",)
 GAUGES = ("vllm:kv_cache_usage_perc",)
+CONNECTOR_PREFIX = "kvscope:connector_"  # kvscope's connector: hits per tier, corruption, I/O errors, bytes
 
 
 def _key(name: str, labels: dict[str, str]) -> str:
@@ -29,7 +30,8 @@ def parse(text: str) -> dict[str, float]:
     """The kept samples of one /metrics page, keyed like `vllm:prefix_cache_hits_total`."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name in COUNTERS or family.name in HISTOGRAMS or family.name in GAUGES:
+        if (family.name in COUNTERS or family.name in HISTOGRAMS or family.name in GAUGES
+                or family.name.startswith(CONNECTOR_PREFIX)):
             for s in family.samples:
                 if not s.name.endswith("_created"):
                     key = _key(s.name, s.labels)

@@ -37,7 +37,9 @@ def _fill_stores(value, stores: dict[str, str]):
 
 
 def store_paths(cfg: StorageConfig, store_root: Path) -> dict[str, str]:
-    return {name: str(store_root / cfg.name / name) for name in cfg.stores}
+    """Own stores under stores/<config>/, shared ones under stores/shared/ (one directory for all users)."""
+    own = {name: str(store_root / cfg.name / name) for name in cfg.stores}
+    return {**own, **{name: str(store_root / "shared" / name) for name in cfg.shared_stores}}
 
 
 def render(

@@ -1,0 +1,88 @@
+"""Benchmark: warm TTFT of kvscope-fs against apc and against a cold baseline, measured side by side.
+
+Needs baseline, apc and kvscope-fs deployed (make deploy). For each of N distinct ~2k-token prompts, one
+at a time: cold on baseline, a priming request on apc and kvscope-fs, then warm on apc, warm on kvscope-fs
+(RAM tier) and, after evicting kvscope-fs's RAM tier, warm from its filesystem tier. Prints medians, the
+interquartile spread and the ratios; the goals are issue 5's (<= 1.15 and <= 0.35).
+
+    .venv/bin/python loadtests/benchmarks/connector_ttft.py [--prompts 12] [--tokens 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from pydoc_data.topics import topics
+
+from kvscope.records import new_record, parse_stream, request_body
+from kvscope.workload import Request
+
+
+def ttft(port: int, prompt: str) -> tuple[float, int]:
+    req = Request("bench", "bench", "measure", "bench", 0, "completions", 4, prompt=prompt)
+    path, body = request_body(req, [])
+    http = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+    rec = new_record(req, "bench", time.time())
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(http, timeout=300) as resp:
+        parse_stream(((time.perf_counter(), line) for line in resp), t0, rec, 64)
+    if not rec.ok:
+        raise RuntimeError(f"port {port}: {rec.error}")
+    return rec.ttft_s, rec.cached_tokens or 0
+
+
+def evict_ram(port: int, prompts: list[str]) -> None:
+    """Push kvscope-fs's 64 MiB RAM tier past capacity with unrelated prompts, so hits come from disk."""
+    for i in range(len(prompts)):
+        for p in prompts:
+            ttft(port, f"[evict {i}] {p}")
+
+
+def spread(xs) -> str:
+    q1, q2, q3 = np.percentile(xs, [25, 50, 75])
+    return f"median {q2 * 1000:7.1f} ms  (IQR {q1 * 1000:.1f}-{q3 * 1000:.1f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deployment", default="runs/local/deployment.json")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--chars", type=int, default=9000, help="prompt length in characters (~2k tokens)")
+    args = ap.parse_args()
+    ports = {s["config"]: s["port"] for s in json.loads(Path(args.deployment).read_text())["servers"]}
+    base, apc, fs = ports["baseline"], ports["apc"], ports["kvscope-fs"]
+    text = " ".join(topics[k] for k in sorted(topics))
+    prompts = [f"[benchmark prompt {i}] " + text[i * args.chars:(i + 1) * args.chars] for i in range(args.prompts)]
+    for port in (base, apc, fs):
+        ttft(port, "warm-up " * 50)
+    rows = {"cold baseline": [], "warm apc": [], "warm kvscope-fs (RAM)": [], "warm kvscope-fs (disk)": []}
+    cached = []
+    for i, p in enumerate(prompts):
+        rows["cold baseline"].append(ttft(base, p)[0])
+        ttft(apc, p), ttft(fs, p)
+        rows["warm apc"].append(ttft(apc, p)[0])
+        t, c = ttft(fs, p)
+        rows["warm kvscope-fs (RAM)"].append(t)
+        cached.append(c)
+        print(f"prompt {i + 1}/{len(prompts)}: cached {c} tokens", flush=True)
+    evict_ram(fs, prompts[:4])
+    for p in prompts:
+        rows["warm kvscope-fs (disk)"].append(ttft(fs, p)[0])
+    print(f"\n{len(prompts)} prompts, median {int(np.median(cached))} cached tokens each")
+    for name, xs in rows.items():
+        print(f"{name:<26} {spread(xs)}")
+    med = {k: float(np.median(v)) for k, v in rows.items()}
+    print(f"\nwarm kvscope-fs (RAM)  / warm apc      = {med['warm kvscope-fs (RAM)'] / med['warm apc']:.2f}  (goal <= 1.15)")
+    print(f"warm kvscope-fs (disk) / warm apc      = {med['warm kvscope-fs (disk)'] / med['warm apc']:.2f}")
+    print(f"warm kvscope-fs (RAM)  / cold baseline = {med['warm kvscope-fs (RAM)'] / med['cold baseline']:.2f}  (goal <= 0.35)")
+    print(f"warm kvscope-fs (disk) / cold baseline = {med['warm kvscope-fs (disk)'] / med['cold baseline']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

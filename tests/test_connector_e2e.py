@@ -1,0 +1,184 @@
+"""kvscope's connector through real vLLM servers: identical to golden with hits from RAM, from disk after a
+restart, from a directory shared by two servers, and under injected faults, each fault counted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from pydoc_data.topics import topics
+
+from conftest import REPO, ansible, servers_of
+from kvscope import metrics, servers
+
+PORTS = {"kvscope-fs": 8191, "kvscope-fsonly": 8192, "kvscope-shared": 8193, "kvscope-shared-b": 8194}
+
+
+def prompts(tag: str, n: int = 3) -> list[str]:
+    names = sorted(topics)
+    start = sum(map(ord, tag)) % 40
+    return [f"[{tag} {i}] " + topics[names[start + i * 7]][:2400] for i in range(n)]
+
+
+def complete(port: int, prompt: str) -> tuple[list[int], int]:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.loads(resp.read())
+    return out["choices"][0]["token_ids"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        return metrics.parse(resp.read().decode())
+
+
+@pytest.fixture(scope="module")
+def golden(deployment):
+    port = servers_of(deployment)["baseline"]["port"]
+    return lambda prompt: complete(port, prompt)[0]
+
+
+@pytest.fixture(scope="module")
+def connector_run(tmp_path_factory, model_dir, deployment):
+    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    by_name = {c["name"]: c for c in doc["configs"]}
+    fsonly = json.loads(json.dumps(by_name["kvscope-fs"]))
+    fsonly.update(name="kvscope-fsonly", description="filesystem tier only: every hit is read from disk")
+    fsonly["kv_transfer_config"]["kv_connector_extra_config"]["ram_bytes"] = 0
+    configs = [by_name["baseline"], by_name["kvscope-fs"], fsonly, by_name["kvscope-shared"], by_name["kvscope-shared-b"]]
+    for c in configs[1:]:
+        c["port"] = PORTS[c["name"]]
+    configs[0]["port"] = 8199  # not deployed; the matrix must still hold its golden config
+    doc["configs"] = configs
+    own = tmp_path_factory.mktemp("matrix") / "matrix.yaml"
+    own.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path_factory.mktemp("connector-run")
+    extra = ("-e", f"kvscope_matrix={own}", "-e", "vllm_configs=" + ",".join(PORTS))
+    result = ansible("deploy.yml", run_dir, *extra)
+    if result.returncode != 0:
+        ansible("teardown.yml", run_dir)
+        pytest.fail(result.stdout[-4000:])
+    yield run_dir, extra
+    ansible("teardown.yml", run_dir)
+
+
+def store_of(run_dir: Path, config: str) -> Path:
+    return Path(servers_of(run_dir)[config]["stores"]["blocks" if "shared" not in config else "shared-blocks"])
+
+
+def block_files(store: Path) -> list[Path]:
+    return sorted(store.rglob("*.safetensors"))
+
+
+def test_hits_from_ram_then_from_disk_after_a_restart_are_identical_to_golden(connector_run, golden):
+    run_dir, extra = connector_run
+    port = PORTS["kvscope-fs"]
+    for p in prompts("restart"):
+        want = golden(p)
+        assert complete(port, p) == (want, 0)
+        tokens, cached = complete(port, p)
+        assert tokens == want and cached > 0
+    assert block_files(store_of(run_dir, "kvscope-fs"))
+    print(servers.stop(run_dir / "kvscope-fs" / "server.pid"))
+    result = ansible("deploy.yml", run_dir, *extra)  # idempotent: restarts only the stopped server
+    assert result.returncode == 0, result.stdout[-3000:]
+    before = scrape(port)
+    for p in prompts("restart"):
+        tokens, cached = complete(port, p)
+        assert tokens == golden(p) and cached > 0
+    d = metrics.delta(before, scrape(port))
+    assert d["vllm:prompt_tokens_cached_by_source_total{source=disk}"] > 0
+    assert d["kvscope:connector_fs_hits_total"] > 0 and d["kvscope:connector_corrupt_total"] == 0
+
+
+def test_corrupt_truncated_and_foreign_blocks_are_misses_and_counted(connector_run, golden):
+    run_dir, _ = connector_run
+    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+    ps = prompts("faults")
+    for p in ps:
+        complete(port, p)
+    files = block_files(store)
+    assert len(files) >= 6
+    data = bytearray(files[0].read_bytes())
+    data[-9] ^= 0xFF  # one value changed
+    files[0].write_bytes(bytes(data))
+    files[1].write_bytes(files[1].read_bytes()[:-100])  # truncated
+    files[2].write_bytes(files[3].read_bytes())  # another block's bytes under this key
+    before = scrape(port)
+    for p in ps:
+        assert complete(port, p)[0] == golden(p)
+    d = metrics.delta(before, scrape(port))
+    assert d["kvscope:connector_corrupt_total"] >= 3
+    assert len(list(store.rglob("*.corrupt"))) >= 3
+    for p in ps:  # the bad blocks were recomputed and stored again
+        tokens, cached = complete(port, p)
+        assert tokens == golden(p) and cached > 0
+
+
+def test_store_removed_mid_run_keeps_serving_and_refills(connector_run, golden):
+    run_dir, _ = connector_run
+    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+    shutil.rmtree(store)
+    for p in prompts("removed"):
+        assert complete(port, p) == (golden(p), 0)
+    for p in prompts("removed"):
+        tokens, cached = complete(port, p)
+        assert tokens == golden(p) and cached > 0
+
+
+def _mount(*args) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+def test_full_and_read_only_store_are_counted_and_outputs_stay_identical(connector_run, golden):
+    run_dir, _ = connector_run
+    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    if not _mount("-t", "tmpfs", "-o", "size=160k", "tmpfs", str(store)):
+        pytest.skip("this machine does not let the tests mount a small tmpfs (needs root)")
+    try:
+        before = scrape(port)
+        for p in prompts("enospc"):
+            assert complete(port, p)[0] == golden(p)
+        assert metrics.delta(before, scrape(port))["kvscope:connector_save_errors_total"] > 0
+        assert _mount("-o", "remount,ro", str(store))
+        before = scrape(port)
+        for p in prompts("readonly"):
+            assert complete(port, p)[0] == golden(p)
+        assert metrics.delta(before, scrape(port))["kvscope:connector_save_errors_total"] > 0
+    finally:
+        subprocess.run(["umount", str(store)])
+
+
+def test_two_servers_share_one_store_and_write_the_same_keys_at_once(connector_run, golden):
+    run_dir, _ = connector_run
+    a, b = PORTS["kvscope-shared"], PORTS["kvscope-shared-b"]
+    for p in prompts("shared"):
+        assert complete(a, p)[0] == golden(p)
+        tokens, cached = complete(b, p)  # b has never seen it: the blocks come from a's writes
+        assert tokens == golden(p) and cached > 0
+    racing = prompts("race", 4)
+    results: dict = {}
+    threads = [threading.Thread(target=lambda port=port, p=p: results.__setitem__((port, p), complete(port, p)))
+               for p in racing for port in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results[port, p][0] == golden(p) for p in racing for port in (a, b))
+    store = store_of(run_dir, "kvscope-shared")
+    assert not list(store.rglob("*.tmp")) and not list(store.rglob("*.corrupt"))
+    for p in racing:
+        for port in (a, b):
+            tokens, cached = complete(port, p)
+            assert tokens == golden(p) and cached > 0

@@ -1,0 +1,111 @@
+"""What can be checked of the images and GPU configs without a Docker engine or a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+from kvscope import images
+
+VENV_BIN = REPO / ".venv" / "bin"
+GPU_CONFIGS = ["offload-cpu", "lmcache-cpu", "lmcache-disk", "ucm-pipeline", "ucm-nfs", "ucm-blend"]
+TUNABLES = {"BASE", "MAX_JOBS", "NVCC_THREADS", "TORCH_INDEX_URL"}  # build knobs, not version pins
+
+spec = importlib.util.spec_from_file_location("verify_image", REPO / "docker" / "verify_image.py")
+verify_image = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(verify_image)
+
+
+def run(*cmd, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("image", ["gb10", "cpu"])
+def test_dockerfile_pins_equal_the_versions_file(image):
+    pinned, args = images.versions(image), images.dockerfile_args(image)
+    assert {k: args.get(k) for k in pinned} == pinned
+    assert set(args) - TUNABLES <= set(pinned), "a Dockerfile ARG pins a version the versions file lacks"
+
+
+def test_hadolint_passes_on_every_dockerfile():
+    dockerfiles = sorted((REPO / "docker").glob("*/Dockerfile"))
+    assert len(dockerfiles) == 2
+    out = run(VENV_BIN / "hadolint", *dockerfiles)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("inventory", ["local", "gb10"])
+def test_playbooks_pass_syntax_check(inventory):
+    for playbook in ("deploy.yml", "teardown.yml", "build.yml"):
+        out = run(VENV_BIN / "ansible-playbook", "-i", f"inventories/{inventory}", playbook, "--syntax-check",
+                  cwd=REPO / "ansible")
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ansible_lint_production_profile_passes():
+    out = run(VENV_BIN / "ansible-lint", "--profile", "production", "deploy.yml", "teardown.yml", "build.yml",
+              cwd=REPO / "ansible")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Profile 'production' was required, and it passed" in out.stdout + out.stderr
+
+
+def render_cuda(tmp_path, matrix_file, configs) -> str:
+    out = tmp_path / "rendered.json"
+    res = run(sys.executable, "-m", "kvscope.cli", "--matrix", matrix_file, "render", "--configs", ",".join(configs),
+              "--platform", "cuda", "--model", REPO / "models" / "tiny-qwen3", "--run-dir", tmp_path, "--out", out)
+    assert res.returncode == 0, res.stderr
+    return str(out)
+
+
+def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
+    rendered = render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml", ["baseline", *GPU_CONFIGS])
+    out = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py", rendered)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in GPU_CONFIGS:
+        assert f"{name}: ok" in out.stdout
+    env = {s["name"]: s["env"] for s in json.loads(open(rendered).read())["kvscope_servers"]}
+    assert env["ucm-blend"]["ENABLE_UCM_PATCH"] == "1" and env["ucm-pipeline"]["ENABLE_UCM_PATCH"] == "1"
+
+
+def test_the_argument_check_catches_a_misspelt_flag_and_a_bad_value(tmp_path, model_dir):
+    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    by_name = {c["name"]: c for c in doc["configs"]}
+    by_name["offload-cpu"]["flags"]["--kv-offloading-sise"] = 4
+    by_name["ucm-pipeline"]["flags"]["--block-size"] = "thirty-two"
+    broken = tmp_path / "matrix.yaml"
+    broken.write_text(yaml.safe_dump(doc))
+    rendered = render_cuda(tmp_path, broken, ["baseline", "offload-cpu", "ucm-pipeline", "ucm-nfs"])
+    out = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py", rendered)
+    assert out.returncode == 1, out.stdout
+    assert "offload-cpu: ok" not in out.stdout and "ucm-pipeline: ok" not in out.stdout
+    assert "ucm-nfs: ok" in out.stdout
+
+
+def test_sm121_rules_of_the_image_check():
+    listing = "ELF file    1: _C.abi3.1.sm_90.cubin\nELF file    2: _C.abi3.2.sm_120.cubin\n"
+    assert verify_image.targets(listing) == {(90, ""), (120, "")}
+    v = verify_image.verdict
+    assert v({(121, "a")}, set(), 121) == "native"
+    assert v({(120, "")}, set(), 121) == "compatible sm_120"
+    assert v({(120, "a")}, set(), 121) is None  # arch-specific cubins run only on sm_120
+    assert v({(90, "")}, {(90, "")}, 121) == "PTX JIT from compute_90"
+    assert v({(90, ""), (100, "")}, set(), 121) is None
+
+
+def test_content_tag_changes_with_the_dockerfile_and_nothing_else(tmp_path):
+    for entry in ("docker", "connector", "loadtests"):
+        shutil.copytree(REPO / entry, tmp_path / entry, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    first = images.content_tag("gb10", tmp_path)
+    assert images.content_tag("gb10", tmp_path) == first
+    (tmp_path / "loadtests" / "README-unrelated").write_text("not in the gb10 build context")
+    assert images.content_tag("gb10", tmp_path) == first
+    dockerfile = tmp_path / "docker" / "gb10" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text() + "\n# changed\n")
+    assert images.content_tag("gb10", tmp_path) != first
