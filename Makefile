@@ -10,9 +10,10 @@ KVSCOPE   := $(PY) -m kvscope.cli
 PIP_C     := -c loadtests/constraints.txt
 MODEL_DIR := models/tiny-qwen3
 INVENTORY ?= ansible/inventories/local
-CONFIGS   ?= baseline,apc,example-fs,kvscope-ram,kvscope-fs,canary-shift,canary-perturb
+CONFIGS   ?= baseline,apc,example-fs,kvscope-ram,kvscope-fs,kvscope-shared,canary-shift,canary-perturb
 SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
 USERS     ?= 2
+RUN_ID    ?=
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 
@@ -63,7 +64,7 @@ lint: $(VENV)/.installed ## hadolint every Dockerfile, ansible-lint (production)
 
 ##@ Benchmark
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md
-	$(KVSCOPE) bench --configs $(CONFIGS) --scenarios $(SCENARIOS) --users $(USERS) --report
+	$(KVSCOPE) bench --configs $(CONFIGS) --scenarios $(SCENARIOS) --users $(USERS) --report $(if $(RUN_ID),--run-id $(RUN_ID))
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>
 	$(KVSCOPE) report $(RUN)

@@ -28,6 +28,8 @@ class LoadSpec:
     key: str
     tier: str  # "ram" or "fs"
     promote: bool = False  # an fs hit that also enters the RAM tier
+    request_id: str = ""
+    index: int = 0  # the block's position in its request
 
 
 @dataclass
@@ -63,7 +65,7 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.plans: dict[str, tuple[int, list[str]]] = {}  # request id -> (first block, tier per block)
         self.meta = KVScopeMetadata()
-        self.inflight: dict[int, str] = {}  # block id -> key of the loads in the last step
+        self.inflight: dict[int, LoadSpec] = {}  # block id -> load of the last step
         self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
 
     def _req(self, request_id: str, prompt: list[int]) -> _Req:
@@ -104,7 +106,7 @@ class SchedulerSide:
         self.sources[request.request_id] = (from_ram, n * self.block_size - from_ram)
         for j in range(start, start + n):
             key, tier = state.keys[j], tiers[j - start]
-            spec = LoadSpec(block_ids[j], key, tier)
+            spec = LoadSpec(block_ids[j], key, tier, request_id=request.request_id, index=j)
             if tier == "ram":
                 self.ram_index.move_to_end(key)
             elif self.ram_blocks > 0:
@@ -145,7 +147,7 @@ class SchedulerSide:
         for req_id in so.finished_req_ids:
             self.finished(req_id)
         meta, self.meta = self.meta, KVScopeMetadata()
-        self.inflight = {s.block_id: s.key for s in meta.loads}
+        self.inflight = {s.block_id: s for s in meta.loads}
         return meta
 
     def _plan_stores(self, state: _Req, done_tokens: int) -> None:
@@ -161,12 +163,18 @@ class SchedulerSide:
         state.stored_upto = max(state.stored_upto, full)
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """Forget RAM keys whose load the worker could not verify, so they are not offered again."""
+        """Blocks the worker could not verify: forget them in the RAM index, and store them again once vLLM
+        has recomputed them (the worker moved bad files aside, so the filesystem lookup misses too)."""
         for block_id in block_ids:
-            key = self.inflight.get(block_id)
-            if key is not None and key in self.ram_index:
-                del self.ram_index[key]
-                self.meta.ram_evict.append(key)
+            spec = self.inflight.get(block_id)
+            if spec is None:
+                continue
+            if spec.key in self.ram_index:
+                del self.ram_index[spec.key]
+                self.meta.ram_evict.append(spec.key)
+            state = self.reqs.get(spec.request_id)
+            if state is not None:
+                state.stored_upto = min(state.stored_upto, spec.index)
 
     def finished(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)

@@ -107,3 +107,23 @@ def test_scheduler_evicts_ram_keys_beyond_capacity_and_forgets_failed_loads():
     s.build_meta(sched_output())
     s.load_failed({6})
     assert not s.ram_index and s.build_meta(sched_output()).ram_evict == [meta.stores[1].key]
+
+
+def test_a_failed_load_is_stored_again_once_recomputed(tmp_path):
+    fs = FsTier(str(tmp_path), FP, None)
+    s = SchedulerSide(FP, B, ram_blocks=0, fs=fs)
+    tokens = list(range(13))  # 3 usable blocks
+    first = s.build_meta(sched_output([new_req("a", tokens, [1, 2, 3, 4])]))
+    for spec in first.stores:  # the worker writes them
+        fs.path(spec.key).parent.mkdir(parents=True, exist_ok=True)
+        fs.path(spec.key).write_bytes(b"x")
+    assert s.lookup(request("b", tokens), 0) == (12, False)
+    s.after_alloc(request("b", tokens), NS(get_block_ids=lambda: ([5, 6, 7, 8],)), 12)
+    load = s.build_meta(sched_output([new_req("b", tokens, [5, 6, 7, 8], computed=12)]))
+    assert [x.block_id for x in load.loads] == [5, 6, 7] and not load.stores
+    fs.quarantine(first.stores[1].key)  # the worker found block 1 corrupt
+    s.load_failed({6})
+    recompute = NS(req_ids=["b"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[4])
+    meta = s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={"b": 9}, scheduled_cached_reqs=recompute,
+                           finished_req_ids=set()))
+    assert [(x.block_id, x.key) for x in meta.stores] == [(6, first.stores[1].key)]
