@@ -104,15 +104,19 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         from_ram = sum(t == "ram" for t in tiers[:n]) * self.block_size
         self.sources[request.request_id] = (from_ram, n * self.block_size - from_ram)
-        for j in range(start, start + n):
-            key, tier = state.keys[j], tiers[j - start]
-            spec = LoadSpec(block_ids[j], key, tier, request_id=request.request_id, index=j)
-            if tier == "ram":
-                self.ram_index.move_to_end(key)
-            elif self.ram_blocks > 0:
+        specs = [LoadSpec(block_ids[j], state.keys[j], tiers[j - start], request_id=request.request_id, index=j)
+                 for j in range(start, start + n)]
+        # NOTE: touch the RAM hits before promoting the filesystem hits, so this request's own promotions
+        # evict other keys first. A RAM key evicted anyway stays in the worker until this step's loads are
+        # done (evictions are applied after the forward), and a miss there is a recompute, never a crash.
+        for spec in specs:
+            if spec.tier == "ram" and spec.key in self.ram_index:
+                self.ram_index.move_to_end(spec.key)
+        for spec in specs:
+            if spec.tier == "fs" and self.ram_blocks > 0:
                 spec.promote = True
-                self._ram_add(key)
-            self.meta.loads.append(spec)
+                self._ram_add(spec.key)
+        self.meta.loads += specs
 
     def hit_sources(self, request, num_external_tokens: int) -> dict:
         ram, fs = self.sources.pop(request.request_id, (0, 0))

@@ -127,3 +127,21 @@ def test_a_failed_load_is_stored_again_once_recomputed(tmp_path):
     meta = s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={"b": 9}, scheduled_cached_reqs=recompute,
                            finished_req_ids=set()))
     assert [(x.block_id, x.key) for x in meta.stores] == [(6, first.stores[1].key)]
+
+
+def test_promotions_cannot_crash_a_plan_whose_ram_hits_they_evict(tmp_path):
+    fs = FsTier(str(tmp_path), FP, None)
+    s = SchedulerSide(FP, B, ram_blocks=2, fs=fs)
+    tokens = list(range(4 * B + 1))  # 4 usable blocks
+    keys = block_keys(FP, tokens, B, 4)
+    for key in keys[:2]:  # blocks 0-1 on disk only, blocks 2-3 in RAM
+        fs.path(key).parent.mkdir(parents=True, exist_ok=True)
+        fs.path(key).write_bytes(b"x")
+    s._ram_add(keys[2])
+    s._ram_add(keys[3])
+    assert s.lookup(request("a", tokens), 0) == (4 * B, False)
+    s.after_alloc(request("a", tokens), NS(get_block_ids=lambda: ([10, 11, 12, 13, 14],)), 4 * B)
+    meta = s.build_meta(sched_output())
+    assert [(x.block_id, x.tier, x.promote) for x in meta.loads] == [
+        (10, "fs", True), (11, "fs", True), (12, "ram", False), (13, "ram", False)]
+    assert set(meta.ram_evict) == {keys[2], keys[3]} and list(s.ram_index) == keys[:2]
