@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -72,6 +73,8 @@ def main() -> None:
     print(f"raw sequential read  median {np.median(raw) / mib:8.0f} MiB/s (min {min(raw) / mib:.0f}, max {max(raw) / mib:.0f})")
     print(f"connector load       median {np.median(conn) / mib:8.0f} MiB/s (min {min(conn) / mib:.0f}, max {max(conn) / mib:.0f})")
     print(f"connector / raw = {np.median(conn) / np.median(raw):.2f}  (goal >= 0.7)")
+    if args.dir is None:
+        shutil.rmtree(root)
 
 
 if __name__ == "__main__":
