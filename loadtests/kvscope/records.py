@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from . import jsonl
 from .workload import Request
 
 
@@ -163,11 +164,4 @@ def write(records: Iterable[Record | dict], path: Path) -> None:
 
 def read(path: Path) -> list[Record]:
     """All records of a JSONL file; a truncated or foreign line is an error naming the file and line."""
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                out.append(Record(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as exc:
-                raise ValueError(f"{path}:{n}: truncated or not a kvscope record: {exc}") from exc
-    return out
+    return jsonl.read(path, Record, "record")

@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 from pydantic import Field, ValidationError
 
+from . import jsonl
 from .matrix import ConfigError, Strict
 
 SEED_SYSTEM = "你是一个简洁、专业的中文助手"
@@ -234,14 +235,7 @@ def write_jsonl(requests: list[Request], path: Path) -> None:
 
 
 def read_jsonl(path: Path) -> list[Request]:
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                out.append(Request(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as exc:
-                raise ConfigError(f"{path}:{n}: not a kvscope workload request: {exc}") from exc
-    return out
+    return jsonl.read(path, Request, "workload request")
 
 
 def sessions(requests: list[Request]) -> list[list[Request]]:
