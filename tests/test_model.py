@@ -1,7 +1,5 @@
 """The tiny offline model: byte-identical builds, small, and a tokenizer that round-trips any text."""
 
-from pathlib import Path
-
 from tokenizers import Tokenizer
 
 from kvscope.model_builder import build, model_hash
