@@ -6,7 +6,8 @@
 2. Generator capacity: the same user against sse_server.py (first token at once, then as fast as the
    socket takes them) at rising concurrency, one Locust process = one core. Streamed tokens/s and the TTFT
    the client measures, which is its own error; capacity = the highest tokens/s while that p50 stays
-   under 5 ms. Goal: >= 20k tokens/s/core.
+   under 5 ms. Goal: >= 20k tokens/s/core. In the same run, `vllm bench serve` (random prompts,
+   --ignore-eos, the same concurrency) against the same server, for comparison.
 
     .venv/bin/python loadtests/benchmarks/client_overhead.py [--config baseline]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ from kvscope.records import read
 from kvscope.workload import Request, Scenario, generate, write_jsonl
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -65,7 +68,22 @@ def client_added_ttft(server: dict, tokenizer, folder: Path) -> None:
               f"client-added {(client - srv) * 1000:+6.2f} ms  (goal < 2 ms; {sum(r.ok for r in recs)} ok)")
 
 
-def capacity(folder: Path, tokens: int) -> None:
+def vllm_bench(port: int, users: int, tokens: int, model_dir: str) -> str:
+    """`vllm bench serve` against the same server at the same concurrency: its throughput and median TTFT."""
+    cmd = [str(REPO / ".venv-vllm" / "bin" / "python"), str(HERE / "vllm_bench_shim.py"), "bench", "serve",
+           "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+           "--model", "tiny", "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", "16",
+           "--random-output-len", str(tokens), "--num-prompts", str(users * 16), "--max-concurrency", str(users),
+           "--ignore-eos"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    found = dict(re.findall(r"^(Output token throughput \(tok/s\)|Median TTFT \(ms\)):\s+([\d.]+)", out, re.M))
+    if len(found) < 2:
+        return "vllm bench serve: no result"
+    return (f"vllm bench serve {float(found['Output token throughput (tok/s)']):9.0f} tokens/s, "
+            f"TTFT p50 {float(found['Median TTFT (ms)']):6.2f} ms")
+
+
+def capacity(folder: Path, tokens: int, model_dir: str) -> None:
     port = 8189
     proc = subprocess.Popen([sys.executable, str(HERE / "sse_server.py"), str(port), str(tokens)])
     try:
@@ -82,8 +100,8 @@ def capacity(folder: Path, tokens: int) -> None:
             ttft = float(np.median([r.ttft_s for r in ok])) * 1000
             if ttft < 5:
                 best = max(best, rate)
-            print(f"   {users:>3} streams: {rate:9.0f} tokens/s parsed, client TTFT p50 {ttft:6.2f} ms, "
-                  f"{len(ok)}/{len(recs)} ok")
+            print(f"   {users:>3} streams: kvscope {rate:9.0f} tokens/s, TTFT p50 {ttft:6.2f} ms, "
+                  f"{len(ok)}/{len(recs)} ok | {vllm_bench(port, users, tokens, model_dir)}", flush=True)
         print(f"   capacity while the TTFT error stays under 5 ms: {best:.0f} tokens/s/core (goal >= 20000)")
     finally:
         proc.terminate()
@@ -99,7 +117,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(Path(server["model_path"]) / "tokenizer.json"))
     with tempfile.TemporaryDirectory() as tmp:
         client_added_ttft(server, tokenizer, Path(tmp))
-        capacity(Path(tmp), args.tokens)
+        capacity(Path(tmp), args.tokens, server["model_path"])
 
 
 if __name__ == "__main__":
