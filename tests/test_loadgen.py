@@ -1,0 +1,51 @@
+"""The load generator's pacing against benchmarks/sse_server.py: a synthetic stream, since what is tested
+here (when sessions are released) does not depend on vLLM, and vLLM on 2 cores cannot stream fast enough."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from kvscope.bench import run_locust
+from kvscope.records import read
+from kvscope.workload import Request, write_jsonl
+
+PORT = 8187
+
+
+@pytest.fixture(scope="module")
+def sse_server():
+    proc = subprocess.Popen([sys.executable, str(REPO / "loadtests" / "benchmarks" / "sse_server.py"), str(PORT), "16"])
+    time.sleep(1.0)
+    yield {"config": "sse", "host": "127.0.0.1", "port": PORT, "block_size": 64}
+    proc.terminate()
+    proc.wait()
+
+
+def requests(n: int) -> list[Request]:
+    return [Request(f"r{i}", "o", "measure", f"r{i}", 0, "completions", 16, prompt="x") for i in range(n)]
+
+
+def test_open_loop_releases_sessions_at_the_asked_rate(sse_server, tmp_path):
+    write_jsonl(requests(20), tmp_path / "w.jsonl")
+    run_locust(sse_server, tmp_path / "w.jsonl", tmp_path / "r.jsonl", users=8, processes=1, rate=10.0,
+               timeout_s=60)
+    recs = read(tmp_path / "r.jsonl")
+    assert len(recs) == 20 and all(r.ok for r in recs)
+    gaps = np.diff(sorted(r.start_unix_s for r in recs))
+    assert 0.05 < float(np.mean(gaps)) < 0.2  # seeded Poisson arrivals at 10/s: mean gap 0.1 s
+
+
+def test_closed_loop_sends_back_to_back(sse_server, tmp_path):
+    write_jsonl(requests(20), tmp_path / "w.jsonl")
+    run_locust(sse_server, tmp_path / "w.jsonl", tmp_path / "r.jsonl", users=1, processes=1, rate=0.0,
+               timeout_s=60)
+    recs = read(tmp_path / "r.jsonl")
+    assert len(recs) == 20 and all(r.ok and len(r.output_token_ids) == 16 for r in recs)
+    starts = sorted(r.start_unix_s for r in recs)
+    assert starts[-1] - starts[0] < 1.0  # no pacing: 20 short streams back to back
