@@ -20,6 +20,7 @@ from .worker import WorkerSide
 
 class _ShiftedWorker(WorkerSide):
     def load(self, meta: KVScopeMetadata) -> None:
+        self.begin_step(meta)
         verified = list(self.fetch_all(meta.loads))
         good = [(spec, block) for spec, block in verified if block is not None]
         self.load_errors |= {spec.block_id for spec, block in verified if block is None}

@@ -100,9 +100,13 @@ class WorkerSide:
                 self.stats.misses += 1
                 yield spec, None
 
-    def load(self, meta: KVScopeMetadata) -> None:
+    def begin_step(self, meta: KVScopeMetadata) -> None:
+        """Apply a reset the scheduler asked for (POST /reset_prefix_cache?reset_external=true)."""
         if meta.reset and self.ram is not None:
             self.ram.clear()
+
+    def load(self, meta: KVScopeMetadata) -> None:
+        self.begin_step(meta)
         started = time.perf_counter()
         for spec, block in self.fetch_all(meta.loads):
             if block is None:
