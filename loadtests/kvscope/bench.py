@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from . import metrics
+from . import metrics, servers
 from .matrix import ConfigError
 from .workload import Request, generate, load_scenarios, sessions, write_jsonl
 
@@ -75,13 +75,23 @@ def machine() -> dict:
     mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                   if line.startswith("MemTotal"))
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1), "arch": platform.machine(),
-            "os": platform.platform(), "python": platform.python_version(), "gpu": None}
+            "os": platform.platform(), "python": platform.python_version(), "gpu": gpus()}
+
+
+def gpus() -> str | None:
+    """GPU name, memory and driver from nvidia-smi; None on a machine without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return "; ".join(line.strip() for line in out.stdout.splitlines() if line.strip()) or None
 
 
 def run_locust(server: dict, workload: Path, records: Path, users: int, processes: int, rate: float,
                timeout_s: float) -> dict:
     """One headless Locust run of a workload file against one server; returns its status row."""
-    cmd = [str(Path(sys.executable).parent / "locust"), "-f", str(LOCUSTFILE), "--headless",
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
            "-u", str(users), "-r", str(users), "--host", f"http://{server['host']}:{server['port']}",
            "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING",
            "--kvscope-workload", str(workload), "--kvscope-records", str(records),
@@ -103,6 +113,9 @@ def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str,
     after = _snapshot(base)
     row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
     row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
+    log = opts["run_dir"] / server["config"] / "server.log"
+    if row["metrics_error"] and log.exists():  # the server died mid-run: say why, from its own log
+        row["server_error"] = servers.first_error(log.read_text(errors="replace"))
     row["sessions"] = len(sessions(reqs))
     row["requests"] = len(reqs)
     return row
@@ -111,12 +124,14 @@ def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str,
 def run(deployment: Path, results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
         command: str = "", run_id: str | None = None) -> Path:
-    servers = json.loads(Path(deployment).read_text())["servers"]
-    by_name = {s["config"]: s for s in servers}
-    missing = [c for c in configs if c not in by_name]
+    deployed = json.loads(Path(deployment).read_text())
+    by_name = {s["config"]: s for s in deployed["servers"]}
+    failed = {f["config"]: f for f in deployed.get("failed", [])}
+    missing = [c for c in configs if c not in by_name and c not in failed]
     if missing:
         raise ConfigError(f"config(s) {missing} are not deployed (deployed: {sorted(by_name)}); run `make deploy`")
-    chosen = [by_name[c] for c in configs] if configs else servers
+    chosen = [by_name[c] for c in configs if c in by_name] if configs else deployed["servers"]
+    crashed = [failed[c] for c in (configs or failed) if c in failed]  # a row each in the report, with why
     golden = [s for s in chosen if s["role"] == "golden"]
     if not golden:
         raise ConfigError("no golden config (role 'golden', e.g. baseline) among the configs: fidelity needs it")
@@ -143,13 +158,14 @@ def run(deployment: Path, results: Path, scenarios_file: Path, configs: list[str
                 phase_files[name, phase] = (folder / "workloads" / f"{name}.{phase}.jsonl", part)
                 write_jsonl(part, phase_files[name, phase][0])
     (folder / "run.json").write_text(json.dumps({
-        "run_id": run_id, "command": command, "machine": machine(), "servers": chosen,
+        "run_id": run_id, "command": command, "machine": machine(), "servers": chosen, "crashed": crashed,
         "scenarios": {n: all_scenarios[n].model_dump() for n in scenario_names},
         "load": {"users": users, "processes": processes, "rate_sessions_per_s": rate},
         "kv_capacity_tokens_for_sizing": capacity,
     }, indent=2, ensure_ascii=False) + "\n")
 
-    opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s}
+    opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s,
+            "run_dir": Path(deployment).parent}
     status_path = folder / "status.jsonl"
     total, step = len(chosen) * len(scenario_names), 0
     for scenario in scenario_names:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import matrix as matrix_mod
 from . import servers
-from .render import render
+from .render import parse_overrides, render
 
 DEFAULT_MATRIX = Path(__file__).resolve().parent.parent / "matrix.yaml"
 
@@ -33,7 +33,8 @@ def cmd_render(args) -> int:
     if not (model / "config.json").is_file():
         raise matrix_mod.ConfigError(f"model folder {model} has no config.json: run `make model` first")
     store_root = Path(args.run_dir).resolve() / "stores"
-    rendered = [render(m, c, args.platform, model, store_root, args.host) for c in chosen]
+    overrides = parse_overrides(args.overrides)
+    rendered = [render(m, c, args.platform, model, store_root, args.host, overrides) for c in chosen]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"kvscope_servers": rendered}, indent=2) + "\n")
@@ -44,7 +45,7 @@ def cmd_render(args) -> int:
 def cmd_build_model(args) -> int:
     from .model_builder import build
 
-    digest = build(Path(args.out), seed=args.seed)
+    digest = build(Path(args.out), seed=args.seed, shape=args.shape)
     print(f"built {args.out} sha256={digest}")
     return 0
 
@@ -67,11 +68,20 @@ def cmd_manifest(args) -> int:
     rendered = {r["name"]: r for r in json.loads(Path(args.rendered).read_text())["kvscope_servers"]}[args.config]
     model = Path(args.model)
     doc = servers.manifest(args.config, rendered["port"], run_dir / args.config / "server.pid", rendered,
-                           model, model_hash(model), args.host)
+                           model, model_hash(model), args.host,
+                           servers.package_versions(args.server_python) if args.server_python else None)
     (run_dir / args.config / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (run_dir / args.config / "failed.json").unlink(missing_ok=True)
     servers.write_deployment(run_dir)
     print(f"{args.config}: port {doc['port']} pid {doc['pid']} vLLM {doc['vllm_version']} "
           f"KV {doc['kv_capacity_tokens']} tokens")
+    return 0
+
+
+def cmd_failed(args) -> int:
+    doc = servers.record_failure(Path(args.run_dir), args.config, args.why)
+    servers.write_deployment(Path(args.run_dir))
+    print(f"{args.config}: {doc['why']}: {doc['error']}")
     return 0
 
 
@@ -139,11 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-dir", required=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--out", required=True)
+    s.add_argument("--overrides", default="{}", metavar="JSON",
+                   help='server flags over every config\'s, e.g. \'{"dtype": "bfloat16"}\'')
     s.set_defaults(func=cmd_render)
 
     s = sub.add_parser("build-model", help="build the tiny offline Qwen3 model")
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--shape", choices=["tiny", "qwen3-4b"], default="tiny")
     s.set_defaults(func=cmd_build_model)
 
     s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running")
@@ -163,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rendered", required=True)
     s.add_argument("--model", required=True)
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--server-python", default=None, help="record the package versions of this interpreter")
     s.set_defaults(func=cmd_manifest)
 
     s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")
@@ -191,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("image-info", help="build arguments, labels and content tag of an image (JSON)")
     s.add_argument("--image", choices=["gb10", "cpu"], required=True)
     s.set_defaults(func=cmd_image_info)
+
+    s = sub.add_parser("failed", help="record that a server did not come up, with its log's first error line")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--config", required=True)
+    s.add_argument("--why", required=True)
+    s.set_defaults(func=cmd_failed)
 
     s = sub.add_parser("status", help="list the servers of a run folder and whether they run")
     s.add_argument("--run-dir", required=True)

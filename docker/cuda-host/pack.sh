@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Pack wheels.txt into an offline install for a CUDA host with no registry: a site folder (pip --target for
+# Python 3.12 / x86_64), xz-compressed and split into parts small enough for a 64 MiB transfer each.
+#   docker/cuda-host/pack.sh [OUT=.device] [PART_MIB=60]
+set -euo pipefail
+out=${1:-.device}; part_mib=${2:-60}
+here=$(cd "$(dirname "$0")" && pwd)
+plat=(--python-version 3.12 --implementation cp --only-binary=:all: --platform any)
+for p in manylinux_2_{5,17,24,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do plat+=(--platform "$p"); done
+mkdir -p "$out/whl" "$out/parts"
+grep -v '^#' "$here/wheels.txt" | grep . | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl"
+rm -rf "$out/site"
+python3 -m pip install -q --no-deps --no-compile --target "$out/site" "${plat[@]}" "$out"/whl/*.whl
+tar -C "$out" -cf - site | xz -T0 -6 > "$out/site.tar.xz"
+rm -f "$out"/parts/site.tar.xz.*
+size=$(stat -c %s "$out/site.tar.xz"); n=$(( (size + part_mib * 1048576 - 1) / (part_mib * 1048576) ))
+split -n "$n" -d "$out/site.tar.xz" "$out/parts/site.tar.xz."
+sha256sum "$out/site.tar.xz" | cut -d' ' -f1 > "$out/parts/SHA256"
+ls -l "$out/parts"
