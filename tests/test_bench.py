@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
+from kvscope.bench import reset
 from kvscope.records import read
 
 SMALL = """scenarios:
@@ -116,3 +117,14 @@ def test_a_dead_server_gives_failed_records_and_the_run_goes_on(deployment, tmp_
     assert len(dead) == 2 and not any(r.ok for r in dead)
     assert all("refused" in r.error.lower() or "HTTP 0" in r.error for r in dead), [r.error for r in dead]
     assert all(r.ok for r in read(tmp_path / "dead" / "records" / "baseline__repeat-867.jsonl"))
+
+
+@pytest.mark.parametrize("policy,left", [("wipe", []), ("keep", ["gc-heartbeat"])])
+def test_reset_keeps_the_stores_of_a_connector_that_owns_their_layout(tmp_path, policy, left):
+    # UCM keeps GC heartbeats and shard dirs in its store; wiping them under the live server broke it (H200)
+    (tmp_path / "ucm").mkdir()
+    (tmp_path / "ucm" / "gc-heartbeat").write_text("x")
+    server = {"host": "127.0.0.1", "port": 9, "stores": {"ucm": str(tmp_path / "ucm")}, "store_reset": policy}
+    row = reset(server)
+    assert sorted(p.name for p in (tmp_path / "ucm").iterdir()) == left
+    assert row["stores_wiped"] == ([] if policy == "keep" else ["ucm"])

@@ -37,6 +37,23 @@ def test_near_tie_with_a_token_outside_the_others_top2_fails():
     assert fidelity.score(gold, cand).cls == "FAIL"
 
 
+def test_three_way_tie_is_benign_when_both_tokens_are_in_the_band():
+    # bf16 ties: golden's top-2 are c and b at equal logprob, the candidate took the third, equally likely token
+    gold = rec([1, 2], tops=[[["a", -0.1]], [["c", -1.0], ["b", -1.0], ["d", -1.0]]])
+    cand = rec([1, 9], tops=[[["a", -0.1]], [["d", -1.0], ["c", -1.0], ["b", -1.0]]])
+    assert fidelity.score(gold, cand).cls == "benign"
+
+
+def test_bf16_band_is_wider_than_fp32():
+    # a swap 0.125 nat apart: one bf16 step at |logit| 16-32; a FAIL in fp32, benign in bf16
+    gold = rec([1, 2], tops=[[["a", -0.1]], [["b", -0.5], ["c", -0.625]]])
+    cand = rec([1, 9], tops=[[["a", -0.1]], [["c", -0.5], ["b", -0.625]]])
+    assert fidelity.score(gold, cand, fidelity.near_tie_nats("float32")).cls == "FAIL"
+    assert fidelity.score(gold, cand, fidelity.near_tie_nats("bfloat16")).cls == "benign"
+    wide = rec([1, 9], tops=[[["a", -0.1]], [["c", -0.5], ["b", -0.9]]])  # 0.4 nat: wrong in any dtype
+    assert fidelity.score(gold, wide, fidelity.near_tie_nats("bfloat16")).cls == "FAIL"
+
+
 def test_shorter_answer_diverges_at_its_end():
     s = fidelity.score(rec([1, 2, 3]), rec([1, 2]))
     assert s.cls == "FAIL" and s.first_divergence == 2

@@ -52,10 +52,11 @@ def reset(server: dict) -> dict:
         status = _post(f"{base}/reset_prefix_cache?reset_external=true")
     except (urllib.error.URLError, OSError) as exc:
         status = f"{type(exc).__name__}"
-    for path in server.get("stores", {}).values():
-        for child in Path(path).glob("*"):
+    wiped = sorted(server.get("stores", {})) if server.get("store_reset", "wipe") == "wipe" else []
+    for name in wiped:
+        for child in Path(server["stores"][name]).glob("*"):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
-    return {"reset_prefix_cache_http": status, "stores_wiped": sorted(server.get("stores", {}))}
+    return {"reset_prefix_cache_http": status, "stores_wiped": wiped}
 
 
 def warm_up(server: dict) -> None:

@@ -70,6 +70,9 @@ class StorageConfig(Strict):
         default_factory=list, description="store dirs shared with every config that names them, wiped on reset"
     )
     stores: list[str] = Field(default_factory=list, description="store dirs it owns, wiped on reset")
+    store_reset: Literal["wipe", "keep"] = Field(
+        "wipe", description="keep: never wipe the stores under the live server (a connector that keeps its own "
+        "state in them); the server's own reset endpoint is still called")
 
     _flags = field_validator("flags")(_check_flags)
 

@@ -74,4 +74,5 @@ def render(
         "server_args": args,
         "env": {**defaults.env, **cfg.env},
         "stores": stores,
+        "store_reset": cfg.store_reset,
     }

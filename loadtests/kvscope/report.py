@@ -58,11 +58,21 @@ def _pct(values, q) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def served_dtype(server: dict) -> str | None:
+    args = server.get("server_args", [])
+    return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else None
+
+
+def near_tie(run: dict) -> float:
+    """The near-tie band of this run: by the golden server's dtype."""
+    return fidelity.near_tie_nats(served_dtype(next(s for s in run["servers"] if s["role"] == "golden")))
+
+
 def score_run(run: dict, recs: dict) -> pd.DataFrame:
     golden = next(s["config"] for s in run["servers"] if s["role"] == "golden")
     rows = []
     for (config, scenario), records in recs.items():
-        rows += fidelity.score_all(recs[golden, scenario], records)
+        rows += fidelity.score_all(recs[golden, scenario], records, near_tie(run))
     return pd.DataFrame(rows)
 
 
@@ -325,8 +335,9 @@ def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
                 "hit_rate_counters_external", "hit_rate_theoretical"]
     lines += [_md_table(summary[hit_cols]), ""]
     lines += ["## Fidelity per config and scenario", "",
-              f"Classes split by whether the request hit the cache. Near tie: golden top-1/top-2 margin under "
-              f"{fidelity.NEAR_TIE_NATS} nats. `unscored`: failed requests, missing golden answers, or inputs that "
+              f"Classes split by whether the request hit the cache. Near tie: each side's token within "
+              f"{near_tie(run)} nats of the other side's best logprob (band for dtype "
+              f"{served_dtype(run['servers'][0]) or 'default'}). `unscored`: failed requests, missing golden answers, or inputs that "
               "differ from golden's (later turns after a divergence).", ""]
     fid_cols = ["config", "scenario", "identical_hit", "benign_hit", "fail_hit", "identical_miss", "benign_miss",
                 "fail_miss", "unscored", "degenerate", "needle_golden", "needle_candidate", "verdict"]

@@ -167,6 +167,7 @@ def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Pa
         "server_args": rendered["server_args"],
         "env": redact(rendered["env"]),
         "stores": rendered["stores"],
+        "store_reset": rendered.get("store_reset", "wipe"),
     }
 
 
