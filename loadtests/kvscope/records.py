@@ -133,8 +133,9 @@ def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Reco
     return rec
 
 
-def request_body(req: Request, history: list[dict], logprobs: int = 2) -> tuple[str, dict]:
-    """The HTTP path and JSON body of a workload request; `history` holds a session's earlier turns."""
+def request_body(req: Request, history: list[dict], logprobs: int = 5) -> tuple[str, dict]:
+    """The HTTP path and JSON body of a workload request; `history` holds a session's earlier turns.
+    Top-5 logprobs: at a bf16 tie the other side's token can rank third (H200 run), and fidelity needs it."""
     body = {
         "model": "tiny",
         "max_tokens": req.max_tokens,
