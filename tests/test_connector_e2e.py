@@ -16,8 +16,10 @@ from pydoc_data.topics import topics
 
 from conftest import REPO, ansible, servers_of
 from kvscope import metrics, servers
+from tokenizers import Tokenizer
 
-PORTS = {"kvscope-fs": 8191, "kvscope-fsonly": 8192, "kvscope-shared": 8193, "kvscope-shared-b": 8194}
+PORTS = {"kvscope-fs": 8191, "kvscope-fsonly": 8192, "kvscope-shared": 8193, "kvscope-shared-b": 8194,
+         "kvscope-apc-tight": 8188}
 
 
 def prompts(tag: str, n: int = 3) -> list[str]:
@@ -54,7 +56,13 @@ def connector_run(tmp_path_factory, model_dir, deployment):
     fsonly = json.loads(json.dumps(by_name["kvscope-fs"]))
     fsonly.update(name="kvscope-fsonly", description="filesystem tier only: every hit is read from disk")
     fsonly["kv_transfer_config"]["kv_connector_extra_config"]["ram_bytes"] = 0
-    configs = [by_name["baseline"], by_name["kvscope-fs"], fsonly, by_name["kvscope-shared"], by_name["kvscope-shared-b"]]
+    tight = json.loads(json.dumps(by_name["kvscope-fs"]))
+    tight.update(name="kvscope-apc-tight", description="vLLM prefix caching on, chunked prefill, a KV cache "
+                 "of 1984 tokens: concurrent long prompts are preempted and resumed")
+    tight["flags"] = {"--enable-prefix-caching": True, "--max-num-batched-tokens": 128, "--max-model-len": 1536,
+                      "--kv-cache-memory-bytes": 2048 * 4096}  # 4 KiB of KV per token in the tiny model
+    configs = [by_name["baseline"], by_name["kvscope-fs"], fsonly, by_name["kvscope-shared"],
+               by_name["kvscope-shared-b"], tight]
     for c in configs[1:]:
         c["port"] = PORTS[c["name"]]
     configs[0]["port"] = 8199  # not deployed; the matrix must still hold its golden config
@@ -182,3 +190,37 @@ def test_two_servers_share_one_store_and_write_the_same_keys_at_once(connector_r
         for port in (a, b):
             tokens, cached = complete(port, p)
             assert tokens == golden(p) and cached > 0
+
+
+def test_chunked_prefill_preemption_and_vllm_prefix_caching_stay_identical(connector_run, golden, model_dir):
+    port = PORTS["kvscope-apc-tight"]
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    # six ~1350-token prompts sharing one block-sized header: two of them overflow the 1984-token cache
+    names = sorted(topics)
+    texts = [" ".join(topics[names[(7 * i + j) % len(names)]] for j in range(12)) for i in range(6)]
+    batch = [tok.decode(tok.encode(f"{topics[names[3]][:300]}\n[tight {i}] {text}").ids[:1350])
+             for i, text in enumerate(texts)]
+
+    def send_all() -> dict[str, tuple[list[int], int]]:
+        out: dict = {}
+        threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, complete(port, p))) for p in batch]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    before = scrape(port)
+    first = send_all()  # ~6 x 1000 tokens through 128-token prefill chunks into 2048 tokens of KV cache
+    middle = scrape(port)
+    assert middle.get("vllm:num_preemptions_total", 0) > before.get("vllm:num_preemptions_total", 0), \
+        "the KV cache was not tight enough to preempt: this test would not exercise resume"
+    assert all(first[p][0] == golden(p) for p in batch)
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", data=b"",
+                                                  method="POST"), timeout=60).read()  # vLLM's cache only
+    second = send_all()  # now prefixes come back through the connector, chunk by chunk, with APC on
+    after = scrape(port)
+    assert all(second[p][0] == golden(p) for p in batch)
+    loaded = sum(v for k, v in after.items() if k.startswith("kvscope:connector_") and "_hits" in k) \
+        - sum(v for k, v in middle.items() if k.startswith("kvscope:connector_") and "_hits" in k)
+    assert loaded > 0 and after.get("kvscope:connector_corrupt_total", 0) == 0

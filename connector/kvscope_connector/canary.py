@@ -24,11 +24,11 @@ class _ShiftedWorker(WorkerSide):
         verified = list(self.fetch_all(meta.loads))
         good = [(spec, block) for spec, block in verified if block is not None]
         self.load_errors |= {spec.block_id for spec, block in verified if block is None}
-        for i, (spec, _) in enumerate(good):
-            source = good[i - 1][1]  # i == 0 takes the last block: a rotation by one block
-            if len(good) == 1:
-                source = {name: torch.roll(t, 1, dims=_token_dim(t, self.block_size)) for name, t in source.items()}
-            self.inject(spec.block_id, source)
+        if len(good) == 1:
+            good = [(spec, {name: torch.roll(t, 1, dims=_token_dim(t, self.block_size)) for name, t in block.items()})
+                    for spec, block in good]
+        # each block gets its predecessor's KV (the first takes the last's): a rotation by one block
+        self.inject([(spec.block_id, good[i - 1][1]) for i, (spec, _) in enumerate(good)])
 
 
 def _token_dim(t: torch.Tensor, block_size: int) -> int:
