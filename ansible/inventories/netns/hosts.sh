@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Test hosts on this one machine: network namespaces kvh1..kvhN on a bridge (10.77.0.0/24, this machine is
+# 10.77.0.1), each running its own sshd. They share the filesystem, so the repository, venvs and model are
+# where Ansible expects them; traffic stays on these addresses and loopback. Needs root and openssh-server.
+#   ansible/inventories/netns/hosts.sh up [N=2] | down
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd); state="$here/../../../runs/netns/ssh"
+n=${2:-2}
+case "${1:-}" in
+up)
+  mkdir -p "$state" && chmod 700 "$state"
+  [ -f "$state/id_ed25519" ] || ssh-keygen -q -t ed25519 -N "" -f "$state/id_ed25519"
+  [ -f "$state/host_ed25519" ] || ssh-keygen -q -t ed25519 -N "" -f "$state/host_ed25519"
+  ip link show kvbr0 >/dev/null 2>&1 || { ip link add kvbr0 type bridge; ip addr add 10.77.0.1/24 dev kvbr0; }
+  ip link set kvbr0 up
+  mkdir -p /run/sshd
+  for i in $(seq 1 "$n"); do
+    h=kvh$i; addr=10.77.0.$((10 + i))
+    if ! ip netns list | grep -qw "$h"; then
+      ip netns add "$h"
+      ip link add "v$h" type veth peer name eth0 netns "$h"
+      ip link set "v$h" master kvbr0 up
+      ip -n "$h" addr add "$addr/24" dev eth0
+      ip -n "$h" link set eth0 up
+      ip -n "$h" link set lo up
+    fi
+    cat > "$state/sshd_$h.conf" <<CONF
+ListenAddress $addr
+HostKey $state/host_ed25519
+AuthorizedKeysFile $state/id_ed25519.pub
+PidFile $state/sshd_$h.pid
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+StrictModes no
+UsePAM no
+CONF
+    [ -f "$state/sshd_$h.pid" ] && kill -0 "$(cat "$state/sshd_$h.pid")" 2>/dev/null || ip netns exec "$h" /usr/sbin/sshd -f "$state/sshd_$h.conf"
+    echo "$h $addr up"
+  done
+  for i in $(seq 1 "$n"); do  # for `ssh -F`: how the bench starts Locust workers on these hosts
+    printf 'Host kvh%s\n  HostName 10.77.0.%s\n  User root\n  IdentityFile %s\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n' \
+      "$i" "$((10 + i))" "$state/id_ed25519"
+  done > "$state/config" ;;
+down)
+  for pid in "$state"/sshd_*.pid; do [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null; rm -f "$pid"; done
+  for h in $(ip netns list | awk '/^kvh[0-9]+/ {print $1}'); do ip netns pids "$h" | xargs -r kill; ip netns del "$h"; done
+  ip link del kvbr0 2>/dev/null || true
+  echo down ;;
+*) echo "usage: $0 up [N] | down" >&2; exit 2 ;;
+esac

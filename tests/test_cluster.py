@@ -1,0 +1,77 @@
+"""The cluster path for real, on one machine: network-namespace hosts with their own sshd, the process runtime
+deployed over SSH to two of them, Locust's distributed mode with a worker on each host and the master here,
+the records and logs collected to the controller, and teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PLAYBOOK, REPO
+from kvscope.records import read
+
+NETNS = REPO / "ansible" / "inventories" / "netns"
+SSH_CONFIG = REPO / "runs" / "netns" / "ssh" / "config"
+SMALL = """scenarios:
+  - name: rag-small
+    kind: rag
+    num_docs: 6
+    doc_tokens_median: 120
+    docs_per_query: 2
+    num_queries: 8
+"""
+
+
+def playbook(name: str, run_root, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    cmd = [str(PLAYBOOK), "-i", str(NETNS), str(REPO / "ansible" / name), "-e", f"kvscope_run_root={run_root}", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    up = subprocess.run(["bash", str(NETNS / "hosts.sh"), "up"], capture_output=True, text=True)
+    if up.returncode != 0:
+        pytest.fail(f"namespace hosts did not come up (root and openssh-server needed):\n{up.stderr}")
+    yield
+    subprocess.run(["bash", str(NETNS / "hosts.sh"), "down"], capture_output=True)
+
+
+def test_deploy_bench_with_distributed_locust_collect_and_teardown_across_hosts(hosts, tmp_path, model_dir):
+    run_root = tmp_path / "runs"
+    try:
+        result = playbook("deploy.yml", run_root)
+        assert result.returncode == 0, result.stdout[-4000:]
+        deployments = [run_root / h / "deployment.json" for h in ("kvh1", "kvh2")]
+        where = {s["config"]: s["host"] for d in deployments for s in json.loads(d.read_text())["servers"]}
+        assert where == {"baseline": "10.77.0.11", "apc": "10.77.0.11",
+                         "kvscope-fs": "10.77.0.12", "kvscope-ram": "10.77.0.12"}
+
+        (tmp_path / "small.yaml").write_text(SMALL)
+        bench = subprocess.run(
+            [sys.executable, "-m", "kvscope.cli", "bench", "--deployment", ",".join(map(str, deployments)),
+             "--results", str(tmp_path / "results"), "--scenarios-file", str(tmp_path / "small.yaml"),
+             "--scenarios", "rag-small", "--users", "2", "--run-id", "cluster", "--report",
+             "--worker-hosts", "kvh1,kvh2", "--ssh-config", str(SSH_CONFIG), "--master-host", "10.77.0.1"],
+            cwd=REPO, capture_output=True, text=True, timeout=1200)
+        assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+        folder = tmp_path / "results" / "cluster"
+        for config in where:
+            recs = [r for r in read(folder / "records" / f"{config}__rag-small.jsonl") if r.phase == "measure"]
+            assert len(recs) == 8 and all(r.ok for r in recs)
+            assert {r.worker for r in recs} == {0, 1}  # both hosts' workers sent load, the master wrote it
+        verdicts = (folder / "verdicts.csv").read_text()
+        assert verdicts.count("PASS") == 4 and "FAIL" not in verdicts
+
+        result = playbook("collect.yml", run_root, "-e", f"collect_to={folder}")
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert (folder / "hosts" / "kvh1" / "apc" / "manifest.json").exists()
+        assert (folder / "hosts" / "kvh2" / "kvscope-fs" / "server.log").exists()
+    finally:
+        result = playbook("teardown.yml", run_root)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert not list(run_root.glob("*/*/server.pid"))
