@@ -23,7 +23,9 @@ PRE_DEPLOY  :=
 DEPLOY_ARGS  = -e vllm_configs=$(CONFIGS)
 DEPLOYMENTS := runs/local/deployment.json
 BENCH_ARGS   = --configs $(CONFIGS)
+PRE_BENCH   :=
 POST_BENCH  :=
+comma       := ,
 -include $(INVENTORY)/bench.mk
 
 ##@ Set-up
@@ -74,6 +76,7 @@ lint: $(VENV)/.installed ## hadolint every Dockerfile, ansible-lint (production)
 
 ##@ Benchmark
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md
+	$(PRE_BENCH)
 	$(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
 	  --report --run-id $(RUN_ID); status=$$?; $(or $(POST_BENCH),true); exit $$status
 

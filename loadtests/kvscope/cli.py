@@ -69,7 +69,8 @@ def cmd_manifest(args) -> int:
     model = Path(args.model)
     doc = servers.manifest(args.config, rendered["port"], run_dir / args.config / "server.pid", rendered,
                            model, model_hash(model), args.host,
-                           servers.package_versions(args.server_python) if args.server_python else None)
+                           servers.package_versions(args.server_python) if args.server_python else None,
+                           args.container)
     (run_dir / args.config / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
     (run_dir / args.config / "failed.json").unlink(missing_ok=True)
     servers.write_deployment(run_dir)
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--server-python", default=None, help="record the package versions of this interpreter")
+    s.add_argument("--container", default=None, help="the server runs in this container (container runtime)")
     s.set_defaults(func=cmd_manifest)
 
     s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")

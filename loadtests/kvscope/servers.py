@@ -141,7 +141,7 @@ def package_versions(python: str) -> dict[str, str]:
 
 
 def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Path, model_hash: str,
-             host: str = "127.0.0.1", packages: dict | None = None) -> dict:
+             host: str = "127.0.0.1", packages: dict | None = None, container: str | None = None) -> dict:
     """What a deployed server is, read off the live server."""
     base = f"http://{host}:{port}"
     labels = cache_config(http_get(f"{base}/metrics").decode())
@@ -154,6 +154,7 @@ def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Pa
         "host": host,
         "port": port,
         "pid": read_pid(pid_file),
+        "container": container,
         "vllm_version": version,
         "packages": packages or {},
         "kv_capacity_tokens": kv_capacity_tokens(labels),
@@ -199,12 +200,11 @@ def record_failure(run_dir: Path, config: str, why: str) -> dict:
 
 
 def deployed(run_dir: Path) -> list[dict]:
-    """Manifests of the servers of `run_dir` that have a pid file (started and not torn down)."""
-    return [
-        json.loads(m.read_text())
-        for m in sorted(Path(run_dir).glob("*/manifest.json"))
-        if (m.parent / "server.pid").exists() and not (m.parent / "failed.json").exists()
-    ]
+    """Manifests of the servers of `run_dir` that run: a process with a pid file (started and not torn down) or
+    a container (the container runtime's teardown removes the manifest)."""
+    docs = [(m, json.loads(m.read_text())) for m in sorted(Path(run_dir).glob("*/manifest.json"))]
+    return [doc for m, doc in docs
+            if ((m.parent / "server.pid").exists() or doc.get("container")) and not (m.parent / "failed.json").exists()]
 
 
 def failed(run_dir: Path) -> list[dict]:
