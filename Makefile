@@ -78,7 +78,7 @@ lint: $(VENV)/.installed ## hadolint every Dockerfile, ansible-lint (production)
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md
 	$(PRE_BENCH)
 	$(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
-	  --report --run-id $(RUN_ID); status=$$?; $(or $(POST_BENCH),true); exit $$status
+	  --report --run-id $(RUN_ID); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>
 	$(KVSCOPE) report $(RUN)

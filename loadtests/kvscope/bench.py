@@ -98,7 +98,7 @@ def run_locust(server: dict, workload: Path, records: Path, users: int, processe
     hosts: this process is the master, one worker per host started over ssh with the same options (the
     repository and venvs at the same paths there); workers send their records to the master."""
     kvscope_args = ["-f", str(LOCUSTFILE), "--host", f"http://{server['host']}:{server['port']}",
-                    "--kvscope-workload", str(workload), "--kvscope-records", str(records),
+                    "--kvscope-workload", str(Path(workload).resolve()), "--kvscope-records", str(Path(records).resolve()),
                     "--kvscope-config", server["config"], "--kvscope-block-size", str(server.get("block_size") or 128),
                     "--kvscope-rate", str(rate)]
     cmd = [sys.executable, "-m", "locust", *kvscope_args, "--headless", "-u", str(users), "-r", str(users),

@@ -33,8 +33,10 @@ PermitRootLogin prohibit-password
 PasswordAuthentication no
 StrictModes no
 UsePAM no
+Subsystem sftp /usr/lib/openssh/sftp-server
 CONF
-    [ -f "$state/sshd_$h.pid" ] && kill -0 "$(cat "$state/sshd_$h.pid")" 2>/dev/null || ip netns exec "$h" /usr/sbin/sshd -f "$state/sshd_$h.conf"
+    [ -f "$state/sshd_$h.pid" ] && kill "$(cat "$state/sshd_$h.pid")" 2>/dev/null && sleep 0.5  # take the new config
+    ip netns exec "$h" /usr/sbin/sshd -f "$state/sshd_$h.conf"
     echo "$h $addr up"
   done
   for i in $(seq 1 "$n"); do  # for `ssh -F`: how the bench starts Locust workers on these hosts
