@@ -46,12 +46,17 @@ class WorkerSide:
         return [{name: h[i] for name, h in host.items()} for i in range(len(block_ids))]
 
     def inject(self, items: list[tuple[int, Block]]) -> None:
-        """Write verified blocks into the KV cache: one host-to-device copy per layer for all of them."""
+        """Write verified blocks into the KV cache: on a GPU one host-to-device copy per layer for all of them;
+        on the CPU a direct copy per block (stacking first would copy every byte twice)."""
         if not items:
             return
         idx = self._index([block_id for block_id, _ in items])
         for name, t in self.layers.items():
-            t.index_copy_(0, idx, torch.stack([block[name] for _, block in items]).to(t.device))
+            if t.device.type == "cpu":
+                for block_id, block in items:
+                    t[block_id].copy_(block[name])
+            else:
+                t.index_copy_(0, idx, torch.stack([block[name] for _, block in items]).to(t.device))
 
     def _from_ram(self, spec: LoadSpec) -> Block | None:
         hit = self.ram.get(spec.key) if self.ram is not None else None
