@@ -82,3 +82,30 @@ def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
     a = render(m, m.get("kvscope-shared"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
     b = render(m, m.get("kvscope-shared-b"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
     assert a["stores"] == b["stores"] == {"shared-blocks": f"{tmp_path}/stores/shared/shared-blocks"}
+
+
+def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
+    from kvscope.render import parse_overrides
+
+    m = matrix.load(Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml")
+    cfg = next(c for c in m.configs if c.name == "apc")
+    args = render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
+                  parse_overrides('{"dtype": "bfloat16", "enforce-eager": false}'))["server_args"]
+    assert args[args.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in args
+    for bad in ("dtype=bfloat16", "[1]"):
+        with pytest.raises(matrix.ConfigError, match="flag overrides"):
+            parse_overrides(bad)
+
+
+def test_a_config_deployed_on_two_hosts_is_refused(tmp_path):
+    import json
+
+    from kvscope.bench import load_deployments, run
+
+    for host in ("a", "b"):
+        (tmp_path / host).mkdir()
+        (tmp_path / host / "deployment.json").write_text(json.dumps({"servers": [{"config": "apc"}], "failed": []}))
+    found, _ = load_deployments([tmp_path / "a" / "deployment.json"])
+    assert found[0]["run_dir"] == str(tmp_path / "a")  # where the bench finds the server's log
+    with pytest.raises(matrix.ConfigError, match="more than one host"):
+        run([tmp_path / h / "deployment.json" for h in ("a", "b")], tmp_path, tmp_path, [], [])
