@@ -39,8 +39,7 @@ def complete(port: int, prompt: str, max_tokens: int = 16) -> tuple[list[int], i
 
 
 def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
-        return metrics.parse(resp.read().decode())
+    return metrics.scrape(f"http://127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")

@@ -50,13 +50,14 @@ class WorkerSide:
         on the CPU a direct copy per block (stacking first would copy every byte twice)."""
         if not items:
             return
-        idx = self._index([block_id for block_id, _ in items])
-        for name, t in self.layers.items():
-            if t.device.type == "cpu":
+        if next(iter(self.layers.values())).device.type == "cpu":
+            for name, t in self.layers.items():
                 for block_id, block in items:
                     t[block_id].copy_(block[name])
-            else:
-                t.index_copy_(0, idx, torch.stack([block[name] for _, block in items]).to(t.device))
+            return
+        idx = self._index([block_id for block_id, _ in items])
+        for name, t in self.layers.items():
+            t.index_copy_(0, idx, torch.stack([block[name] for _, block in items]).to(t.device))
 
     def _from_ram(self, spec: LoadSpec) -> Block | None:
         hit = self.ram.get(spec.key) if self.ram is not None else None

@@ -12,6 +12,6 @@ python3 -m ansible playbook -i $inv ansible/deploy.yml -e vllm_configs="$configs
   -e "{\"vllm_flag_overrides\": $overrides}"
 echo "deploy exit $? (configs that did not start are reported as crashed)"
 python3 -m kvscope.cli bench --deployment runs/cuda-host/deployment.json --configs "$configs" \
-  --scenarios rag-zipf,rag-relevance,multiturn,repeat-867 --users "$users" --run-id "$run_id" --report
+  --users "$users" --run-id "$run_id" --report  # the default scenarios: rag-zipf, rag-relevance, multiturn, repeat-867
 echo "bench exit $?"
 python3 -m ansible playbook -i $inv ansible/teardown.yml

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +33,6 @@ from kvscope.workload import Request, Scenario, generate, write_jsonl
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-
-
-def scrape(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
-        return metrics.parse(resp.read().decode())
 
 
 def locust_round(server: dict, reqs: list[Request], users: int, folder: Path, name: str) -> list:
@@ -59,9 +53,9 @@ def client_added_ttft(server: dict, tokenizer, folder: Path) -> None:
     for users in (1, 16, 64):
         sc = Scenario(name=f"c{users}", kind="rag", num_docs=16, doc_tokens_median=60, docs_per_query=2,
                       num_queries=max(32, 2 * users), system_prompt_tokens=32, max_tokens=4, seed=users)
-        before = scrape(base)
+        before = metrics.scrape(base)
         recs = locust_round(server, generate(sc, tokenizer), users, folder, f"ttft{users}")
-        delta = metrics.delta(before, scrape(base))
+        delta = metrics.delta(before, metrics.scrape(base))
         client = float(np.median([r.ttft_s for r in recs if r.ok]))
         srv = metrics.histogram_quantile(delta, "vllm:time_to_first_token_seconds", 0.5)
         print(f"   {users:>3} streams: client p50 {client * 1000:7.2f} ms, server p50 {srv * 1000:7.2f} ms, "

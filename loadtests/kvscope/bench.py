@@ -40,8 +40,7 @@ def _post(url: str, timeout: float = 60) -> int:
 
 def _snapshot(base: str) -> dict[str, float] | None:
     try:
-        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
-            return metrics.parse(resp.read().decode())
+        return metrics.scrape(base)
     except (urllib.error.URLError, OSError):
         return None
 

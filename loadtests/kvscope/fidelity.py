@@ -85,18 +85,23 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _alts(rec: Record, i: int) -> list[list]:
+    """[token, logprob] pairs at position i, best first; empty past the recorded answer."""
+    return rec.top_logprobs[i] if i < len(rec.top_logprobs) else []
+
+
 def _tokens_at(rec: Record, i: int) -> list[str]:
-    return [alt[0] for alt in rec.top_logprobs[i]] if i < len(rec.top_logprobs) else []
+    return [alt[0] for alt in _alts(rec, i)]
 
 
 def _margin(rec: Record, i: int) -> float | None:
-    alts = rec.top_logprobs[i] if i < len(rec.top_logprobs) else []
+    alts = _alts(rec, i)
     return alts[0][1] - alts[1][1] if len(alts) >= 2 else None
 
 
 def _gap(rec: Record, i: int, token: str) -> float | None:
     """How far `token` is below `rec`'s best logprob at position i; None when it is not in rec's top list."""
-    alts = rec.top_logprobs[i] if i < len(rec.top_logprobs) else []
+    alts = _alts(rec, i)
     return next((alts[0][1] - lp for tok, lp in alts if tok == token), None)
 
 

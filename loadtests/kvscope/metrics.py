@@ -6,6 +6,7 @@ vLLM's counters are cumulative, so a phase's hit rate is the ratio of deltas tak
 from __future__ import annotations
 
 import math
+import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,6 +38,12 @@ def parse(text: str) -> dict[str, float]:
                     key = _key(s.name, s.labels)
                     out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def scrape(base: str) -> dict[str, float]:
+    """The kept samples of `base`/metrics, read now."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        return parse(resp.read().decode())
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -70,9 +70,10 @@ def near_tie(run: dict) -> float:
 
 def score_run(run: dict, recs: dict) -> pd.DataFrame:
     golden = next(s["config"] for s in run["servers"] if s["role"] == "golden")
+    band = near_tie(run)
     rows = []
     for (config, scenario), records in recs.items():
-        rows += fidelity.score_all(recs[golden, scenario], records, near_tie(run))
+        rows += fidelity.score_all(recs[golden, scenario], records, band)
     return pd.DataFrame(rows)
 
 
