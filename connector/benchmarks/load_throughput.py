@@ -51,6 +51,7 @@ def main() -> None:
     worker.register(caches)
     keys = [f"{i:04x}" + "0" * 36 for i in range(args.blocks)]
     worker.save(KVScopeMetadata(stores=[StoreSpec(i, k, False, True) for i, k in enumerate(keys)]))
+    worker.flush()
     files = [worker.fs.path(k) for k in keys]
     total = sum(f.stat().st_size for f in files)
     meta = KVScopeMetadata(loads=[LoadSpec(args.blocks + i, k, "fs") for i, k in enumerate(keys)])

@@ -6,8 +6,8 @@ Scheduler-side (engine core process), see scheduler.py:
 - build_connector_meta:        add stores of newly completed prompt blocks and RAM evictions; resets state.
 - get_external_cache_hit_sources, update_connector_output, request_finished, reset_cache.
 Worker-side (each worker process), see worker.py:
-- register_kv_caches, start_load_kv (verified loads), wait_for_save (stores after the forward),
-- get_block_ids_with_load_errors (misses vLLM recomputes), get_kv_connector_stats.
+- register_kv_caches, start_load_kv (verified loads), wait_for_save (hands the step's new blocks to the
+  save thread), get_block_ids_with_load_errors (misses vLLM recomputes), get_kv_connector_stats, shutdown.
 
 kv_connector_extra_config keys:
 - ram_bytes (int, default 268435456): RAM tier capacity; 0 turns the tier off.
@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from .keys import fingerprint, weights_identity
 from .scheduler import KVScopeMetadata, SchedulerSide
-from .store import FsTier, RamTier, Stats
+from .store import FsTier, RamTier
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ class KVScopeConnector(KVConnectorBase_V1):
         return  # loads are synchronous, done in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return  # stores happen in wait_for_save, after the step computed the blocks
+        return  # stores start in wait_for_save, after the step computed the blocks
 
     def wait_for_save(self):
         assert self.worker_side is not None
@@ -149,13 +149,17 @@ class KVScopeConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVScopeMetadata)
         self.worker_side.save(meta)
 
+    def shutdown(self):
+        if self.worker_side is not None:
+            self.worker_side.flush()  # pending saves are written before the server exits
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors() if self.worker_side else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker_side is None:
             return None
-        stats, self.worker_side.stats = self.worker_side.stats, Stats(logged=self.worker_side.stats.logged)
+        stats = self.worker_side.take_stats()
         out = KVScopeStats(data={k: getattr(stats, k) for k in COUNTERS})
         return None if out.is_empty() else out
 

@@ -10,7 +10,9 @@ import hashlib
 import json
 from pathlib import Path
 
-FORMAT_VERSION = "1"
+import numpy as np
+
+FORMAT_VERSION = "2"  # 2: XXH3-128 checksums, binary token ids in keys (1: CRC-32, decimal ids)
 _SAMPLE = 1 << 20  # bytes read from each end of a weight file for its identity
 
 
@@ -41,11 +43,13 @@ def fingerprint(*, model_config: dict, weights: str, dtype: str, kv_dtype: str, 
 
 
 def block_keys(fp: str, token_ids: list[int], block_size: int, limit: int | None = None) -> list[str]:
-    """Keys of the full blocks of `token_ids` (at most `limit`), each chained on all earlier tokens."""
+    """Keys of the full blocks of `token_ids` (at most `limit`), each chained on all earlier tokens: SHA-256
+    over the previous block's digest and the block's ids as little-endian int64."""
     keys, prev = [], fp.encode()
     n = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
+    step = block_size * 8
+    data = np.asarray(token_ids[:n * block_size], dtype="<i8").tobytes()
     for i in range(n):
-        block = ",".join(map(str, token_ids[i * block_size:(i + 1) * block_size])).encode()
-        prev = hashlib.sha256(prev + b"|" + block).digest()
+        prev = hashlib.sha256(prev + data[i * step:(i + 1) * step]).digest()
         keys.append(prev.hex()[:40])
     return keys

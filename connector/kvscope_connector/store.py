@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 import logging
 import os
+import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors.torch import save as st_save
 
 from .keys import FORMAT_VERSION
@@ -28,16 +29,16 @@ Block = dict[str, torch.Tensor]
 
 
 def checksum(block: Block) -> str:
-    """CRC-32 over the layer names and tensor bytes in name order (zlib's, ~3 GB/s, no copies).
+    """XXH3-128 over the layer names and tensor bytes in name order (~15 GB/s, 8x zlib's CRC-32; no copies).
 
     It guards against torn, truncated and bit-flipped blocks; the header's fingerprint and key guard
     against foreign ones. It is not a defence against someone who can rewrite the store.
     """
-    crc = 0
+    h = xxhash.xxh3_128()
     for name in sorted(block):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(block[name].contiguous().view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
+        h.update(name.encode())
+        h.update(block[name].contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def nbytes(block: Block) -> int:
@@ -62,6 +63,11 @@ class Stats:
     evictions: int = 0
     logged: set = field(default_factory=set)
 
+    def add(self, other: "Stats") -> None:
+        for f in fields(self):
+            if f.name != "logged":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
     def warn_once(self, kind: str, msg: str, *args) -> None:
         if kind not in self.logged:
             self.logged.add(kind)
@@ -69,42 +75,53 @@ class Stats:
 
 
 class RamTier:
-    """LRU of verified blocks in host memory, bounded in bytes."""
+    """LRU of verified blocks in host memory, bounded in bytes; used by the forward and the save thread."""
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self.used = 0
         self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
+        self.lock = threading.Lock()
 
     def put(self, key: str, block: Block, digest: str) -> int:
         """Store a copy; returns how many blocks were evicted to make room."""
         size = nbytes(block)
         if size > self.capacity:
             return 0
-        if key in self.blocks:
-            self.blocks.move_to_end(key)
-            return 0
-        evicted = 0
-        while self.used + size > self.capacity:
-            self.drop(next(iter(self.blocks)))
-            evicted += 1
-        self.blocks[key] = ({k: v.clone() for k, v in block.items()}, digest)
-        self.used += size
-        return evicted
+        copy = {k: v.clone() for k, v in block.items()}
+        with self.lock:
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                return 0
+            evicted = 0
+            while self.used + size > self.capacity:
+                self._drop(next(iter(self.blocks)))
+                evicted += 1
+            self.blocks[key] = (copy, digest)
+            self.used += size
+            return evicted
 
     def get(self, key: str) -> tuple[Block, str] | None:
-        if key not in self.blocks:
-            return None
-        self.blocks.move_to_end(key)
-        return self.blocks[key]
+        with self.lock:
+            if key not in self.blocks:
+                return None
+            self.blocks.move_to_end(key)
+            return self.blocks[key]
 
-    def drop(self, key: str) -> None:
-        block, _ = self.blocks.pop(key)
-        self.used -= nbytes(block)
+    def drop(self, key: str) -> bool:
+        with self.lock:
+            return self._drop(key)
+
+    def _drop(self, key: str) -> bool:
+        entry = self.blocks.pop(key, None)
+        if entry is not None:
+            self.used -= nbytes(entry[0])
+        return entry is not None
 
     def clear(self) -> None:
-        self.blocks.clear()
-        self.used = 0
+        with self.lock:
+            self.blocks.clear()
+            self.used = 0
 
 
 class FsTier:
@@ -117,6 +134,7 @@ class FsTier:
         self.fsync = fsync
         self.sizes: OrderedDict[str, int] = OrderedDict()  # what this process knows is on disk, LRU order
         self.used = 0
+        self.lock = threading.Lock()  # the accounting is shared by the load threads and the save thread
         try:
             for path in sorted(self.dir.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime):
                 self._note(path.stem, path.stat().st_size)
@@ -127,14 +145,12 @@ class FsTier:
         return self.dir / key[:2] / f"{key}.safetensors"
 
     def exists(self, key: str) -> bool:
-        try:
-            return self.path(key).is_file()
-        except OSError:
-            return False
+        return os.path.isfile(f"{self.dir}/{key[:2]}/{key}.safetensors")  # a stat per block: no pathlib here
 
     def _note(self, key: str, size: int) -> None:
-        self.used += size - self.sizes.pop(key, 0)
-        self.sizes[key] = size
+        with self.lock:
+            self.used += size - self.sizes.pop(key, 0)
+            self.sizes[key] = size
 
     def write(self, key: str, block: Block, digest: str) -> int:
         """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
@@ -158,11 +174,12 @@ class FsTier:
 
     def _evict(self) -> int:
         evicted = 0
-        while self.capacity is not None and self.used > self.capacity and len(self.sizes) > 1:
-            key, size = self.sizes.popitem(last=False)
-            self.used -= size
-            self.path(key).unlink(missing_ok=True)
-            evicted += 1
+        with self.lock:
+            while self.capacity is not None and self.used > self.capacity and len(self.sizes) > 1:
+                key, size = self.sizes.popitem(last=False)
+                self.used -= size
+                self.path(key).unlink(missing_ok=True)
+                evicted += 1
         return evicted
 
     def read(self, key: str) -> bytearray | None:
@@ -184,7 +201,8 @@ class FsTier:
             os.replace(self.path(key), self.path(key).with_suffix(".corrupt"))
         except OSError:
             pass
-        self.used -= self.sizes.pop(key, 0)
+        with self.lock:
+            self.used -= self.sizes.pop(key, 0)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -1,20 +1,25 @@
 """Worker side: copy blocks between vLLM's paged KV cache and the tiers, verifying every load.
 
-Loads run in start_load_kv, before the forward; stores run in wait_for_save, after it, so a block is
-saved only once the step has computed it. A block that fails verification is a miss: its id goes back
-to vLLM through get_block_ids_with_load_errors() and vLLM recomputes it.
+Loads run in start_load_kv, before the forward: checksums and file reads run on two load threads while
+the forward thread copies verified blocks into the KV cache. Stores start in wait_for_save, after the
+forward: the step's new blocks are copied out of the KV cache at once (vLLM may reuse them after the
+step), then checksummed and written by one save thread, off the forward path; a load waits only for the
+pending saves of the keys it reads. A block that fails verification is a miss: its id goes back to vLLM
+through get_block_ids_with_load_errors() and vLLM recomputes it.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable, Iterator
 
 import torch
 
-from .scheduler import KVScopeMetadata, LoadSpec
-from .store import Block, FsTier, RamTier, Stats, checksum, decode
+from .scheduler import KVScopeMetadata, LoadSpec, StoreSpec
+from .store import Block, FsTier, RamTier, Stats, checksum, decode, nbytes
+
+MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this a save waits for it
 
 
 class WorkerSide:
@@ -22,16 +27,19 @@ class WorkerSide:
         self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
         self.layers: dict[str, torch.Tensor] = {}
         self.like: Block = {}  # one block's tensors: the shape and dtype a stored block must have
-        self.stats = Stats()
+        self.logged: set[str] = set()  # kinds of fault already logged once
+        self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvscope-io")
+        self.loaders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvscope-load")
+        self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")  # one: stores stay in order
+        self.saving: list[tuple[Future, set[str], int]] = []  # (job, keys it stores, bytes it holds), oldest first
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layers = dict(sorted(kv_caches.items()))
         self.like = {name: t[0] for name, t in self.layers.items()}
 
     def block_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.like.values())
+        return nbytes(self.like)
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=next(iter(self.layers.values())).device)
@@ -45,35 +53,33 @@ class WorkerSide:
         host = {name: t.index_select(0, idx).cpu() for name, t in self.layers.items()}
         return [{name: h[i] for name, h in host.items()} for i in range(len(block_ids))]
 
-    def inject(self, items: list[tuple[int, Block]]) -> None:
-        """Write verified blocks into the KV cache: on a GPU one host-to-device copy per layer for all of them;
-        on the CPU a direct copy per block (stacking first would copy every byte twice)."""
-        if not items:
-            return
+    def inject(self, items: Iterable[tuple[int, Block]]) -> int:
+        """Write verified blocks into the KV cache as they come; returns how many. On the CPU a direct copy
+        per block (stacking first would copy every byte twice); on a GPU one host-to-device copy per layer
+        for all of them."""
         if next(iter(self.layers.values())).device.type == "cpu":
-            for name, t in self.layers.items():
-                for block_id, block in items:
+            count = 0
+            for block_id, block in items:
+                for name, t in self.layers.items():
                     t[block_id].copy_(block[name])
-            return
-        idx = self._index([block_id for block_id, _ in items])
-        for name, t in self.layers.items():
-            t.index_copy_(0, idx, torch.stack([block[name] for _, block in items]).to(t.device))
+                count += 1
+            return count
+        items = list(items)
+        if items:
+            idx = self._index([block_id for block_id, _ in items])
+            for name, t in self.layers.items():
+                t.index_copy_(0, idx, torch.stack([block[name] for _, block in items]).to(t.device))
+        return len(items)
 
-    def _from_ram(self, spec: LoadSpec) -> Block | None:
-        hit = self.ram.get(spec.key) if self.ram is not None else None
-        if hit is None:
-            return None
+    # Loads
+
+    @staticmethod
+    def _verify_ram(hit: tuple[Block, str]) -> tuple[Block | None, str, str]:
         block, digest = hit
-        if checksum(block) == digest:
-            self.stats.ram_hits += 1
-            return block
-        self.stats.corrupt += 1
-        self.stats.warn_once("corrupt", "RAM block %s failed its checksum", spec.key)
-        self.ram.drop(spec.key)
-        return None
+        return (block, "ram", "") if checksum(block) == digest else (None, "ram-corrupt", "")
 
     def _read_fs(self, key: str) -> tuple[Block | None, str, str]:
-        """Read and verify one file; runs in the I/O threads, so it only returns what happened."""
+        """Read and verify one file; runs on a load thread, so it only returns what happened."""
         try:
             data = self.fs.read(key)
         except OSError as exc:
@@ -81,14 +87,16 @@ class WorkerSide:
         if data is None:
             return None, "miss", ""
         try:
-            return decode(data, self.fp, key, self.like), "hit", ""
+            return decode(data, self.fp, key, self.like), "fs", ""
         except ValueError as exc:
             return None, "corrupt", str(exc)
 
     def _settle(self, spec: LoadSpec, result: tuple[Block | None, str, str]) -> Block | None:
-        """Count a filesystem-tier outcome; quarantine what failed verification; promote hits to RAM."""
+        """Count an outcome; drop or quarantine what failed verification; promote filesystem hits to RAM."""
         block, outcome, why = result
-        if outcome == "hit":
+        if outcome == "ram":
+            self.stats.ram_hits += 1
+        elif outcome == "fs":
             self.stats.fs_hits += 1
             if spec.promote and self.ram is not None:
                 self.stats.evictions += self.ram.put(spec.key, block, checksum(block))
@@ -97,6 +105,10 @@ class WorkerSide:
         elif outcome == "io":
             self.stats.io_errors += 1
             self.stats.warn_once("io", "cannot read block %s: %s", spec.key, why)
+        elif outcome == "ram-corrupt":
+            self.stats.corrupt += 1
+            self.stats.warn_once("corrupt", "RAM block %s failed its checksum", spec.key)
+            self.ram.drop(spec.key)
         else:
             self.stats.corrupt += 1
             self.stats.warn_once("corrupt", "block %s rejected: %s", spec.key, why)
@@ -104,64 +116,108 @@ class WorkerSide:
         return block
 
     def fetch_all(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block | None]]:
-        """Verified blocks in load order, or None for a miss. RAM first; filesystem reads and checksums run
-        on I/O threads (file reads, CRC-32 and tensor copies release the GIL) while earlier blocks are
-        injected."""
-        ram = {spec.key: self._from_ram(spec) for spec in loads}
-        pending = {spec.key: self.pool.submit(self._read_fs, spec.key)
-                   for spec in loads if ram[spec.key] is None and self.fs is not None}
+        """Verified blocks in load order, or None for a miss. File reads and their checks run on the load
+        threads (reads, hashing and tensor copies release the GIL) while the caller injects earlier blocks;
+        RAM hits are checked here (handing ~1 ms of hashing to a thread costs more than it saves)."""
+        ram = {spec.key: hit for spec in loads
+               if self.ram is not None and (hit := self.ram.get(spec.key)) is not None}
+        reads = {spec.key: self.loaders.submit(self._read_fs, spec.key)
+                 for spec in loads if spec.key not in ram and self.fs is not None}
         for spec in loads:
-            if ram[spec.key] is not None:
-                yield spec, ram[spec.key]
-            elif spec.key in pending:
-                yield spec, self._settle(spec, pending[spec.key].result())
+            if spec.key in ram:
+                result = self._verify_ram(ram[spec.key])
             else:
-                self.stats.misses += 1
-                yield spec, None
+                result = reads[spec.key].result() if spec.key in reads else (None, "miss", "")
+            yield spec, self._settle(spec, result)
 
     def begin_step(self, meta: KVScopeMetadata) -> None:
-        """Apply a reset the scheduler asked for (POST /reset_prefix_cache?reset_external=true)."""
-        if meta.reset and self.ram is not None:
-            self.ram.clear()
+        """Wait for the pending saves of the keys this step loads (all of them before a reset), then apply a
+        reset the scheduler asked for (POST /reset_prefix_cache?reset_external=true)."""
+        if meta.reset:
+            self.flush()
+            if self.ram is not None:
+                self.ram.clear()
+        elif meta.loads:
+            keys = {spec.key for spec in meta.loads}
+            last = max((i for i, (_, stored, _) in enumerate(self.saving) if stored & keys), default=-1)
+            self._collect(wait_upto=last)
 
     def load(self, meta: KVScopeMetadata) -> None:
         self.begin_step(meta)
         started = time.perf_counter()
-        verified = []
-        for spec, block in self.fetch_all(meta.loads):
-            if block is None:
-                self.load_errors.add(spec.block_id)
-            else:
-                verified.append((spec.block_id, self.transform(spec, block, meta)))
-        self.inject(verified)
-        self.stats.load_bytes += self.block_bytes() * len(verified)
+
+        def verified() -> Iterator[tuple[int, Block]]:
+            for spec, block in self.fetch_all(meta.loads):
+                if block is None:
+                    self.load_errors.add(spec.block_id)
+                else:
+                    yield spec.block_id, self.transform(spec, block, meta)
+
+        self.stats.load_bytes += self.block_bytes() * self.inject(verified())
         self.stats.load_seconds += time.perf_counter() - started
 
     def transform(self, spec: LoadSpec, block: Block, meta: KVScopeMetadata) -> Block:
         """What is written into the KV cache for a verified block: the block itself (canaries override)."""
         return block
 
-    def save(self, meta: KVScopeMetadata) -> None:
-        started = time.perf_counter()
-        for key in meta.ram_evict:
-            if self.ram is not None and key in self.ram.blocks:
-                self.ram.drop(key)
-                self.stats.evictions += 1
-        for spec, block in zip(meta.stores, self.extract([spec.block_id for spec in meta.stores])):
-            digest = checksum(block)
-            if spec.to_ram and self.ram is not None:
-                self.stats.evictions += self.ram.put(spec.key, block, digest)
-            if spec.to_fs and self.fs is not None:
-                try:
-                    self.stats.evictions += self.fs.write(spec.key, block, digest)
-                except OSError as exc:
-                    self.stats.save_errors += 1
-                    self.stats.warn_once("save", "cannot write block %s: %s", spec.key, exc)
-                    continue
-            self.stats.saves += 1
-            self.stats.save_bytes += self.block_bytes()
-        self.stats.save_seconds += time.perf_counter() - started
-
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+    # Saves
+
+    def save(self, meta: KVScopeMetadata) -> None:
+        """Copy this step's new blocks out of the KV cache, then hand them to the save thread."""
+        if not meta.stores and not meta.ram_evict:
+            return
+        started = time.perf_counter()
+        blocks = self.extract([spec.block_id for spec in meta.stores])
+        held = self.block_bytes() * len(blocks)
+        while self.saving and sum(b for _, _, b in self.saving) + held > MAX_PENDING_BYTES:
+            self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
+        job = self.saver.submit(self._store, meta.ram_evict, meta.stores, blocks, time.perf_counter() - started)
+        self.saving.append((job, {spec.key for spec in meta.stores}, held))
+        self._collect()
+
+    def _store(self, evict: list[str], stores: list[StoreSpec], blocks: list[Block], seconds: float) -> Stats:
+        """On the save thread: apply RAM evictions, checksum and store the blocks; returns what it counted."""
+        started = time.perf_counter()
+        stats = Stats(logged=self.logged)
+        for key in evict:
+            if self.ram is not None and self.ram.drop(key):
+                stats.evictions += 1
+        for spec, block in zip(stores, blocks):
+            digest = checksum(block)
+            if spec.to_ram and self.ram is not None:
+                stats.evictions += self.ram.put(spec.key, block, digest)
+            if spec.to_fs and self.fs is not None:
+                try:
+                    stats.evictions += self.fs.write(spec.key, block, digest)
+                except OSError as exc:
+                    stats.save_errors += 1
+                    stats.warn_once("save", "cannot write block %s: %s", spec.key, exc)
+                    continue
+            stats.saves += 1
+            stats.save_bytes += nbytes(block)
+        stats.save_seconds = seconds + time.perf_counter() - started
+        return stats
+
+    def _collect(self, wait_upto: int = -1) -> None:
+        """Count the finished save jobs, first waiting for the jobs up to index wait_upto."""
+        pending = []
+        for i, (job, keys, held) in enumerate(self.saving):
+            if i <= wait_upto or job.done():
+                self.stats.add(job.result())
+            else:
+                pending.append((job, keys, held))
+        self.saving = pending
+
+    def flush(self) -> None:
+        """Wait until every save handed to the save thread is stored and counted."""
+        self._collect(wait_upto=len(self.saving) - 1)
+
+    def take_stats(self) -> Stats:
+        """The counters since the last call (vLLM asks after every step)."""
+        self._collect()
+        stats, self.stats = self.stats, Stats(logged=self.logged)
+        return stats

@@ -1,5 +1,6 @@
 """Scheduler and worker sides on fake vLLM objects: plans, stores, verified loads, faults counted."""
 
+import threading
 from types import SimpleNamespace as NS
 
 import torch
@@ -35,9 +36,33 @@ def test_store_then_load_into_another_block_from_each_tier(tmp_path):
     assert w.take_load_errors() == set()
 
 
+def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key(tmp_path):
+    w = worker(tmp_path)
+    gate = threading.Event()
+    w.saver.submit(gate.wait)  # the save thread is busy
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True)]))
+    assert w.ram.get("k1") is None and not w.fs.exists("k1")  # save() returned before storing
+    threading.Timer(0.2, gate.set).start()
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
+    assert all(torch.equal(t[5], t[1]) for t in w.layers.values())
+    assert w.take_load_errors() == set() and (w.stats.saves, w.stats.ram_hits) == (1, 1)
+
+
+def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path):
+    w = worker(tmp_path, fs=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=False)]))
+    w.flush()
+    w.ram.get("k1")[0]["layer0"][0, 0, 0] += 1.0  # a stray write into the tier's copy
+    before = w.layers["layer0"][5].clone()
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
+    assert torch.equal(w.layers["layer0"][5], before)
+    assert w.take_load_errors() == {5} and w.stats.corrupt == 1 and w.ram.get("k1") is None
+
+
 def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
     w = worker(tmp_path, ram=False)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
     path = w.fs.path("k1")
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
@@ -61,6 +86,7 @@ def test_write_faults_are_counted_and_serving_goes_on(tmp_path):
     w = WorkerSide(FP, B, None, FsTier(str(blocker), FP, None))
     w.register(caches())
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
     assert w.stats.save_errors == 1 and w.stats.saves == 0
 
 
