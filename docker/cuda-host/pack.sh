@@ -7,7 +7,7 @@ out=${1:-.device}; part_mib=${2:-60}
 here=$(cd "$(dirname "$0")" && pwd)
 plat=(--python-version 3.12 --implementation cp --only-binary=:all: --platform any)
 for p in manylinux_2_{5,17,24,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do plat+=(--platform "$p"); done
-mkdir -p "$out/whl" "$out/parts"
+rm -rf "$out/whl" && mkdir -p "$out/whl" "$out/parts"  # only this wheels.txt, no wheels of an older one
 grep -v '^#' "$here/wheels.txt" | grep . | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl"
 rm -rf "$out/site"
 python3 -m pip install -q --no-deps --no-compile --target "$out/site" "${plat[@]}" "$out"/whl/*.whl
