@@ -11,6 +11,13 @@ rm -rf "$out/whl" && mkdir -p "$out/whl" "$out/parts"  # only this wheels.txt, n
 grep -v '^#' "$here/wheels.txt" | grep . | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl"
 rm -rf "$out/site"
 python3 -m pip install -q --no-deps --no-compile --target "$out/site" "${plat[@]}" "$out"/whl/*.whl
+# The playbooks' collections (ansible.posix for NFS mounts, community.docker for containers), from the harness
+# venv's `ansible` package (make setup): the whole package would be ~50 MB more, Galaxy may be unreachable.
+harness=$(cd "$here/../.." && pwd)/.venv
+cols=$("$harness/bin/python" -c 'import ansible_collections; print(list(ansible_collections.__path__)[0])')
+for c in ansible/posix community/docker; do
+  mkdir -p "$out/site/ansible_collections/$c" && cp -a "$cols/$c/." "$out/site/ansible_collections/$c/"
+done
 tar -C "$out" -cf - site | xz -T0 -6 > "$out/site.tar.xz"
 rm -f "$out"/parts/site.tar.xz.*
 size=$(stat -c %s "$out/site.tar.xz"); n=$(( (size + part_mib * 1048576 - 1) / (part_mib * 1048576) ))
