@@ -1,6 +1,6 @@
 """Worker side: copy blocks between vLLM's paged KV cache and the tiers, verifying every load.
 
-Loads run in start_load_kv, before the forward: checksums and file reads run on two load threads while
+Loads run in start_load_kv, before the forward: file reads and their checks run on four load threads while
 the forward thread copies verified blocks into the KV cache. Stores start in wait_for_save, after the
 forward: the step's new blocks are copied out of the KV cache at once (vLLM may reuse them after the
 step), then checksummed and written by one save thread, off the forward path; a load waits only for the
@@ -30,7 +30,7 @@ class WorkerSide:
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
-        self.loaders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvscope-load")
+        self.loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-load")  # reads in flight: 4 beat 2 from disk
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")  # one: stores stay in order
         self.saving: list[tuple[Future, set[str], int]] = []  # (job, keys it stores, bytes it holds), oldest first
 
