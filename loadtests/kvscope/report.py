@@ -170,7 +170,7 @@ def config_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
 
 def crashed_verdicts(run: dict) -> pd.DataFrame:
     """A row for each config that did not start: it has no answers, and that is a result too."""
-    return pd.DataFrame([{"config": c["config"], "role": "candidate", "verdict": "CRASHED", "as_expected": False,
+    return pd.DataFrame([{"config": c["config"], "role": c.get("role", "candidate"), "verdict": "CRASHED", "as_expected": False,
                           "fail_requests": 0, "scored": 0, "hit_requests": 0, "failed_requests": 0,
                           "speedup_hits_median": None, "speedup_all_median": None} for c in run.get("crashed", [])])
 

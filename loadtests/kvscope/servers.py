@@ -190,10 +190,13 @@ def first_error(log_text: str) -> str:
 
 
 def record_failure(run_dir: Path, config: str, why: str) -> dict:
-    """failed.json beside a server that did not come up: why, and the first error line of its log."""
+    """failed.json beside a server that did not come up: its role, why, and the first error line of its log."""
     folder = Path(run_dir) / config
     log = folder / "server.log"
-    doc = {"config": config, "why": why,
+    rendered = Path(run_dir) / "rendered.json"
+    roles = ({s["name"]: s["role"] for s in json.loads(rendered.read_text())["kvscope_servers"]}
+             if rendered.exists() else {})
+    doc = {"config": config, "role": roles.get(config, "candidate"), "why": why,
            "error": first_error(log.read_text(errors="replace")) if log.exists() else "no server log"}
     (folder / "failed.json").write_text(json.dumps(doc, indent=2) + "\n")
     return doc

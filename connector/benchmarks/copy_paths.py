@@ -1,0 +1,83 @@
+"""Benchmark: where a hit's and a save's time goes on this machine's device, step by step.
+
+A KV cache shaped like the Qwen3-4B shape (36 layers x [blocks, 2, 32 tokens, 8 KV heads, 128] bf16, 4.7 MB
+per block) on the GPU (or the CPU), and a 2.3k-token prompt's 72 blocks. Times, each the median of ROUNDS:
+the save path's copy out of the KV cache (WorkerSide.extract), the checksum of every block, the RAM tier's
+put (a clone); the load path's RAM-tier get + checksum, and its write into the KV cache (WorkerSide.inject:
+stack + host-to-device + index_copy_ per layer); and, for comparison, the same write from a pinned staging
+buffer. Prints ms and GB/s per step: what to make faster next.
+
+    python connector/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from kvscope_connector.store import RamTier, checksum
+from kvscope_connector.worker import WorkerSide
+
+
+def timed(fn, rounds: int, sync) -> float:
+    fn()
+    out = []
+    for _ in range(rounds):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return float(np.median(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=72)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    n = args.blocks
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(3 * n, 2, 32, 8, 128, device=dev).to(torch.bfloat16)
+              for i in range(args.layers)}
+    worker = WorkerSide("f" * 32, 32, RamTier(1 << 40), None)
+    worker.register(caches)
+    src, dst = list(range(n)), list(range(n, 2 * n))
+    blocks = worker.extract(src)
+    digests = [checksum(b) for b in blocks]
+    for i, (b, d) in enumerate(zip(blocks, digests)):
+        worker.ram.put(f"k{i}", b, d)
+    held = [worker.ram.get(f"k{i}")[0] for i in range(n)]
+    total = worker.block_bytes() * n
+
+    def pinned_inject():
+        idx = torch.tensor(dst, device=dev)
+        for name, t in worker.layers.items():
+            staging = torch.empty((n, *t.shape[1:]), dtype=t.dtype, pin_memory=dev.type == "cuda")
+            torch.stack([b[name] for b in held], out=staging)
+            t.index_copy_(0, idx, staging.to(dev, non_blocking=True))
+
+    steps = {
+        "save: extract (gather + device-to-host)": lambda: worker.extract(src),
+        "save: checksum (XXH3-128)": lambda: [checksum(b) for b in blocks],
+        "save: RAM tier put (clone)": lambda: [RamTier(1 << 40).put(f"k{i}", b, d)
+                                               for i, (b, d) in enumerate(zip(blocks, digests))],
+        "load: RAM get + checksum": lambda: [checksum(worker.ram.get(f"k{i}")[0]) for i in range(n)],
+        "load: inject (stack, host-to-device, index_copy_)": lambda: worker.inject(list(zip(dst, held))),
+        "load: inject from pinned staging (comparison)": pinned_inject,
+    }
+    print(f"{n} blocks x {worker.block_bytes() / 1e6:.1f} MB = {total / 1e6:.0f} MB on {dev}"
+          + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""))
+    for name, fn in steps.items():
+        s = timed(fn, args.rounds, sync)
+        print(f"{name:<52} {s * 1e3:8.1f} ms  {total / s / 1e9:6.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
