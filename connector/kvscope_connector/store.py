@@ -141,11 +141,14 @@ class FsTier:
         except OSError:
             pass
 
+    def _name(self, key: str) -> str:
+        return f"{self.dir}/{key[:2]}/{key}.safetensors"
+
     def path(self, key: str) -> Path:
-        return self.dir / key[:2] / f"{key}.safetensors"
+        return Path(self._name(key))
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(f"{self.dir}/{key[:2]}/{key}.safetensors")  # a stat per block: no pathlib here
+        return os.path.isfile(self._name(key))  # a stat per block on the scheduler's hot path: no pathlib
 
     def _note(self, key: str, size: int) -> None:
         with self.lock:
@@ -210,8 +213,9 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-def decode(data: bytearray, fingerprint: str, key: str, like: Block) -> Block:
-    """Parse and verify one stored block; raises ValueError if it is not exactly what this server expects.
+def decode(data: bytearray, fingerprint: str, key: str, like: Block) -> tuple[Block, str]:
+    """Parse and verify one stored block and return it with its verified checksum; raises ValueError if it
+    is not exactly what this server expects.
 
     Tensors are views into `data` (no copy); safetensors' layout is read from its JSON header, never
     executed.
@@ -239,6 +243,7 @@ def decode(data: bytearray, fingerprint: str, key: str, like: Block) -> Block:
     for name, t in block.items():
         if t.shape != like[name].shape or t.dtype != like[name].dtype:
             raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(like[name].shape)} {like[name].dtype}")
-    if checksum(block) != meta.get("checksum"):
+    digest = checksum(block)
+    if digest != meta.get("checksum"):
         raise ValueError("checksum mismatch")
-    return block
+    return block, digest

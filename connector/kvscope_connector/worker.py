@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -20,6 +20,15 @@ from .scheduler import KVScopeMetadata, LoadSpec, StoreSpec
 from .store import Block, FsTier, RamTier, Stats, checksum, decode, nbytes
 
 MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this a save waits for it
+
+
+class Fetched(NamedTuple):
+    """What a load found under one key: a verified block with its checksum, or why there is none."""
+
+    outcome: str  # "ram" or "fs" (verified), "miss", "io", "ram-corrupt" or "corrupt"
+    block: Block | None = None
+    digest: str = ""
+    why: str = ""
 
 
 class WorkerSide:
@@ -74,32 +83,32 @@ class WorkerSide:
     # Loads
 
     @staticmethod
-    def _verify_ram(hit: tuple[Block, str]) -> tuple[Block | None, str, str]:
+    def _verify_ram(hit: tuple[Block, str]) -> Fetched:
         block, digest = hit
-        return (block, "ram", "") if checksum(block) == digest else (None, "ram-corrupt", "")
+        return Fetched("ram", block, digest) if checksum(block) == digest else Fetched("ram-corrupt")
 
-    def _read_fs(self, key: str) -> tuple[Block | None, str, str]:
+    def _read_fs(self, key: str) -> Fetched:
         """Read and verify one file; runs on a load thread, so it only returns what happened."""
         try:
             data = self.fs.read(key)
         except OSError as exc:
-            return None, "io", str(exc)
+            return Fetched("io", why=str(exc))
         if data is None:
-            return None, "miss", ""
+            return Fetched("miss")
         try:
-            return decode(data, self.fp, key, self.like), "fs", ""
+            return Fetched("fs", *decode(data, self.fp, key, self.like))
         except ValueError as exc:
-            return None, "corrupt", str(exc)
+            return Fetched("corrupt", why=str(exc))
 
-    def _settle(self, spec: LoadSpec, result: tuple[Block | None, str, str]) -> Block | None:
+    def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:
         """Count an outcome; drop or quarantine what failed verification; promote filesystem hits to RAM."""
-        block, outcome, why = result
+        outcome, why = result.outcome, result.why
         if outcome == "ram":
             self.stats.ram_hits += 1
         elif outcome == "fs":
             self.stats.fs_hits += 1
-            if spec.promote and self.ram is not None:
-                self.stats.evictions += self.ram.put(spec.key, block, checksum(block))
+            if spec.promote and self.ram is not None:  # decode verified the checksum: no second pass
+                self.stats.evictions += self.ram.put(spec.key, result.block, result.digest)
         elif outcome == "miss":
             self.stats.misses += 1
         elif outcome == "io":
@@ -113,7 +122,7 @@ class WorkerSide:
             self.stats.corrupt += 1
             self.stats.warn_once("corrupt", "block %s rejected: %s", spec.key, why)
             self.fs.quarantine(spec.key)
-        return block
+        return result.block
 
     def fetch_all(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block | None]]:
         """Verified blocks in load order, or None for a miss. File reads and their checks run on the load
@@ -127,7 +136,7 @@ class WorkerSide:
             if spec.key in ram:
                 result = self._verify_ram(ram[spec.key])
             else:
-                result = reads[spec.key].result() if spec.key in reads else (None, "miss", "")
+                result = reads[spec.key].result() if spec.key in reads else Fetched("miss")
             yield spec, self._settle(spec, result)
 
     def begin_step(self, meta: KVScopeMetadata) -> None:

@@ -36,6 +36,15 @@ def test_store_then_load_into_another_block_from_each_tier(tmp_path):
     assert w.take_load_errors() == set()
 
 
+def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with(tmp_path):
+    w = worker(tmp_path)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs", promote=True)]))
+    w.load(KVScopeMetadata(loads=[LoadSpec(6, "k1", "ram")]))
+    assert all(torch.equal(t[6], t[1]) for t in w.layers.values())
+    assert (w.stats.fs_hits, w.stats.ram_hits, w.stats.corrupt) == (1, 1, 0) and w.take_load_errors() == set()
+
+
 def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key(tmp_path):
     w = worker(tmp_path)
     gate = threading.Event()

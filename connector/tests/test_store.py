@@ -60,8 +60,8 @@ def test_fs_tier_round_trip_and_verification(tmp_path):
     b = block()
     fs.write("ab12", b, checksum(b))
     assert fs.exists("ab12") and not list(tmp_path.rglob("*.tmp"))
-    got = decode(fs.read("ab12"), FP, "ab12", b)
-    assert all(torch.equal(got[k], b[k]) for k in b)
+    got, digest = decode(fs.read("ab12"), FP, "ab12", b)
+    assert all(torch.equal(got[k], b[k]) for k in b) and digest == checksum(b)
 
 
 @pytest.mark.parametrize("damage, message", [

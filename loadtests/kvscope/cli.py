@@ -65,7 +65,7 @@ def cmd_manifest(args) -> int:
     from .model_builder import model_hash
 
     run_dir = Path(args.run_dir)
-    rendered = {r["name"]: r for r in json.loads(Path(args.rendered).read_text())["kvscope_servers"]}[args.config]
+    rendered = servers.rendered_servers(Path(args.rendered))[args.config]
     model = Path(args.model)
     doc = servers.manifest(args.config, rendered["port"], run_dir / args.config / "server.pid", rendered,
                            model, model_hash(model), args.host,

@@ -189,14 +189,18 @@ def first_error(log_text: str) -> str:
                 "no error line in the log")
 
 
+def rendered_servers(path: Path) -> dict[str, dict]:
+    """The rendered server specs of a deploy (rendered.json), by config name."""
+    return {r["name"]: r for r in json.loads(Path(path).read_text())["kvscope_servers"]}
+
+
 def record_failure(run_dir: Path, config: str, why: str) -> dict:
     """failed.json beside a server that did not come up: its role, why, and the first error line of its log."""
     folder = Path(run_dir) / config
     log = folder / "server.log"
     rendered = Path(run_dir) / "rendered.json"
-    roles = ({s["name"]: s["role"] for s in json.loads(rendered.read_text())["kvscope_servers"]}
-             if rendered.exists() else {})
-    doc = {"config": config, "role": roles.get(config, "candidate"), "why": why,
+    spec = rendered_servers(rendered).get(config, {}) if rendered.exists() else {}
+    doc = {"config": config, "role": spec.get("role", "candidate"), "why": why,
            "error": first_error(log.read_text(errors="replace")) if log.exists() else "no server log"}
     (folder / "failed.json").write_text(json.dumps(doc, indent=2) + "\n")
     return doc
