@@ -29,7 +29,7 @@ Block = dict[str, torch.Tensor]
 
 
 def checksum(block: Block) -> str:
-    """XXH3-128 over the layer names and tensor bytes in name order (~15 GB/s, 8x zlib's CRC-32; no copies).
+    """XXH3-128 over the layer names and tensor bytes in name order (several times zlib's CRC-32; no copies).
 
     It guards against torn, truncated and bit-flipped blocks; the header's fingerprint and key guard
     against foreign ones. It is not a defence against someone who can rewrite the store.
