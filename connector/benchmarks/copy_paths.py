@@ -2,10 +2,11 @@
 
 A KV cache shaped like the Qwen3-4B shape (36 layers x [blocks, 2, 32 tokens, 8 KV heads, 128] bf16, 4.7 MB
 per block) on the GPU (or the CPU), and a 2.3k-token prompt's 72 blocks. Times, each the median of ROUNDS:
-the save path's copy out of the KV cache (WorkerSide.extract), the checksum of every block, the RAM tier's
-put (a clone); the load path's RAM-tier get + checksum, and its write into the KV cache (WorkerSide.inject:
-stack + host-to-device + index_copy_ per layer); and, for comparison, the same write from a pinned staging
-buffer. Prints ms and GB/s per step: what to make faster next.
+the save path's copy out of the KV cache (WorkerSide.extract: gather per layer into one packed buffer,
+one device-to-host copy), the checksum of every block, the RAM tier's put (a clone); the load path's
+RAM-tier get + checksum, and its write into the KV cache (WorkerSide.inject: stack into pinned memory,
+one host-to-device copy, index_copy_ per layer; numpy row copies on the CPU). Prints ms and GB/s per
+step: what to make faster next.
 
     python connector/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
 """
@@ -56,21 +57,13 @@ def main() -> None:
     held = [worker.ram.get(f"k{i}")[0] for i in range(n)]
     total = worker.block_bytes() * n
 
-    def pinned_inject():
-        idx = torch.tensor(dst, device=dev)
-        for name, t in worker.layers.items():
-            staging = torch.empty((n, *t.shape[1:]), dtype=t.dtype, pin_memory=dev.type == "cuda")
-            torch.stack([b[name] for b in held], out=staging)
-            t.index_copy_(0, idx, staging.to(dev, non_blocking=True))
-
     steps = {
         "save: extract (gather + device-to-host)": lambda: worker.extract(src),
         "save: checksum (XXH3-128)": lambda: [checksum(b) for b in blocks],
         "save: RAM tier put (clone)": lambda: [RamTier(1 << 40).put(f"k{i}", b, d)
                                                for i, (b, d) in enumerate(zip(blocks, digests))],
         "load: RAM get + checksum": lambda: [checksum(worker.ram.get(f"k{i}")[0]) for i in range(n)],
-        "load: inject (stack, host-to-device, index_copy_)": lambda: worker.inject(list(zip(dst, held))),
-        "load: inject from pinned staging (comparison)": pinned_inject,
+        "load: inject": lambda: worker.inject(list(zip(dst, held))),
     }
     print(f"{n} blocks x {worker.block_bytes() / 1e6:.1f} MB = {total / 1e6:.0f} MB on {dev}"
           + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""))

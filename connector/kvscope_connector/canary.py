@@ -25,7 +25,8 @@ class _ShiftedWorker(WorkerSide):
         good = [(spec, block) for spec, block in verified if block is not None]
         self.load_errors |= {spec.block_id for spec, block in verified if block is None}
         if len(good) == 1:
-            good = [(spec, {name: torch.roll(t, 1, dims=_token_dim(t, self.block_size)) for name, t in block.items()})
+            good = [(spec, self.layout.pack({name: torch.roll(t, 1, dims=_token_dim(t, self.block_size))
+                                             for name, t in self.layout.views(block).items()}))
                     for spec, block in good]
         # each block gets its predecessor's KV (the first takes the last's): a rotation by one block
         self.inject([(spec.block_id, good[i - 1][1]) for i, (spec, _) in enumerate(good)])
@@ -39,7 +40,8 @@ def _token_dim(t: torch.Tensor, block_size: int) -> int:
 class _PerturbedWorker(WorkerSide):
     def transform(self, spec, block: Block, meta) -> Block:
         gen = torch.Generator().manual_seed(spec.block_id)
-        return {name: t + torch.randn(t.shape, generator=gen, dtype=t.dtype) * t.std() for name, t in block.items()}
+        return self.layout.pack({name: t + torch.randn(t.shape, generator=gen, dtype=t.dtype) * t.std()
+                                 for name, t in self.layout.views(block).items()})
 
 
 class ShiftedBlockCanary(KVScopeConnector):

@@ -1,9 +1,10 @@
 """Block storage: a RAM tier in front of a filesystem tier, both verified on every load.
 
-A block is the KV of one block of tokens in every layer, {layer name: tensor}. Files are safetensors (no
-pickle, no code) with a header that names the fingerprint, the key and a checksum of the tensor bytes;
-writes are atomic (temp file, optional fsync, rename), so a reader on a shared directory never sees a torn
-block. Anything that does not verify is a miss: counted, moved aside once, never loaded.
+A block is the KV of one block of tokens in every layer, held as one flat byte buffer whose layers lie
+one after another in name order (a Layout says where). Files are safetensors (no pickle, no code) with
+one tensor per layer, in that same order, and a header that names the fingerprint, the key and a checksum
+of the bytes; writes are atomic (temp file, optional fsync, rename), so a reader on a shared directory
+never sees a torn block. Anything that does not verify is a miss: counted, moved aside once, never loaded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
+from itertools import zip_longest
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import xxhash
@@ -25,24 +28,47 @@ from .keys import FORMAT_VERSION
 
 log = logging.getLogger("kvscope_connector")
 
-Block = dict[str, torch.Tensor]
+Block = torch.Tensor  # one block: a 1-D uint8 CPU tensor laid out by a Layout
+
+
+class Entry(NamedTuple):
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte range of this layer in the block
+    end: int
+
+
+class Layout:
+    """Where each layer's KV lies in a block's bytes: layers in name order, each in row-major order (the
+    order safetensors writes same-dtype tensors in, so a file's data is a block as it is)."""
+
+    def __init__(self, like: dict[str, torch.Tensor]):  # one block's tensor per layer
+        self.entries: list[Entry] = []
+        offset = 0
+        for name in sorted(like):
+            t = like[name]
+            size = t.numel() * t.element_size()
+            self.entries.append(Entry(name, t.dtype, tuple(t.shape), offset, offset + size))
+            offset += size
+        self.nbytes = offset
+
+    def views(self, block: Block) -> dict[str, torch.Tensor]:
+        """Each layer's tensor, as a view into the block."""
+        return {e.name: block[e.start:e.end].view(e.dtype).view(e.shape) for e in self.entries}
+
+    def pack(self, tensors: dict[str, torch.Tensor]) -> Block:
+        """A new block from one tensor per layer."""
+        return torch.cat([tensors[e.name].reshape(-1).view(torch.uint8) for e in self.entries])
 
 
 def checksum(block: Block) -> str:
-    """XXH3-128 over the layer names and tensor bytes in name order (several times zlib's CRC-32; no copies).
+    """XXH3-128 of the block's bytes (one pass, no copy; several times zlib's CRC-32).
 
     It guards against torn, truncated and bit-flipped blocks; the header's fingerprint and key guard
     against foreign ones. It is not a defence against someone who can rewrite the store.
     """
-    h = xxhash.xxh3_128()
-    for name in sorted(block):
-        h.update(name.encode())
-        h.update(block[name].contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def nbytes(block: Block) -> int:
-    return sum(t.numel() * t.element_size() for t in block.values())
+    return xxhash.xxh3_128(block.numpy()).hexdigest()
 
 
 @dataclass
@@ -85,10 +111,9 @@ class RamTier:
 
     def put(self, key: str, block: Block, digest: str) -> int:
         """Store a copy; returns how many blocks were evicted to make room."""
-        size = nbytes(block)
+        size = block.numel()
         if size > self.capacity:
             return 0
-        copy = {k: v.clone() for k, v in block.items()}
         with self.lock:
             if key in self.blocks:
                 self.blocks.move_to_end(key)
@@ -97,7 +122,7 @@ class RamTier:
             while self.used + size > self.capacity:
                 self._drop(next(iter(self.blocks)))
                 evicted += 1
-            self.blocks[key] = (copy, digest)
+            self.blocks[key] = (block.clone(), digest)
             self.used += size
             return evicted
 
@@ -115,7 +140,7 @@ class RamTier:
     def _drop(self, key: str) -> bool:
         entry = self.blocks.pop(key, None)
         if entry is not None:
-            self.used -= nbytes(entry[0])
+            self.used -= entry[0].numel()
         return entry is not None
 
     def clear(self) -> None:
@@ -155,9 +180,10 @@ class FsTier:
             self.used += size - self.sizes.pop(key, 0)
             self.sizes[key] = size
 
-    def write(self, key: str, block: Block, digest: str) -> int:
-        """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
-        data = st_save(block, metadata={"kvscope_format": FORMAT_VERSION, "fingerprint": self.fingerprint,
+    def write(self, key: str, layers: dict[str, torch.Tensor], digest: str) -> int:
+        """Atomically write one block, given as its layers (Layout.views); returns how many files were
+        evicted. Raises OSError on I/O faults."""
+        data = st_save(layers, metadata={"kvscope_format": FORMAT_VERSION, "fingerprint": self.fingerprint,
                                         "key": key, "checksum": digest})
         final = self.path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -213,36 +239,31 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-def decode(data: bytearray, fingerprint: str, key: str, like: Block) -> tuple[Block, str]:
+def decode(data: bytearray, fingerprint: str, key: str, layout: Layout) -> tuple[Block, str]:
     """Parse and verify one stored block and return it with its verified checksum; raises ValueError if it
     is not exactly what this server expects.
 
-    Tensors are views into `data` (no copy); safetensors' layout is read from its JSON header, never
-    executed.
+    The block is a view into `data` (no copy); safetensors' layout is read from its JSON header, never
+    executed, and must be this server's Layout byte for byte.
     """
     try:
         (n,) = struct.unpack_from("<Q", data, 0)
         header = json.loads(bytes(data[8:8 + n]))
         meta = header.pop("__metadata__", {})
-        block = {}
-        for name, info in header.items():
-            start, end = info["data_offsets"]
-            dtype = _DTYPES[info["dtype"]]
-            if 8 + n + end > len(data):
-                raise ValueError("truncated")
-            count = (end - start) // torch.tensor([], dtype=dtype).element_size()
-            block[name] = torch.frombuffer(data, dtype=dtype, count=count, offset=8 + n + start).view(info["shape"])
-    except (struct.error, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        found = sorted(Entry(name, _DTYPES.get(info["dtype"]), tuple(info["shape"]), *info["data_offsets"])
+                       for name, info in header.items())
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"unreadable block: {exc}") from exc
     if meta.get("kvscope_format") != FORMAT_VERSION:
         raise ValueError(f"format {meta.get('kvscope_format')!r}, expected {FORMAT_VERSION}")
     if meta.get("fingerprint") != fingerprint or meta.get("key") != key:
         raise ValueError("fingerprint or key mismatch (a foreign block)")
-    if set(block) != set(like):
-        raise ValueError("layer names differ")
-    for name, t in block.items():
-        if t.shape != like[name].shape or t.dtype != like[name].dtype:
-            raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(like[name].shape)} {like[name].dtype}")
+    for got, want in zip_longest(found, layout.entries):
+        if got != want:
+            raise ValueError(f"layer {got}, expected {want}")
+    if len(data) != 8 + n + layout.nbytes:
+        raise ValueError(f"{len(data)} bytes, expected {8 + n + layout.nbytes} (truncated or padded)")
+    block = torch.frombuffer(data, dtype=torch.uint8, count=layout.nbytes, offset=8 + n)
     digest = checksum(block)
     if digest != meta.get("checksum"):
         raise ValueError("checksum mismatch")

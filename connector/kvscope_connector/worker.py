@@ -1,5 +1,7 @@
 """Worker side: copy blocks between vLLM's paged KV cache and the tiers, verifying every load.
 
+A block travels as one flat byte buffer (store.Layout): one checksum call and, on a GPU, one transfer
+per step rather than one per layer and block.
 Loads run in start_load_kv, before the forward: file reads and their checks run on four load threads while
 the forward thread copies verified blocks into the KV cache. Stores start in wait_for_save, after the
 forward: the step's new blocks are copied out of the KV cache at once (vLLM may reuse them after the
@@ -14,10 +16,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Iterator, NamedTuple
 
+import numpy as np
 import torch
 
 from .scheduler import KVScopeMetadata, LoadSpec, StoreSpec
-from .store import Block, FsTier, RamTier, Stats, checksum, decode, nbytes
+from .store import Block, FsTier, Layout, RamTier, Stats, checksum, decode
 
 MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this a save waits for it
 
@@ -35,7 +38,9 @@ class WorkerSide:
     def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None):
         self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
         self.layers: dict[str, torch.Tensor] = {}
-        self.like: Block = {}  # one block's tensors: the shape and dtype a stored block must have
+        self.layout: Layout | None = None  # where each layer lies in a block; set by register()
+        self.device = torch.device("cpu")
+        self.rows: dict[str, np.ndarray] = {}  # CPU caches as [num_blocks, bytes] arrays
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
@@ -44,40 +49,64 @@ class WorkerSide:
         self.saving: list[tuple[Future, set[str], int]] = []  # (job, keys it stores, bytes it holds), oldest first
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer KV caches, each [num_blocks, ...]. On the CPU, loads copy with numpy into
+        byte rows of the caches (a torch op per layer and block costs more than its bytes), which needs
+        contiguous caches; vLLM's CPU backend allocates them so."""
         self.layers = dict(sorted(kv_caches.items()))
-        self.like = {name: t[0] for name, t in self.layers.items()}
+        self.layout = Layout({name: t[0] for name, t in self.layers.items()})
+        self.device = next(iter(self.layers.values())).device
+        if self.device.type == "cpu":
+            bad = [name for name, t in self.layers.items() if not t.is_contiguous()]
+            if bad:
+                raise ValueError(f"kvscope connector: the CPU KV caches of {bad} are not contiguous")
+            self.rows = {name: t.view(t.shape[0], -1).view(torch.uint8).numpy() for name, t in self.layers.items()}
 
     def block_bytes(self) -> int:
-        return nbytes(self.like)
+        return self.layout.nbytes
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=next(iter(self.layers.values())).device)
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
     def extract(self, block_ids: list[int]) -> list[Block]:
-        """The blocks' host copies: one gather and one device-to-host copy per layer for all of them (block
-        by block, a GPU model's 36 layers x 60 blocks would be 2160 synchronous copies per prompt)."""
+        """The blocks' host copies, packed as [blocks, bytes]. On the CPU numpy copies each layer's row; on
+        a GPU one gather per layer into a packed buffer, then one device-to-host copy of it (block by block,
+        a GPU model's 36 layers x 60 blocks would be 2160 synchronous copies per prompt)."""
         if not block_ids:
             return []
+        n = len(block_ids)
+        if self.device.type == "cpu":
+            packed = np.empty((n, self.layout.nbytes), dtype=np.uint8)
+            for row, block_id in zip(packed, block_ids):
+                for e in self.layout.entries:
+                    row[e.start:e.end] = self.rows[e.name][block_id]
+            return list(torch.from_numpy(packed))
         idx = self._index(block_ids)
-        host = {name: t.index_select(0, idx).cpu() for name, t in self.layers.items()}
-        return [{name: h[i] for name, h in host.items()} for i in range(len(block_ids))]
+        packed = torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device)
+        for e in self.layout.entries:
+            packed[:, e.start:e.end] = self.layers[e.name].index_select(0, idx).view(n, -1).view(torch.uint8)
+        return list(packed.cpu())
 
     def inject(self, items: Iterable[tuple[int, Block]]) -> int:
-        """Write verified blocks into the KV cache as they come; returns how many. On the CPU a direct copy
-        per block (stacking first would copy every byte twice); on a GPU one host-to-device copy per layer
-        for all of them."""
-        if next(iter(self.layers.values())).device.type == "cpu":
+        """Write verified blocks into the KV cache as they come; returns how many. On the CPU numpy copies
+        each layer's bytes straight into its row; on a GPU the blocks go over in one host-to-device copy
+        from pinned memory, then one index_copy_ per layer."""
+        if self.device.type == "cpu":
             count = 0
             for block_id, block in items:
-                for name, t in self.layers.items():
-                    t[block_id].copy_(block[name])
+                src = block.numpy()
+                for e in self.layout.entries:
+                    self.rows[e.name][block_id] = src[e.start:e.end]
                 count += 1
             return count
         items = list(items)
         if items:
+            host = torch.empty((len(items), self.layout.nbytes), dtype=torch.uint8, pin_memory=True)
+            torch.stack([block for _, block in items], out=host)
+            blocks = host.to(self.device, non_blocking=True)
             idx = self._index([block_id for block_id, _ in items])
-            for name, t in self.layers.items():
-                t.index_copy_(0, idx, torch.stack([block[name] for _, block in items]).to(t.device))
+            for e in self.layout.entries:
+                layer = blocks[:, e.start:e.end].view(e.dtype).view(len(items), *e.shape)
+                self.layers[e.name].index_copy_(0, idx, layer)
         return len(items)
 
     # Loads
@@ -96,7 +125,7 @@ class WorkerSide:
         if data is None:
             return Fetched("miss")
         try:
-            return Fetched("fs", *decode(data, self.fp, key, self.like))
+            return Fetched("fs", *decode(data, self.fp, key, self.layout))
         except ValueError as exc:
             return Fetched("corrupt", why=str(exc))
 
@@ -201,13 +230,13 @@ class WorkerSide:
                 stats.evictions += self.ram.put(spec.key, block, digest)
             if spec.to_fs and self.fs is not None:
                 try:
-                    stats.evictions += self.fs.write(spec.key, block, digest)
+                    stats.evictions += self.fs.write(spec.key, self.layout.views(block), digest)
                 except OSError as exc:
                     stats.save_errors += 1
                     stats.warn_once("save", "cannot write block %s: %s", spec.key, exc)
                     continue
             stats.saves += 1
-            stats.save_bytes += nbytes(block)
+            stats.save_bytes += block.numel()
         stats.save_seconds = seconds + time.perf_counter() - started
         return stats
 

@@ -3,6 +3,7 @@
 import threading
 from types import SimpleNamespace as NS
 
+import pytest
 import torch
 
 from kvscope_connector.keys import block_keys
@@ -61,7 +62,7 @@ def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path):
     w = worker(tmp_path, fs=False)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=False)]))
     w.flush()
-    w.ram.get("k1")[0]["layer0"][0, 0, 0] += 1.0  # a stray write into the tier's copy
+    w.ram.get("k1")[0][0] += 1  # a stray write into the tier's copy
     before = w.layers["layer0"][5].clone()
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
     assert torch.equal(w.layers["layer0"][5], before)
@@ -87,6 +88,12 @@ def test_a_vanished_block_is_a_counted_miss(tmp_path):
     w = worker(tmp_path, ram=False)
     w.load(KVScopeMetadata(loads=[LoadSpec(3, "never-stored", "fs")]))
     assert w.take_load_errors() == {3} and w.stats.misses == 1
+
+
+def test_cpu_caches_that_are_not_contiguous_are_refused_at_registration():
+    w = WorkerSide(FP, B, RamTier(1 << 20), None)
+    with pytest.raises(ValueError, match="not contiguous"):
+        w.register({"layer0": torch.randn(8, 6, B).transpose(1, 2)})
 
 
 def test_write_faults_are_counted_and_serving_goes_on(tmp_path):

@@ -6,15 +6,33 @@ import pytest
 import torch
 
 from kvscope_connector import keys
-from kvscope_connector.store import FsTier, RamTier, checksum, decode
+from kvscope_connector.store import FsTier, Layout, RamTier, checksum, decode
 
 
-def block(seed=0, layers=2):
+def layers(seed=0, width=8):
     gen = torch.Generator().manual_seed(seed)
-    return {f"model.layers.{i}.self_attn.attn": torch.randn(2, 4, 8, generator=gen) for i in range(layers)}
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(2, 4, width, generator=gen) for i in (1, 0)}
 
 
+LAYOUT = Layout(layers())
 FP = "f" * 32
+
+
+def block(seed=0):
+    return LAYOUT.pack(layers(seed))
+
+
+def write(fs, key, b):
+    return fs.write(key, LAYOUT.views(b), checksum(b))
+
+
+def test_a_block_is_its_layers_bytes_in_name_order():
+    t = layers()
+    b = LAYOUT.pack(t)
+    assert b.dtype == torch.uint8 and b.numel() == LAYOUT.nbytes == 2 * 2 * 4 * 8 * 4
+    assert [e.name for e in LAYOUT.entries] == sorted(t)
+    assert all(torch.equal(v, t[name]) for name, v in LAYOUT.views(b).items())
+    assert torch.equal(b[:LAYOUT.nbytes // 2].view(torch.float32), t["model.layers.0.self_attn.attn"].reshape(-1))
 
 
 def test_keys_chain_on_every_earlier_token_and_the_fingerprint():
@@ -46,7 +64,7 @@ def test_weights_identity_differs_between_seeds(tmp_path):
 
 def test_ram_tier_is_an_lru_bounded_in_bytes():
     b = block()
-    size = sum(t.numel() * 4 for t in b.values())
+    size = LAYOUT.nbytes
     ram = RamTier(capacity_bytes=2 * size)
     ram.put("k1", b, checksum(b))
     ram.put("k2", b, checksum(b))
@@ -58,56 +76,58 @@ def test_ram_tier_is_an_lru_bounded_in_bytes():
 def test_fs_tier_round_trip_and_verification(tmp_path):
     fs = FsTier(str(tmp_path), FP, None)
     b = block()
-    fs.write("ab12", b, checksum(b))
+    write(fs, "ab12", b)
     assert fs.exists("ab12") and not list(tmp_path.rglob("*.tmp"))
-    got, digest = decode(fs.read("ab12"), FP, "ab12", b)
-    assert all(torch.equal(got[k], b[k]) for k in b) and digest == checksum(b)
+    got, digest = decode(fs.read("ab12"), FP, "ab12", LAYOUT)
+    assert torch.equal(got, b) and digest == checksum(b)
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda d: d[:-7], "unreadable"),                                     # truncated
+    (lambda d: d[:-7], "truncated"),
+    (lambda d: d + b"\0", "padded"),
     (lambda d: d[:-3] + bytes([d[-3] ^ 0xFF]) + d[-2:], "checksum"),    # one byte of one value flipped
+    (lambda d: d[:9] + b"#" + d[10:], "unreadable"),                     # the JSON header broken
 ])
 def test_damaged_files_are_rejected(tmp_path, damage, message):
     fs = FsTier(str(tmp_path), FP, None)
-    b = block()
-    fs.write("ab12", b, checksum(b))
+    write(fs, "ab12", block())
     with pytest.raises(ValueError, match=message):
-        decode(damage(fs.read("ab12")), FP, "ab12", b)
+        decode(bytearray(damage(bytes(fs.read("ab12")))), FP, "ab12", LAYOUT)
 
 
 def test_foreign_and_misshapen_blocks_are_rejected(tmp_path):
     b = block()
     foreign = FsTier(str(tmp_path), "e" * 32, None)
-    foreign.write("ab12", b, checksum(b))
+    write(foreign, "ab12", b)
     with pytest.raises(ValueError, match="foreign"):
-        decode(foreign.read("ab12"), FP, "ab12", b)
+        decode(foreign.read("ab12"), FP, "ab12", LAYOUT)
     fs = FsTier(str(tmp_path), FP, None)
-    fs.write("cd34", b, checksum(b))
+    write(fs, "cd34", b)
     with pytest.raises(ValueError, match="foreign"):
-        decode(fs.read("cd34"), FP, "ab12", b)  # another block's file under this key
-    wide = {k: torch.zeros(2, 4, 9) for k in b}
+        decode(fs.read("cd34"), FP, "ab12", LAYOUT)  # another block's file under this key
     with pytest.raises(ValueError, match="expected"):
-        decode(fs.read("cd34"), FP, "cd34", wide)
+        decode(fs.read("cd34"), FP, "cd34", Layout(layers(width=9)))
+    bf16 = {name: t.bfloat16() for name, t in layers(width=16).items()}  # as many bytes, another dtype
+    with pytest.raises(ValueError, match="expected"):
+        decode(fs.read("cd34"), FP, "cd34", Layout(bf16))
 
 
 def test_fs_tier_evicts_least_recently_used_files_within_its_capacity(tmp_path):
     b = block()
     probe = FsTier(str(tmp_path / "probe"), FP, None)
-    probe.write("00aa", b, checksum(b))
+    write(probe, "00aa", b)
     size = probe.used
     fs = FsTier(str(tmp_path), FP, capacity_bytes=2 * size)
     for key in ("00aa", "00bb"):
-        fs.write(key, b, checksum(b))
+        write(fs, key, b)
     fs.read("00aa")
-    assert fs.write("00cc", b, checksum(b)) == 1
+    assert write(fs, "00cc", b) == 1
     assert fs.exists("00aa") and not fs.exists("00bb") and fs.exists("00cc")
     assert FsTier(str(tmp_path), FP, None).used == 2 * size  # a new process accounts what is on disk
 
 
 def test_quarantine_moves_a_bad_block_aside(tmp_path):
     fs = FsTier(str(tmp_path), FP, None)
-    b = block()
-    fs.write("ab12", b, checksum(b))
+    write(fs, "ab12", block())
     fs.quarantine("ab12")
     assert not fs.exists("ab12") and list(tmp_path.rglob("*.corrupt"))
