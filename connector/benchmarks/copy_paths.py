@@ -6,7 +6,7 @@ the save path's copy out of the KV cache (WorkerSide.extract: gather per layer i
 one device-to-host copy), the checksum of every block, the RAM tier's put (a clone); the load path's
 RAM-tier get + checksum, and its write into the KV cache (WorkerSide.inject: stack into pinned memory,
 one host-to-device copy, index_copy_ per layer; numpy row copies on the CPU). Prints ms and GB/s per
-step: what to make faster next.
+step: what to make faster next. Checks that the injected blocks equal the extracted ones.
 
     python connector/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
 """
@@ -70,6 +70,7 @@ def main() -> None:
     for name, fn in steps.items():
         s = timed(fn, args.rounds, sync)
         print(f"{name:<52} {s * 1e3:8.1f} ms  {total / s / 1e9:6.1f} GB/s")
+    assert all(torch.equal(t[n:2 * n], t[:n]) for t in caches.values()), "inject wrote other bytes than extract read"
 
 
 if __name__ == "__main__":
