@@ -4,9 +4,10 @@ A KV cache shaped like the Qwen3-4B shape (36 layers x [blocks, 2, 32 tokens, 8 
 per block) on the GPU (or the CPU), and a 2.3k-token prompt's 72 blocks. Times, each the median of ROUNDS:
 the save path's copy out of the KV cache (WorkerSide.extract: gather per layer into one packed buffer,
 one device-to-host copy), the checksum of every block, the RAM tier's put (a clone); the load path's
-RAM-tier get + checksum, and its write into the KV cache (WorkerSide.inject: stack into pinned memory,
-one host-to-device copy, index_copy_ per layer; numpy row copies on the CPU). Prints ms and GB/s per
-step: what to make faster next. Checks that the injected blocks equal the extracted ones.
+RAM-tier get + checksum (WorkerSide.fetch_all: on the load threads beside a GPU), and its write into the
+KV cache (WorkerSide.inject: stack into pinned memory, one host-to-device copy, index_copy_ per layer;
+numpy row copies on the CPU). Prints ms and GB/s per step: what to make faster next. Checks that the
+injected blocks equal the extracted ones.
 
     python connector/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
 """
@@ -19,6 +20,7 @@ import time
 import numpy as np
 import torch
 
+from kvscope_connector.scheduler import LoadSpec
 from kvscope_connector.store import RamTier, checksum
 from kvscope_connector.worker import WorkerSide
 
@@ -55,6 +57,7 @@ def main() -> None:
     for i, (b, d) in enumerate(zip(blocks, digests)):
         worker.ram.put(f"k{i}", b, d)
     held = [worker.ram.get(f"k{i}")[0] for i in range(n)]
+    loads = [LoadSpec(d, f"k{i}", "ram") for i, d in enumerate(dst)]
     total = worker.block_bytes() * n
 
     steps = {
@@ -62,7 +65,8 @@ def main() -> None:
         "save: checksum (XXH3-128)": lambda: [checksum(b) for b in blocks],
         "save: RAM tier put (clone)": lambda: [RamTier(1 << 40).put(f"k{i}", b, d)
                                                for i, (b, d) in enumerate(zip(blocks, digests))],
-        "load: RAM get + checksum": lambda: [checksum(worker.ram.get(f"k{i}")[0]) for i in range(n)],
+        "load: RAM get + checksum, on this thread": lambda: [checksum(worker.ram.get(f"k{i}")[0]) for i in range(n)],
+        "load: the same through fetch_all": lambda: list(worker.fetch_all(loads)),
         "load: inject": lambda: worker.inject(list(zip(dst, held))),
     }
     print(f"{n} blocks x {worker.block_bytes() / 1e6:.1f} MB = {total / 1e6:.0f} MB on {dev}"

@@ -2,6 +2,7 @@
 
 A block travels as one flat byte buffer (store.Layout): one checksum call and, on a GPU, one transfer
 per step rather than one per layer and block.
+
 Loads run in start_load_kv, before the forward: file reads and their checks run on four load threads while
 the forward thread copies verified blocks into the KV cache. Stores start in wait_for_save, after the
 forward: the step's new blocks are copied out of the KV cache at once (vLLM may reuse them after the
@@ -158,17 +159,25 @@ class WorkerSide:
 
     def fetch_all(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block | None]]:
         """Verified blocks in load order, or None for a miss. File reads and their checks run on the load
-        threads (reads, hashing and tensor copies release the GIL) while the caller injects earlier blocks;
-        RAM hits are checked here (handing ~1 ms of hashing to a thread costs more than it saves)."""
+        threads (reads, hashing and tensor copies release the GIL) while the caller injects earlier blocks.
+        RAM hits are checked on the load threads too beside a GPU, whose host cores are otherwise idle; on
+        the CPU here, where the model's threads want the cores (handing the hashing over cost more than it
+        saved)."""
         ram = {spec.key: hit for spec in loads
                if self.ram is not None and (hit := self.ram.get(spec.key)) is not None}
-        reads = {spec.key: self.loaders.submit(self._read_fs, spec.key)
-                 for spec in loads if spec.key not in ram and self.fs is not None}
+        inline = self.device.type == "cpu"
+        jobs = {}
         for spec in loads:
             if spec.key in ram:
+                if not inline:
+                    jobs[spec.key] = self.loaders.submit(self._verify_ram, ram[spec.key])
+            elif self.fs is not None:
+                jobs[spec.key] = self.loaders.submit(self._read_fs, spec.key)
+        for spec in loads:
+            if spec.key in ram and inline:
                 result = self._verify_ram(ram[spec.key])
             else:
-                result = reads[spec.key].result() if spec.key in reads else Fetched("miss")
+                result = jobs[spec.key].result() if spec.key in jobs else Fetched("miss")
             yield spec, self._settle(spec, result)
 
     def begin_step(self, meta: KVScopeMetadata) -> None:

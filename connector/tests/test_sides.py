@@ -69,6 +69,17 @@ def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path):
     assert w.take_load_errors() == {5} and w.stats.corrupt == 1 and w.ram.get("k1") is None
 
 
+def test_beside_a_gpu_ram_hits_are_checked_on_the_load_threads_and_a_changed_one_is_a_miss(tmp_path):
+    w = worker(tmp_path, fs=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", True, False), StoreSpec(2, "k2", True, False)]))
+    w.flush()
+    w.ram.get("k2")[0][0] += 1
+    w.device = torch.device("cuda")  # fetch_all only picks its threads by it; nothing touches a GPU here
+    got = list(w.fetch_all([LoadSpec(5, "k1", "ram"), LoadSpec(6, "k2", "ram")]))
+    assert torch.equal(got[0][1], w.ram.get("k1")[0]) and got[1][1] is None
+    assert (w.stats.ram_hits, w.stats.corrupt) == (1, 1) and w.ram.get("k2") is None
+
+
 def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
     w = worker(tmp_path, ram=False)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
