@@ -160,9 +160,9 @@ class WorkerSide:
     def fetch_all(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block | None]]:
         """Verified blocks in load order, or None for a miss. File reads and their checks run on the load
         threads (reads, hashing and tensor copies release the GIL) while the caller injects earlier blocks.
-        RAM hits are checked on the load threads too beside a GPU, whose host cores are otherwise idle; on
-        the CPU here, where the model's threads want the cores (handing the hashing over cost more than it
-        saved)."""
+        Beside a GPU, whose host cores are otherwise idle, RAM hits are checked on the load threads too; on
+        the CPU they are checked here, as the model's threads want the cores (handing the hashing over
+        cost more than it saved)."""
         ram = {spec.key: hit for spec in loads
                if self.ram is not None and (hit := self.ram.get(spec.key)) is not None}
         inline = self.device.type == "cpu"
@@ -174,10 +174,12 @@ class WorkerSide:
             elif self.fs is not None:
                 jobs[spec.key] = self.loaders.submit(self._read_fs, spec.key)
         for spec in loads:
-            if spec.key in ram and inline:
+            if spec.key in jobs:
+                result = jobs[spec.key].result()
+            elif spec.key in ram:
                 result = self._verify_ram(ram[spec.key])
             else:
-                result = jobs[spec.key].result() if spec.key in jobs else Fetched("miss")
+                result = Fetched("miss")
             yield spec, self._settle(spec, result)
 
     def begin_step(self, meta: KVScopeMetadata) -> None:
