@@ -10,7 +10,7 @@ KVSCOPE   := $(PY) -m kvscope.cli
 PIP_C     := -c loadtests/constraints.txt
 MODEL_DIR := models/tiny-qwen3
 INVENTORY ?= ansible/inventories/local
-CONFIGS   ?= baseline,apc,example-fs,kvscope-ram,kvscope-fs,kvscope-shared,canary-shift,canary-perturb
+CONFIGS   ?= baseline,control,apc,kvscope-ram,kvscope-fs,kvscope-shared,canary
 SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
 USERS     ?= 2
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
@@ -75,10 +75,10 @@ lint: $(VENV)/.installed ## hadolint every Dockerfile, ansible-lint (production)
 	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml
 
 ##@ Benchmark
-bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md
+bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
 	$(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
-	  --report --run-id $(RUN_ID); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
+	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>
 	$(KVSCOPE) report $(RUN)

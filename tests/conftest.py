@@ -35,7 +35,7 @@ def model_dir() -> Path:
     return MODEL
 
 
-SESSION_CONFIGS = "baseline,apc,example-fs,kvscope-fs,canary-shift,canary-perturb"
+SESSION_CONFIGS = "baseline,control,apc,example-fs,kvscope-fs,canary"
 
 
 @pytest.fixture(scope="session")

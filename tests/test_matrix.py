@@ -18,6 +18,10 @@ def write(tmp_path, doc) -> Path:
     return path
 
 
+def cfg(doc, name):
+    return next(c for c in doc["configs"] if c["name"] == name)
+
+
 @pytest.fixture
 def doc():
     return yaml.safe_load(SHIPPED.read_text())
@@ -34,17 +38,27 @@ def test_shipped_matrix_has_the_three_first_configs():
 @pytest.mark.parametrize(
     "mutate, expected",
     [
-        (lambda d: d["configs"][1].update(colour="red"), "config 'apc': field 'colour': Extra inputs are not permitted"),
-        (lambda d: d["configs"][1].update(port="eighty"), "config 'apc': field 'port'"),
-        (lambda d: d["configs"][2].update(port=8100), "config 'example-fs': field 'port': 8100 is already used by 'baseline'"),
-        (lambda d: d["configs"][1].update(platforms=["tpu"]), "config 'apc': field 'platforms.0'"),
-        (lambda d: d["configs"][1]["flags"].update({"--port": 1}), "config 'apc': field 'flags'"),
-        (lambda d: d["configs"][1]["flags"].update({"no-dashes": 1}), "must start with '--'"),
-        (lambda d: d["configs"][2].update(stores=[]), "config 'example-fs': field 'stores': Value error, kv_transfer_config uses store(s) ['kv']"),
-        (lambda d: d["configs"][2]["kv_transfer_config"].update(kv_role="both"), "config 'example-fs': field 'kv_transfer_config.kv_role'"),
-        (lambda d: d["configs"][1].update(name="baseline"), "config 'baseline': field 'name': duplicate"),
+        (lambda d: cfg(d, "apc").update(colour="red"), "config 'apc': field 'colour': Extra inputs are not permitted"),
+        (lambda d: cfg(d, "apc").update(port="eighty"), "config 'apc': field 'port'"),
+        (lambda d: cfg(d, "example-fs").update(port=8100), "config 'example-fs': field 'port': 8100 is already used by 'baseline'"),
+        (lambda d: cfg(d, "apc").update(platforms=["tpu"]), "config 'apc': field 'platforms.0'"),
+        (lambda d: cfg(d, "apc")["flags"].update({"--port": 1}), "config 'apc': field 'flags'"),
+        (lambda d: cfg(d, "apc")["flags"].update({"no-dashes": 1}), "must start with '--'"),
+        (lambda d: cfg(d, "example-fs").update(stores=[]), "config 'example-fs': field 'stores': Value error, kv_transfer_config uses store(s) ['kv']"),
+        (lambda d: cfg(d, "example-fs")["kv_transfer_config"].update(kv_role="both"), "config 'example-fs': field 'kv_transfer_config.kv_role'"),
+        (lambda d: cfg(d, "apc").update(name="baseline"), "config 'baseline': field 'name': duplicate"),
         (lambda d: d.update(extra=1), "field 'extra': unknown key"),
-        (lambda d: d["configs"][0].update(role="candidate"), "exactly one config must have role 'golden'"),
+        (lambda d: cfg(d, "baseline").update(role="candidate"), "exactly one config must have role 'golden'"),
+        (lambda d: cfg(d, "baseline")["flags"].update({"--no-enable-prefix-caching": False}),
+         "config 'baseline': field '(top level)': Value error, a golden config must be cache-off: needs "
+         "'--no-enable-prefix-caching: true'"),
+        (lambda d: cfg(d, "control").update(kv_transfer_config={"kv_connector": "ExampleConnector"}),
+         "a control config must be cache-off: has a kv_transfer_config"),
+        (lambda d: cfg(d, "control")["flags"].update({"--kv-offloading-size": 4}),
+         "a control config must be cache-off: flag '--kv-offloading-size' turns a cache on"),
+        (lambda d: cfg(d, "apc").update(faults=["shift"]), "config 'apc': field '(top level)': Value error, only a canary config lists faults"),
+        (lambda d: cfg(d, "canary").update(faults=["shiftt"]),
+         "config 'canary': field 'faults.0'"),
     ],
 )
 def test_mistakes_name_the_config_and_the_field(tmp_path, doc, mutate, expected):
@@ -56,7 +70,7 @@ def test_mistakes_name_the_config_and_the_field(tmp_path, doc, mutate, expected)
 
 
 def test_selection_refuses_unknown_names_and_other_platforms(tmp_path, doc):
-    doc["configs"][1]["platforms"] = ["cuda"]
+    cfg(doc, "apc")["platforms"] = ["cuda"]
     m = matrix.load(write(tmp_path, doc))
     with pytest.raises(matrix.ConfigError, match="unknown config 'nope'"):
         matrix.select(m, ["baseline", "nope"], "cpu")
@@ -95,6 +109,27 @@ def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
     for bad in ("dtype=bfloat16", "[1]"):
         with pytest.raises(matrix.ConfigError, match="flag overrides"):
             parse_overrides(bad)
+
+
+def test_overrides_may_not_give_golden_or_control_a_cache(tmp_path):
+    from kvscope.render import parse_overrides
+
+    m = matrix.load(SHIPPED)
+    on = parse_overrides('{"enable-prefix-caching": true, "no-enable-prefix-caching": false}')
+    render(m, m.get("apc"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", on)  # a candidate may
+    for name in ("baseline", "control"):
+        with pytest.raises(matrix.ConfigError, match=f"config '{name}': the flag overrides would give the "
+                                                     f"{m.get(name).role} server a cache"):
+            render(m, m.get(name), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", on)
+
+
+def test_the_harness_knows_the_canary_connectors_faults():
+    import ast
+
+    source = (SHIPPED.parent.parent / "connector" / "kvscope_connector" / "canary.py").read_text()
+    faults = next(node.value for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "FAULTS")
+    assert tuple(ast.literal_eval(faults)) == matrix.CANARY_FAULTS
 
 
 def test_a_config_deployed_on_two_hosts_is_refused(tmp_path):

@@ -1,70 +1,186 @@
-"""Reports from raw records alone: the gate's exit code, and bad input named by file."""
+"""Reports from raw records alone: verdicts, the gate's exit code, detection power, and bad input named by file.
+
+Each loophole that let a run PASS without evidence has a test here: failed or missing answers, a scenario
+that never ran, no cache hits, answers without token ids, a golden server that was not cache-off.
+"""
 
 import json
 from dataclasses import asdict
 
+import pandas as pd
 import pytest
 
-from kvscope import report
+from kvscope import fidelity, report
 from kvscope.records import Record
 
-SERVERS = [("baseline", "golden"), ("apc", "candidate"), ("canary-shift", "canary")]
+SERVERS = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-shift", "canary")]
+GOOD = [[1, 2, 3], [4, 5, 6]]
+BAD = [[1, 9, 3], [7, 5, 6]]
 
 
-def make_run(folder, outputs: dict[str, list[list[int]]], workload=b'{"request_id": "r0"}\n'):
-    """A run folder as bench writes it, with the given output tokens per config."""
+def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, servers=SERVERS, status=True,
+             **per_config):
+    """A run folder as bench writes it. outputs: tokens per answer and config; per_config[config] may set
+    `cached` (tokens per answer), `failed` (indexes of failed answers), `offset` (added to every logprob)."""
     (folder / "records").mkdir(parents=True)
     (folder / "workloads").mkdir()
-    (folder / "workloads" / "s.measure.jsonl").write_bytes(workload)
-    servers = [{"config": c, "role": r, "port": 8100 + i, "platform": "cpu", "vllm_version": "0.32.0",
-                "model_path": "/m/tiny-qwen3", "model_hash": "f" * 64, "kv_capacity_tokens": 1024,
-                "block_size": 64, "server_args": ["--model", "/m", "--port", str(8100 + i)]}
-               for i, (c, r) in enumerate(SERVERS)]
-    run = {"run_id": folder.name, "command": "kvscope bench (test)", "servers": servers, "scenarios": {"s": {}},
+    n = len(next(iter(outputs.values())))
+    lines = n if workload_lines is None else workload_lines
+    (folder / "workloads" / "s.measure.jsonl").write_text("".join(f'{{"request_id": "r{i}"}}\n' for i in range(lines)))
+    docs = [{"config": c, "role": r, "port": 8100 + i, "platform": "cpu", "vllm_version": "0.32.0",
+             "model_path": "/m/tiny-qwen3", "model_hash": "f" * 64, "kv_capacity_tokens": 1024, "block_size": 64,
+             "prefix_caching": False, "server_args": ["--model", "/m", "--port", str(8100 + i), "--dtype", "float32"]}
+            for i, (c, r) in enumerate(servers)]
+    run = {"run_id": folder.name, "command": "kvscope bench (test)", "servers": docs, "scenarios": {"s": {}},
            "machine": {"cpu": "test", "cores": 2, "memory_gib": 1, "arch": "x86_64", "os": "linux", "python": "3",
                        "gpu": None},
            "load": {"users": 1}, "kv_capacity_tokens_for_sizing": 1024}
     (folder / "run.json").write_text(json.dumps(run))
+    if status:
+        (folder / "status.jsonl").write_text("".join(json.dumps({"config": c, "scenario": "s", "phases": {}}) + "\n"
+                                                     for c in outputs))
     for config, outs in outputs.items():
+        opts = per_config.get(config.replace("-", "_"), {})
+        role = dict(servers).get(config)
         with open(folder / "records" / f"{config}__s.jsonl", "w") as f:
             for i, toks in enumerate(outs):
+                ok = i not in opts.get("failed", ())
+                cached = opts.get("cached", [0 if role in ("golden", "control") else 128] * len(outs))[i]
+                off = opts.get("offset", 0.0)
                 r = Record(config=config, scenario="s", phase="measure", request_id=f"r{i}", session_id=f"r{i}",
-                           turn=0, endpoint="chat", start_unix_s=float(i), ok=True, ttft_s=0.1 + 0.01 * i,
-                           e2e_s=0.5, itl_s=[0.01], prompt_tokens=200, cached_tokens=0 if config == "baseline" else 128,
-                           output_token_ids=toks, top_logprobs=[[["a", -0.1], ["b", -3.0]]] * len(toks),
+                           turn=0, endpoint="chat", start_unix_s=float(i), ok=ok, error=None if ok else "HTTP 500",
+                           ttft_s=0.1 + 0.01 * i, e2e_s=0.5, itl_s=[0.01], prompt_tokens=200, cached_tokens=cached,
+                           output_token_ids=toks, top_logprobs=[[[t, -0.1 + off], [999, -3.0 + off]] for t in toks],
                            prompt_sha="p%d" % i, prompt_block_hashes=["h0", "h1", "h2"])
                 f.write(json.dumps(asdict(r)) + "\n")
     return folder
 
 
-GOOD = [[1, 2, 3], [4, 5, 6]]
-BAD = [[1, 9, 3], [4, 5, 6]]
+def verdicts(run):
+    return pd.read_csv(run / "verdicts.csv").set_index("config")
+
+
+def four(apc=GOOD, canary=BAD):
+    return {"baseline": GOOD, "control": GOOD, "apc": apc, "canary-shift": canary}
 
 
 def test_report_passes_when_the_canary_fails_and_the_rest_are_identical(tmp_path):
-    run = make_run(tmp_path / "run1", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD})
-    assert report.write(run) == 0
+    run = make_run(tmp_path / "run1", four())
+    assert report.write(run, min_hits=1) == 0
     md = (run / "report.md").read_text()
-    assert "`apc`: fidelity **PASS**" in md and "`canary-shift`: fidelity **FAIL**" in md
-    for name in ("summary.csv", "scores.csv", "verdicts.csv", "ttft_cdf.png", "ttft_vs_cached.png",
+    assert "| apc | candidate | **PASS** | 2 verified cache hits |" in md
+    assert "| canary-shift | canary | **FAIL** |" in md and "every verdict as expected (exit 0)" in md
+    for name in ("summary.csv", "scores.csv", "verdicts.csv", "power.csv", "ttft_cdf.png", "ttft_vs_cached.png",
                  "hit_rates.png", "fidelity_matrix.png"):
         assert (run / name).stat().st_size > 0, name
     assert "vLLM 0.32.0" in md and "kvscope bench (test)" in md
+    scorer = json.loads((run / "run.json").read_text())["scorer"]
+    assert scorer["version"] == fidelity.SCORER_VERSION and scorer["noise_nats"] == 0.0
 
 
 def test_gate_fails_on_a_candidate_fail_and_on_a_silent_canary(tmp_path):
-    assert report.write(make_run(tmp_path / "a", {"baseline": GOOD, "apc": BAD, "canary-shift": BAD})) == 1
-    assert report.write(make_run(tmp_path / "b", {"baseline": GOOD, "apc": GOOD, "canary-shift": GOOD})) == 1
+    assert report.write(make_run(tmp_path / "a", four(apc=BAD)), min_hits=1) == 1
+    assert report.write(make_run(tmp_path / "b", four(canary=GOOD)), min_hits=1) == 1
+
+
+def test_most_requests_failed_is_incomplete_not_pass(tmp_path):
+    run = make_run(tmp_path / "run", four(), apc={"failed": [0]})
+    assert report.write(run, min_hits=1) == 3
+    assert verdicts(run).loc["apc", "verdict"] == "INCOMPLETE"
+    assert "1 of 2 requests failed" in verdicts(run).loc["apc", "why"]
+
+
+def test_a_locust_run_cut_short_is_incomplete(tmp_path):
+    outputs = four()
+    outputs["apc"] = GOOD[:1]  # one record of two: Locust was killed after the first
+    run = make_run(tmp_path / "run", outputs)
+    assert report.write(run, min_hits=1) == 3
+    assert verdicts(run).loc["apc", "why"] == "s: 1 of 2 answers recorded"
+
+
+def test_a_scenario_that_never_ran_is_incomplete(tmp_path):
+    outputs = four()
+    del outputs["apc"]
+    run = make_run(tmp_path / "run", outputs)  # apc is in run.json but has no status row and no records
+    assert report.write(run, min_hits=1) == 3
+    assert verdicts(run).loc["apc", "why"] == "scenario s did not run"
+
+
+def test_no_cache_hits_is_unverified(tmp_path):
+    run = make_run(tmp_path / "run", four(), apc={"cached": [0, 0]})
+    assert report.write(run, min_hits=1) == 3
+    assert verdicts(run).loc["apc", "verdict"] == "UNVERIFIED"
+    assert verdicts(run).loc["apc", "why"] == "0 verified cache hits (at least 1 needed)"
+
+
+def test_answers_without_token_ids_are_incomplete_not_identical(tmp_path):
+    run = make_run(tmp_path / "run", four(apc=[[], []]))
+    assert report.write(run, min_hits=1) == 3
+    assert verdicts(run).loc["apc", "why"] == "2 answers no-token-ids"
+
+
+def test_a_golden_server_that_hit_a_cache_invalidates_the_run(tmp_path):
+    run = make_run(tmp_path / "run", four(), baseline={"cached": [0, 64]})
+    assert report.write(run, min_hits=1) == 3
+    v = verdicts(run)
+    assert v.loc["baseline", "verdict"] == "INVALID" and "1 of its answers report cached" in v.loc["baseline", "why"]
+    assert v.loc["apc", "verdict"] == "UNVERIFIED" and "baseline is not cache-off" in v.loc["apc", "why"]
+
+
+def test_the_control_sets_the_tolerance(tmp_path):
+    # control off by 1e-4: the tolerance is 3e-4, so apc off by 2e-4 passes, and off by 4e-4 fails
+    run = make_run(tmp_path / "a", four(), control={"offset": 1e-4}, apc={"offset": 2e-4})
+    assert report.write(run, min_hits=1) == 0
+    assert json.loads((run / "run.json").read_text())["scorer"]["tolerance_nats"] == pytest.approx(3e-4)
+    run = make_run(tmp_path / "b", four(), control={"offset": 1e-4}, apc={"offset": 4e-4})
+    assert report.write(run, min_hits=1) == 1
+    assert "logprob off by 0.0004 nat" in verdicts(run).loc["apc", "why"]
+
+
+def test_without_a_control_the_tolerance_is_assumed_and_says_so(tmp_path):
+    outputs = four()
+    del outputs["control"]
+    servers = [s for s in SERVERS if s[1] != "control"]
+    run = make_run(tmp_path / "run", outputs, servers=servers, apc={"offset": 1e-3})
+    assert report.write(run, min_hits=1) == 0
+    assert "assumed (the run has no control)" in (run / "report.md").read_text()
+
+
+def write_fault_log(run, config, changed: dict[int, int]):
+    (run / "faults").mkdir(exist_ok=True)
+    with open(run / "faults" / f"{config}__s.jsonl", "w") as f:
+        for i, n in changed.items():
+            f.write(json.dumps({"request": f"chatcmpl-r{i}@measure-0a1b2c3d", "fault": "shift", "loaded": 2,
+                                "changed": n}) + "\n")
+
+
+def test_detection_power_counts_the_hits_the_canary_broke(tmp_path):
+    run = make_run(tmp_path / "run", four(canary=[[1, 9, 3], [4, 5, 6]]))
+    write_fault_log(run, "canary-shift", {0: 2, 1: 0})  # it broke r0 (detected) and left r1 correct
+    assert report.write(run, min_hits=1) == 0
+    p = pd.read_csv(run / "power.csv").iloc[0]
+    assert (p.affected_hits, p.detected, p.rate, p.unaffected_hits, p.unaffected_fail) == (1, 1, 1.0, 1, 0)
+    assert p.rate_low95 == pytest.approx(0.2065, abs=1e-4)
+
+
+def test_a_canary_missed_on_a_hit_it_broke_fails_the_gate(tmp_path):
+    run = make_run(tmp_path / "run", four(canary=[[1, 9, 3], [4, 5, 6]]))
+    write_fault_log(run, "canary-shift", {0: 2, 1: 1})  # r1 was broken too, and scored identical
+    assert report.write(run, min_hits=1) == 1
+    v = verdicts(run).loc["canary-shift"]
+    assert v.verdict == "FAIL" and not v.as_expected and v.why == "detected on 1 of 2 hits it broke (goal 99%)"
 
 
 def test_missing_golden_records_are_named(tmp_path):
-    run = make_run(tmp_path / "run", {"apc": GOOD, "canary-shift": BAD})
+    outputs = four()
+    del outputs["baseline"]
+    run = make_run(tmp_path / "run", outputs)
     with pytest.raises(report.RunError, match=r"baseline__s\.jsonl: golden records missing"):
         report.write(run)
 
 
 def test_truncated_records_are_named(tmp_path):
-    run = make_run(tmp_path / "run", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD})
+    run = make_run(tmp_path / "run", four())
     with open(run / "records" / "apc__s.jsonl", "a") as f:
         f.write('{"config": "apc", "scen')
     with pytest.raises(report.RunError, match=r"apc__s\.jsonl:3: truncated"):
@@ -72,22 +188,22 @@ def test_truncated_records_are_named(tmp_path):
 
 
 def test_compare_refuses_runs_with_different_workloads(tmp_path):
-    a = make_run(tmp_path / "a", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD})
-    b = make_run(tmp_path / "b", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD})
-    c = make_run(tmp_path / "c", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD}, workload=b'{"x": 1}\n')
+    a = make_run(tmp_path / "a", four())
+    b = make_run(tmp_path / "b", four())
+    c = make_run(tmp_path / "c", four(), workload_lines=3)
     assert "| a |" in report.compare([a, b]) and "| b |" in report.compare([a, b])
     with pytest.raises(report.RunError, match="different workloads"):
         report.compare([a, c])
 
 
 def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_path):
-    run = make_run(tmp_path / "run1", {"baseline": GOOD, "apc": GOOD, "canary-shift": BAD})
+    run = make_run(tmp_path / "run1", four())
     doc = json.loads((run / "run.json").read_text())
     doc["crashed"] = [{"config": "ucm-blend", "why": "process died",
                        "error": "Connector UCMBlendConnector uses deprecated 2-argument constructor signature."},
                       {"config": "canary-perturb", "role": "canary", "why": "process died", "error": "boom"}]
     (run / "run.json").write_text(json.dumps(doc))
-    assert report.write(run) == 1
+    assert report.write(run, min_hits=1) == 1
     md = (run / "report.md").read_text()
     assert "| ucm-blend | candidate | **CRASHED** (unexpected)" in md
     assert "| canary-perturb | canary | **CRASHED** (unexpected)" in md  # a canary that never ran proves nothing

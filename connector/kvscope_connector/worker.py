@@ -198,19 +198,21 @@ class WorkerSide:
         self.begin_step(meta)
         started = time.perf_counter()
 
-        def verified() -> Iterator[tuple[int, Block]]:
+        def verified() -> Iterator[tuple[LoadSpec, Block]]:
             for spec, block in self.fetch_all(meta.loads):
                 if block is None:
                     self.load_errors.add(spec.block_id)
                 else:
-                    yield spec.block_id, self.transform(spec, block, meta)
+                    yield spec, block
 
-        self.stats.load_bytes += self.block_bytes() * self.inject(verified())
+        self.stats.load_bytes += self.block_bytes() * self.inject(self.to_write(meta, verified()))
         self.stats.load_seconds += time.perf_counter() - started
 
-    def transform(self, spec: LoadSpec, block: Block, meta: KVScopeMetadata) -> Block:
-        """What is written into the KV cache for a verified block: the block itself (canaries override)."""
-        return block
+    def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
+                 ) -> Iterable[tuple[int, Block]]:
+        """What goes into the KV cache for a step's verified blocks: each block as it comes. The one hook
+        the fault-injection canaries override (canary.py)."""
+        return ((spec.block_id, block) for spec, block in verified)
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

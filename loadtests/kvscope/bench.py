@@ -2,7 +2,10 @@
 
 Per treatment: reset every tier (POST /reset_prefix_cache?reset_external=true, and wipe the config's
 stores), then the optional prime phase, then the measure phase, with /metrics snapshots around each phase.
-The golden config runs first. Faults are recorded in status rows; finished records are never lost.
+The golden config runs first, then the control; a canary server runs one treatment per fault class, named
+<config>-<fault>, and its fault log is kept beside the records. At the end the golden server scores every
+answer that split from its own (continuations.py). Faults are recorded in status rows; finished records are
+never lost. A run folder is never reused: --resume continues one, keeping its finished treatments.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from . import metrics, servers
-from .matrix import ConfigError
+from . import continuations, metrics, servers
+from .matrix import ROLE_ORDER, ConfigError
+from .render import SERVED_MODEL_NAME
 from .workload import Request, generate, load_scenarios, sessions, write_jsonl
 
 LOCUSTFILE = Path(__file__).resolve().parent.parent / "locustfile.py"
@@ -61,7 +65,7 @@ def reset(server: dict) -> dict:
 
 def warm_up(server: dict) -> None:
     """One throwaway request before the reset, so an idle server's slow first request is not measured."""
-    body = json.dumps({"model": "tiny", "prompt": "kvscope warm-up " * 40, "max_tokens": 4, "temperature": 0})
+    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": "kvscope warm-up " * 40, "max_tokens": 4, "temperature": 0})
     req = urllib.request.Request(f"http://{server['host']}:{server['port']}/v1/completions", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     try:
@@ -100,6 +104,10 @@ def run_locust(server: dict, workload: Path, records: Path, users: int, processe
                     "--kvscope-workload", str(Path(workload).resolve()), "--kvscope-records", str(Path(records).resolve()),
                     "--kvscope-config", server["config"], "--kvscope-block-size", str(server.get("block_size") or 128),
                     "--kvscope-rate", str(rate)]
+    if server.get("fault"):
+        kvscope_args += ["--kvscope-fault", server["fault"]]
+    if server["role"] == "golden":
+        kvscope_args.append("--kvscope-prompt-ids")
     cmd = [sys.executable, "-m", "locust", *kvscope_args, "--headless", "-u", str(users), "-r", str(users),
            "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING"]
     workers = []
@@ -137,7 +145,7 @@ def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str,
     after = _snapshot(base)
     row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
     row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
-    log = Path(server["run_dir"]) / server["config"] / "server.log"
+    log = Path(server["run_dir"]) / server.get("deployed_as", server["config"]) / "server.log"
     if row["metrics_error"] and log.exists():  # the server died mid-run: say why, from its own log
         row["server_error"] = servers.first_error(log.read_text(errors="replace"))
     row["sessions"] = len(sessions(reqs))
@@ -156,9 +164,36 @@ def load_deployments(paths: list[Path]) -> tuple[list[dict], dict[str, dict]]:
     return found, failed
 
 
+def treatments(servers_: list[dict]) -> list[dict]:
+    """What the bench runs, in order: golden, control, candidates, then one treatment per canary fault
+    (config '<canary>-<fault>', on the canary's server)."""
+    out = []
+    for s in sorted(servers_, key=lambda s: ROLE_ORDER[s["role"]]):
+        if s["role"] == "canary" and s.get("faults"):
+            out += [dict(s, config=f"{s['config']}-{f}", deployed_as=s["config"], fault=f) for f in s["faults"]]
+        else:
+            out.append(s)
+    return out
+
+
+def fault_log(server: dict) -> Path | None:
+    """Where a canary's connector logs what it broke (its kv-transfer-config's fault_log), if anywhere."""
+    args = server.get("server_args", [])
+    if "--kv-transfer-config" not in args[:-1]:
+        return None
+    extra = json.loads(args[args.index("--kv-transfer-config") + 1]).get("kv_connector_extra_config", {})
+    return Path(extra["fault_log"]) if extra.get("fault_log") else None
+
+
+def _done(status_path: Path) -> set[tuple[str, str]]:
+    if not status_path.exists():
+        return set()
+    return {(row["config"], row["scenario"]) for row in map(json.loads, status_path.read_text().splitlines())}
+
+
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
-        command: str = "", run_id: str | None = None, remote: dict | None = None) -> Path:
+        command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False) -> Path:
     found, failed = load_deployments(deployments)
     by_name = {s["config"]: s for s in found}
     if len(by_name) != len(found):
@@ -168,10 +203,9 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         raise ConfigError(f"config(s) {missing} are not deployed (deployed: {sorted(by_name)}); run `make deploy`")
     chosen = [by_name[c] for c in configs if c in by_name] if configs else found
     crashed = [failed[c] for c in (configs or failed) if c in failed]  # a row each in the report, with why
-    golden = [s for s in chosen if s["role"] == "golden"]
-    if not golden:
+    if not any(s["role"] == "golden" for s in chosen):
         raise ConfigError("no golden config (role 'golden', e.g. baseline) among the configs: fidelity needs it")
-    chosen = golden + [s for s in chosen if s["role"] != "golden"]
+    chosen = treatments(chosen)
     all_scenarios = load_scenarios(scenarios_file)
     unknown = [n for n in scenario_names if n not in all_scenarios]
     if unknown:
@@ -182,6 +216,11 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
 
     run_id = run_id or datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     folder = Path(results) / run_id
+    if folder.exists() and not resume:
+        raise ConfigError(f"run folder {folder} exists: its records would be mixed with new ones; choose another "
+                          "RUN_ID, or continue that run with --resume")
+    if resume and not (folder / "run.json").exists():
+        raise ConfigError(f"--resume: {folder} has no run.json; nothing to continue")
     (folder / "records").mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_file(str(Path(chosen[0]["model_path"]) / "tokenizer.json"))
     capacity = min(s["kv_capacity_tokens"] or 0 for s in chosen) or None
@@ -193,21 +232,27 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
             if part:
                 phase_files[name, phase] = (folder / "workloads" / f"{name}.{phase}.jsonl", part)
                 write_jsonl(part, phase_files[name, phase][0])
-    (folder / "run.json").write_text(json.dumps({
-        "run_id": run_id, "command": command, "machine": machine(), "servers": chosen, "crashed": crashed,
-        "scenarios": {n: all_scenarios[n].model_dump() for n in scenario_names},
-        "load": {"users": users, "processes": processes, "rate_sessions_per_s": rate,
-                 "locust_worker_hosts": (remote or {}).get("hosts", [])},
-        "kv_capacity_tokens_for_sizing": capacity,
-    }, indent=2, ensure_ascii=False) + "\n")
+    if not resume:
+        (folder / "run.json").write_text(json.dumps({
+            "run_id": run_id, "command": command, "machine": machine(), "servers": chosen, "crashed": crashed,
+            "scenarios": {n: all_scenarios[n].model_dump() for n in scenario_names},
+            "load": {"users": users, "processes": processes, "rate_sessions_per_s": rate,
+                     "locust_worker_hosts": (remote or {}).get("hosts", [])},
+            "kv_capacity_tokens_for_sizing": capacity,
+        }, indent=2, ensure_ascii=False) + "\n")
 
     opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
     status_path = folder / "status.jsonl"
+    done = _done(status_path)
     total, step = len(chosen) * len(scenario_names), 0
     for scenario in scenario_names:
         for server in chosen:
             step += 1
             stem = f"{server['config']}__{scenario}"
+            if (server["config"], scenario) in done:
+                print(f"[{step}/{total}] {server['config']} x {scenario}: done earlier (--resume)", flush=True)
+                continue
+            (folder / "records" / f"{stem}.jsonl").unlink(missing_ok=True)  # a treatment cut short is run again
             print(f"[{step}/{total}] {server['config']} x {scenario}: warm-up, reset", end="", flush=True)
             warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
             row = {"config": server["config"], "scenario": scenario, "reset": reset(server), "phases": {}}
@@ -216,7 +261,23 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                     workload, part = phase_files[scenario, phase]
                     print(f", {phase} {len(part)} requests", end="", flush=True)
                     row["phases"][phase] = _phase(server, workload, part, folder, stem, opts)
+            if server.get("fault"):
+                row["fault_log"] = _keep_fault_log(server, folder / "faults" / f"{stem}.jsonl")
             print(f" ({sum(p['seconds'] for p in row['phases'].values()):.1f} s)", flush=True)
             with open(status_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+    golden = next(s for s in chosen if s["role"] == "golden")
+    print("golden scores the answers that split from its own ...", end="", flush=True)
+    counts = continuations.collect(folder, golden, [s["config"] for s in chosen], scenario_names)
+    print(" " + ", ".join(f"{c} {n}" for c, n in counts.items() if n), flush=True)
     return folder
+
+
+def _keep_fault_log(server: dict, dest: Path) -> str:
+    """Copy the canary's fault log of this treatment beside the records; say what happened."""
+    src = fault_log(server)
+    if src is None or not src.exists():
+        return f"no fault log at {src} (every hit counts as affected)"
+    dest.parent.mkdir(exist_ok=True)
+    shutil.copyfile(src, dest)
+    return "kept"

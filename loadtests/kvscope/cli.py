@@ -11,6 +11,11 @@ from . import matrix as matrix_mod
 from . import servers
 from .render import parse_overrides, render
 
+EXIT_CODES = """exit codes of bench --report and report (the gate):
+  0  every verdict is what its role expects (candidates and control PASS, canaries FAIL)
+  1  the gate fails: a FAIL where PASS was expected, a canary kvscope missed too often, a crash
+  2  bad input: the matrix, a selection, a scenario or a run folder (nothing was deployed or scored)
+  3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID"""
 DEFAULT_MATRIX = Path(__file__).resolve().parent.parent / "matrix.yaml"
 
 
@@ -91,7 +96,7 @@ def cmd_status(args) -> int:
     if not rows:
         print(f"nothing deployed under {args.run_dir}")
     for row in rows:
-        print(f"{row['config']:<16} port {row['port']:<6} pid {row['pid'] or '-':<8} {row['state']}")
+        print(f"{row['config']:<16} port {row['port'] or '-':<6} pid {row['pid'] or '-':<8} {row['state']}")
     return 0
 
 
@@ -106,23 +111,22 @@ def cmd_bench(args) -> int:
     folder = bench.run([Path(d) for d in _names(args.deployment)], Path(args.results), Path(args.scenarios),
                        _names(args.configs), _names(args.scenarios_list), users=args.users, processes=args.processes,
                        rate=args.rate, timeout_s=args.timeout_s, command=" ".join(sys.argv), run_id=args.run_id,
-                       remote=remote)
+                       remote=remote, resume=args.resume)
     print(f"records written to {folder}")
-    if not args.report:
-        return 0
+    return _report(folder, args) if args.report else 0
+
+
+def _report(folder: Path, args) -> int:
     from . import report
 
-    code = report.write(folder)
-    print(f"report: {folder / 'report.md'}" + ("" if code == 0 else "  (fidelity gate: FAIL, see the verdicts)"))
+    code = report.write(folder, args.min_hits, args.max_failed)
+    print(report.console(folder))
+    print(f"report: {folder / 'report.md'}\ngate: {report.GATE_WORDS[code]}")
     return code
 
 
 def cmd_report(args) -> int:
-    from . import report
-
-    code = report.write(Path(args.run))
-    print(f"report: {Path(args.run) / 'report.md'}" + ("" if code == 0 else "  (fidelity gate: FAIL)"))
-    return code
+    return _report(Path(args.run), args)
 
 
 def cmd_compare(args) -> int:
@@ -139,8 +143,18 @@ def cmd_image_info(args) -> int:
     return 0
 
 
+def _gate_options(s) -> None:
+    from .verdicts import MAX_FAILED_SHARE, MIN_VERIFIED_HITS
+
+    s.add_argument("--min-hits", type=int, default=MIN_VERIFIED_HITS,
+                   help="verified cache hits a config needs for PASS (fewer: UNVERIFIED)")
+    s.add_argument("--max-failed", type=float, default=MAX_FAILED_SHARE,
+                   help="share of failed requests a config may have before it is INCOMPLETE")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvscope", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvscope", description=__doc__, epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, help="storage-config matrix YAML")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -202,11 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
     s.add_argument("--timeout-s", type=float, default=1800)
     s.add_argument("--run-id", default=None)
+    s.add_argument("--resume", action="store_true", help="continue the run folder of --run-id")
     s.add_argument("--report", action="store_true", help="score and write the report when the run ends")
+    _gate_options(s)
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed)")
     s.add_argument("run")
+    _gate_options(s)
     s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("compare", help="put runs side by side (they must share a workload)")

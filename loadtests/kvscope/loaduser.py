@@ -18,6 +18,7 @@ from locust import FastHttpUser, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
 from . import records
+from .records import request_key
 from .workload import Request, read_jsonl, sessions
 
 
@@ -31,6 +32,8 @@ def _add_options(parser):
     parser.add_argument("--kvscope-rate", type=float, default=0.0, help="sessions/s (open loop); 0 = closed loop")
     parser.add_argument("--kvscope-arrivals", choices=["constant", "poisson"], default="poisson")
     parser.add_argument("--kvscope-seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument("--kvscope-fault", default="", help="canary fault class sent with every request")
+    parser.add_argument("--kvscope-prompt-ids", action="store_true", help="keep prompt token ids (golden)")
 
 
 class _Feed:
@@ -146,18 +149,20 @@ class KVScopeUser(FastHttpUser):
         opts = self.environment.parsed_options
         runner = self.environment.runner
         worker = runner.worker_index if isinstance(runner, WorkerRunner) else 0
-        path, body = records.request_body(req, history)
+        path, body = records.request_body(req, history, fault=opts.kvscope_fault or None)
         rec = records.new_record(req, opts.kvscope_config, time.time(), worker)
         t0 = time.perf_counter()
         try:
-            with self.client.post(path, json=body, stream=True, catch_response=True, name=req.scenario) as resp:
+            with self.client.post(path, json=body, stream=True, catch_response=True, name=req.scenario,
+                                  headers={"X-Request-Id": request_key(req.request_id, req.phase)}) as resp:
                 rec.http_status = resp.status_code or None
                 if resp.status_code != 200:
                     rec.error = f"HTTP {resp.status_code}: {(getattr(resp, 'error', None) or resp.text or '')!s:.200}"
                 else:
                     # NOTE: geventhttpclient's read(n) waits for n bytes; readline returns each SSE line as it
                     # arrives, which is what TTFT needs. FastResponse exposes no public line reader.
-                    records.parse_stream(_lines(resp._response), t0, rec, opts.kvscope_block_size)
+                    records.parse_stream(_lines(resp._response), t0, rec, opts.kvscope_block_size,
+                                         opts.kvscope_prompt_ids)
                 if rec.e2e_s is not None:
                     resp.request_meta["response_time"] = rec.e2e_s * 1000
                 resp.success() if rec.error is None else resp.failure(rec.error)

@@ -10,13 +10,28 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 Platform = Literal["cpu", "cuda"]
 FlagValue = bool | int | float | str
+Role = Literal["golden", "control", "candidate", "canary"]
+ROLE_ORDER = {"golden": 0, "control": 1, "candidate": 2, "canary": 3}  # the order treatments run and reports list
 
 # Flags the renderer owns: a config that sets one would silently fight the deployment.
 RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config"}
+# The fault classes of kvscope_connector.canary.FAULTS (the harness does not import the connector; a test
+# keeps the two lists equal).
+CANARY_FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign")
+# Flags that would give a cache-off reference (golden, control) a cache.
+CACHE_FLAGS = ("--enable-prefix-caching", "--kv-offloading-size")
+
+
+def cache_off_errors(flags: dict[str, FlagValue]) -> list[str]:
+    """Why these server flags do not keep vLLM's prefix cache and KV offloading off ([] when they do)."""
+    errors = [f"flag '{f}' turns a cache on" for f in CACHE_FLAGS if flags.get(f) not in (None, False, 0)]
+    if flags.get("--no-enable-prefix-caching") is not True:
+        errors.append("needs '--no-enable-prefix-caching: true' (vLLM caches prefixes by default)")
+    return errors
 
 
 class ConfigError(ValueError):
@@ -60,9 +75,11 @@ class StorageConfig(Strict):
     description: str = Field(min_length=1, description="what this tier is, in a sentence")
     platforms: list[Platform] = Field(min_length=1, description="where it can run")
     port: int = Field(ge=1024, le=65535, description="server port, unique in the matrix")
-    role: Literal["golden", "candidate", "canary"] = Field(
-        default="candidate", description="golden: the cache-off reference; canary: must FAIL fidelity"
-    )
+    role: Role = Field(
+        default="candidate", description="golden: the cache-off reference; control: a second cache-off server, "
+        "whose differences from golden are the run's noise floor; canary: injects faults, must FAIL fidelity")
+    faults: list[Literal[CANARY_FAULTS]] = Field(  # type: ignore[valid-type]
+        default_factory=list, description="canary: the fault classes to run, one treatment each")
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags over the platform's")
     env: dict[str, str] = Field(default_factory=dict, description="environment over the platform's")
     kv_transfer_config: KVTransferConfig | None = None
@@ -85,6 +102,16 @@ class StorageConfig(Strict):
         if missing:
             raise ValueError(f"kv_transfer_config uses store(s) {sorted(missing)} that are not listed here")
         return stores
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> "StorageConfig":
+        if self.role in ("golden", "control"):
+            errors = cache_off_errors(self.flags) + (["has a kv_transfer_config"] if self.kv_transfer_config else [])
+            if errors:
+                raise ValueError(f"a {self.role} config must be cache-off: {'; '.join(errors)}")
+        if self.faults and self.role != "canary":
+            raise ValueError("only a canary config lists faults")
+        return self
 
 
 class Matrix(Strict):
@@ -150,6 +177,8 @@ def load(path: Path) -> Matrix:
         raise ConfigError("\n".join(errors))
     if sum(c.role == "golden" for c in matrix.configs) != 1:
         raise ConfigError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
+    if sum(c.role == "control" for c in matrix.configs) > 1:
+        raise ConfigError(f"{path}: at most one config may have role 'control' (the second cache-off server)")
     return matrix
 
 

@@ -38,9 +38,10 @@ class Record:
     finish_reason: str | None = None
     output_text: str = ""
     output_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[list[list]] = field(default_factory=list)  # per position: [[token, logprob], ...] best first
+    top_logprobs: list[list[list]] = field(default_factory=list)  # per position: [[token id, logprob], ...] best first
     prompt_sha: str | None = None  # sha256 of the prompt token ids: the exact input the server saw
     prompt_block_hashes: list[str] = field(default_factory=list)  # chained, one per full block
+    prompt_token_ids: list[int] | None = None  # kept for the golden config: continuations are scored on it
     needle: str | None = None
     worker: int = 0
 
@@ -55,9 +56,15 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
     return out
 
 
-def _set_prompt(rec: Record, ids: list[int], block_size: int) -> None:
+def _set_prompt(rec: Record, ids: list[int], block_size: int, keep: bool) -> None:
     rec.prompt_sha = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
     rec.prompt_block_hashes = block_hashes(ids, block_size)
+    rec.prompt_token_ids = list(ids) if keep else None
+
+
+def token_id(token: str) -> int | str:
+    """'token_id:42' (return_tokens_as_token_ids) -> 42; any other token string stays as it is."""
+    return int(token[9:]) if token.startswith("token_id:") else token
 
 
 def _top(entry: dict | None, endpoint: str) -> list[list]:
@@ -65,11 +72,12 @@ def _top(entry: dict | None, endpoint: str) -> list[list]:
     if not entry:
         return []
     if endpoint == "chat":
-        return [[alt["token"], alt["logprob"]] for alt in entry.get("top_logprobs", [])]
-    return sorted(([tok, lp] for tok, lp in entry.items()), key=lambda x: -x[1])
+        return [[token_id(alt["token"]), alt["logprob"]] for alt in entry.get("top_logprobs", [])]
+    return sorted(([token_id(tok), lp] for tok, lp in entry.items()), key=lambda x: -x[1])
 
 
-def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Record, block_size: int) -> Record:
+def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Record, block_size: int,
+                 keep_prompt: bool = False) -> Record:
     """Fill `rec` from an SSE stream of (perf_counter time, raw line) pairs.
 
     TTFT is the time to the first chunk that carries a generated token: non-empty `content`/`text`, or,
@@ -104,7 +112,7 @@ def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Reco
             rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in chunk.get("choices") or []:
             if choice.get("prompt_token_ids"):  # completions put them on the choice
-                _set_prompt(rec, choice["prompt_token_ids"], block_size)
+                _set_prompt(rec, choice["prompt_token_ids"], block_size, keep_prompt)
             text = (choice.get("delta") or {}).get("content") if rec.endpoint == "chat" else choice.get("text")
             ids = choice.get("token_ids") or []
             if text or ids:
@@ -124,7 +132,7 @@ def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Reco
             if choice.get("finish_reason"):
                 rec.finish_reason = choice["finish_reason"]
         if chunk.get("prompt_token_ids"):  # chat puts them on the chunk
-            _set_prompt(rec, chunk["prompt_token_ids"], block_size)
+            _set_prompt(rec, chunk["prompt_token_ids"], block_size, keep_prompt)
     if rec.error is None and not done:
         rec.error = "truncated stream: ended without [DONE]"
     if rec.error is None and rec.ttft_s is None:
@@ -133,9 +141,12 @@ def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Reco
     return rec
 
 
-def request_body(req: Request, history: list[dict], logprobs: int = 5) -> tuple[str, dict]:
+def request_body(req: Request, history: list[dict], logprobs: int = 5, fault: str | None = None
+                 ) -> tuple[str, dict]:
     """The HTTP path and JSON body of a workload request; `history` holds a session's earlier turns.
-    Top-5 logprobs: at a bf16 tie the other side's token can rank third (H200 run), and fidelity needs it."""
+    Top-5 logprobs, as token ids (token strings are ambiguous: many byte tokens render as ''): at a bf16 tie
+    the other side's token can rank third (H200 run), and fidelity needs it. `fault`: a canary treatment's
+    fault class, passed to the canary connector in kv_transfer_params."""
     body = {
         "model": "tiny",
         "max_tokens": req.max_tokens,
@@ -143,12 +154,25 @@ def request_body(req: Request, history: list[dict], logprobs: int = 5) -> tuple[
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
     }
+    if fault:
+        body["kv_transfer_params"] = {"kvscope_fault": fault}
     if req.endpoint == "chat":
         body.update(messages=history + (req.messages or []), logprobs=True, top_logprobs=logprobs)
         return "/v1/chat/completions", body
     body.update(prompt=req.prompt, logprobs=logprobs)
     return "/v1/completions", body
+
+
+def request_key(request_id: str, phase: str) -> str:
+    """The X-Request-Id kvscope sends with a request. vLLM names the request '<prefix>-<key>-<8 chars>'
+    ('chatcmpl-' or 'cmpl-'), the id a canary's fault log carries (key_from_server_id)."""
+    return f"{request_id}@{phase}"
+
+
+def key_from_server_id(server_id: str) -> str:
+    return server_id.split("-", 1)[-1].rsplit("-", 1)[0]
 
 
 def new_record(req: Request, config: str, start_unix_s: float, worker: int = 0) -> Record:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .matrix import ConfigError, Matrix, Platform, StorageConfig
+from .matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors
 
 SERVED_MODEL_NAME = "tiny"
 
@@ -62,7 +62,11 @@ def render(
     defaults = matrix.platforms[platform]
     stores = store_paths(cfg, store_root)
     args = ["--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(cfg.port)]
-    args += _flag_args({**defaults.flags, **cfg.flags, **(overrides or {})})
+    flags = {**defaults.flags, **cfg.flags, **(overrides or {})}
+    if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
+        raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
+                          + "; ".join(errors))
+    args += _flag_args(flags)
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]
@@ -75,4 +79,5 @@ def render(
         "env": {**defaults.env, **cfg.env},
         "stores": stores,
         "store_reset": cfg.store_reset,
+        "faults": list(cfg.faults),
     }

@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
-from . import fidelity, hitrate, metrics
-from .records import Record, read
+from . import continuations, fidelity, hitrate, metrics, verdicts
+from .matrix import ROLE_ORDER
+from .records import Record, key_from_server_id, read
 
 
 class RunError(ValueError):
@@ -63,18 +65,29 @@ def served_dtype(server: dict) -> str | None:
     return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else None
 
 
-def near_tie(run: dict) -> float:
-    """The near-tie band of this run: by the golden server's dtype."""
-    return fidelity.near_tie_nats(served_dtype(next(s for s in run["servers"] if s["role"] == "golden")))
+def _golden(run: dict) -> dict:
+    return next(s for s in run["servers"] if s["role"] == "golden")
 
 
-def score_run(run: dict, recs: dict) -> pd.DataFrame:
-    golden = next(s["config"] for s in run["servers"] if s["role"] == "golden")
-    band = near_tie(run)
+def noise_floor(run: dict, recs: dict, folder: Path) -> dict:
+    """The run's logprob tolerance, from its control and golden's own answers scored again by golden."""
+    golden = _golden(run)["config"]
+    by_key = {f"{r.request_id}@{r.phase}": r for (c, _), rs in recs.items() if c == golden for r in rs}
+    control = [r for s in run["servers"] if s["role"] == "control" for sc in run["scenarios"]
+               for r in recs.get((s["config"], sc), [])]
+    calibration = {k: v for sc in run["scenarios"] for k, v in continuations.load(folder, golden, sc).items()}
+    measured = fidelity.noise(by_key, control, calibration)
+    tol, source = fidelity.tolerance(measured, served_dtype(_golden(run)))
+    return {"noise_nats": measured, "tolerance_nats": tol, "tie_band_nats": 2 * tol, "source": source,
+            "control_answers": len(control), "golden_rescored": len(calibration)}
+
+
+def score_run(run: dict, recs: dict, folder: Path, tol: float) -> pd.DataFrame:
+    golden = _golden(run)["config"]
     rows = []
     for (config, scenario), records in recs.items():
-        rows += fidelity.score_all(recs[golden, scenario], records, band)
-    return pd.DataFrame(rows)
+        rows += fidelity.score_all(recs[golden, scenario], records, tol, continuations.load(folder, config, scenario))
+    return pd.DataFrame(rows, columns=[f.name for f in fidelity.fields(fidelity.Score)])
 
 
 def summarize(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame) -> pd.DataFrame:
@@ -92,7 +105,7 @@ def summarize(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame) -
         gold = {r.request_id: r for r in recs[golden, scenario] if r.ok}
         paired = [(gold[r.request_id].ttft_s, r.ttft_s) for r in ok if r.request_id in gold]
         paired_hits = [(gold[r.request_id].ttft_s, r.ttft_s) for r in hit if r.request_id in gold]
-        sc = scores[(scores.config == config) & (scores.scenario == scenario)] if len(scores) else scores
+        sc = scores[(scores.config == config) & (scores.scenario == scenario) & (scores.phase == "measure")]
         cls = lambda frame, name: int((frame.cls == name).sum()) if len(frame) else 0  # noqa: E731
         hit_sc = sc[sc.cached_tokens.fillna(0) > 0] if len(sc) else sc
         miss_sc = sc[sc.cached_tokens.fillna(0) == 0] if len(sc) else sc
@@ -124,12 +137,23 @@ def summarize(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame) -
             "identical_miss": cls(miss_sc, "identical"), "benign_miss": cls(miss_sc, "benign"),
             "fail_miss": cls(miss_sc, "FAIL"),
             "unscored": int((~sc.cls.isin(fidelity.SCORED)).sum()) if len(sc) else 0,
+            "unverified": cls(sc, "unverified"),
+            "max_dev": sc.max_dev.max() if len(sc) and sc.max_dev.notna().any() else None,
             "degenerate": int(sc.degenerate.sum()) if len(sc) else 0,
             "needle_golden": _share(sc.needle_golden) if len(sc) else None,
             "needle_candidate": _share(sc.needle_candidate) if len(sc) else None,
-            "verdict": fidelity.verdict(list(sc.cls)) if len(sc) else "NO-DATA",
+            "fidelity": _cell_fidelity(sc),
         })
     return pd.DataFrame(rows)
+
+
+def _cell_fidelity(sc: pd.DataFrame) -> str:
+    """One config x scenario at a glance: FAIL, ok (everything scored passed) or what kept it from scoring."""
+    if (sc.cls == "FAIL").any():
+        return "FAIL"
+    if not sc.cls.isin(fidelity.SCORED).any():
+        return "no data"
+    return "ok" if sc.cls.isin(fidelity.SCORED).all() else "partly unscored"
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -149,20 +173,58 @@ def _share(col: pd.Series) -> float | None:
     return round(float(col.astype(bool).mean()), 3) if len(col) else None
 
 
-def config_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
-    """One line per config: fidelity verdict over all scenarios and the speed-up its hits buy."""
+def expected_answers(folder: Path, scenarios) -> dict[str, int]:
+    """Measure-phase requests per scenario, from the run's workload files."""
+    out = {}
+    for scenario in scenarios:
+        path = Path(folder) / "workloads" / f"{scenario}.measure.jsonl"
+        out[scenario] = sum(1 for _ in open(path)) if path.exists() else 0
+    return out
+
+
+def fault_changes(folder: Path, config: str, scenarios) -> dict[str, int] | None:
+    """Request key -> blocks the canary changed, from its fault logs; None when the run kept no log."""
+    paths = [Path(folder) / "faults" / f"{config}__{s}.jsonl" for s in scenarios]
+    if not any(p.exists() for p in paths):
+        return None
+    out: dict[str, int] = {}
+    for path in (p for p in paths if p.exists()):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            key = key_from_server_id(entry["request"])
+            out[key] = out.get(key, 0) + entry["changed"]
+    return out
+
+
+def config_verdicts(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame, summary: pd.DataFrame,
+                    power: pd.DataFrame, folder: Path, min_hits: int, max_failed: float) -> pd.DataFrame:
+    """One line per config: its verdict, whether that is what its role expects, why, and its speed-up."""
+    expected = expected_answers(folder, run["scenarios"])
+    reference = {s["config"]: verdicts.cache_off_problems(s, [r.cached_tokens for sc in run["scenarios"]
+                                                               for r in recs.get((s["config"], sc), [])])
+                 for s in run["servers"] if s["role"] in ("golden", "control")}
+    broken = [f"{config} is not cache-off" for config, problems in reference.items() if problems]
     out = []
-    for config, part in summary.groupby("config", sort=False):
-        seen = set(part.verdict)
-        verdict = "FAIL" if "FAIL" in seen else "PASS" if "PASS" in seen else "NO-DATA"
-        expected = "FAIL" if part.role.iloc[0] == "canary" else "PASS"
+    for server in run["servers"]:
+        config, role = server["config"], server["role"]
+        ran = {row["scenario"] for row in status if row["config"] == config} if status else set(run["scenarios"])
+        verdict, why = verdicts.config_verdict(server, scores, expected, ran,
+                                               reference.get(config) if role == "golden" else broken,
+                                               min_hits, max_failed)
+        as_expected = verdict == verdicts.expected_verdict(role)
+        if role == "canary" and verdict == "FAIL":
+            row = power[power.config == config].iloc[0]
+            if row.rate is None or pd.isna(row.rate) or row.rate < verdicts.POWER_GOAL:
+                as_expected = False
+                why = f"detected on {row.detected} of {row.affected_hits} hits it broke (goal {verdicts.POWER_GOAL:.0%})"
+        part = summary[summary.config == config]
+        sc = scores[(scores.config == config) & (scores.phase == "measure")]
         out.append({
-            "config": config, "role": part.role.iloc[0], "verdict": verdict,
-            "as_expected": verdict == expected,
-            "fail_requests": int(part.fail_hit.sum() + part.fail_miss.sum()),
-            "scored": int((part.identical_hit + part.benign_hit + part.fail_hit + part.identical_miss
-                           + part.benign_miss + part.fail_miss).sum()),
+            "config": config, "role": role, "verdict": verdict, "as_expected": as_expected, "why": why,
+            "fail_requests": int((sc.cls == "FAIL").sum()), "scored": int(sc.cls.isin(fidelity.SCORED).sum()),
+            "verified_hits": int((sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)).sum()),
             "hit_requests": int(part.hit_requests.sum()), "failed_requests": int(part.failed.sum()),
+            "max_dev": sc.max_dev.max() if sc.max_dev.notna().any() else None,
             "speedup_hits_median": _median(part.speedup_hits), "speedup_all_median": _median(part.speedup_all),
         })
     return pd.DataFrame(out)
@@ -170,8 +232,9 @@ def config_verdicts(summary: pd.DataFrame) -> pd.DataFrame:
 
 def crashed_verdicts(run: dict) -> pd.DataFrame:
     """A row for each config that did not start: it has no answers, and that is a result too."""
-    return pd.DataFrame([{"config": c["config"], "role": c.get("role", "candidate"), "verdict": "CRASHED", "as_expected": False,
-                          "fail_requests": 0, "scored": 0, "hit_requests": 0, "failed_requests": 0,
+    return pd.DataFrame([{"config": c["config"], "role": c.get("role", "candidate"), "verdict": "CRASHED",
+                          "as_expected": False, "why": c.get("why", "did not start"), "fail_requests": 0, "scored": 0,
+                          "verified_hits": 0, "hit_requests": 0, "failed_requests": 0, "max_dev": None,
                           "speedup_hits_median": None, "speedup_all_median": None} for c in run.get("crashed", [])])
 
 
@@ -228,9 +291,9 @@ def plots(folder: Path, summary: pd.DataFrame, recs: dict) -> list[str]:
         i, j = configs.index(r.config), scenarios.index(r.scenario)
         if scored:
             grid[i, j] = (r.fail_hit + r.fail_miss) / scored
-            text[i][j] = f"{r.verdict}\n{r.identical_hit + r.identical_miss}/{scored} identical"
+            text[i][j] = f"{r.fidelity}\n{r.identical_hit + r.identical_miss}/{scored} identical"
         else:
-            text[i][j] = r.verdict
+            text[i][j] = r.fidelity
     fig, ax = plt.subplots(figsize=(1.8 * len(scenarios) + 2, 0.7 * len(configs) + 1.5))
     ax.imshow(grid, cmap="RdYlGn_r", vmin=0, vmax=1, aspect="auto")
     for i in range(len(configs)):
@@ -268,47 +331,106 @@ def _cell(v) -> str:
     return str(v)
 
 
-def write(folder: Path) -> int:
-    """Write report.md, summary.csv, scores.csv and the plots; return the gate's exit code."""
+class Analysis(NamedTuple):
+    run: dict
+    status: list[dict]
+    recs: dict
+    floor: dict
+    scores: pd.DataFrame
+    summary: pd.DataFrame
+    power: pd.DataFrame
+    verdicts: pd.DataFrame
+
+
+def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
+            max_failed: float = verdicts.MAX_FAILED_SHARE) -> Analysis:
+    """Everything a report shows, from a run folder alone."""
     folder = Path(folder)
     run, status, recs = _load(folder)
-    scores = score_run(run, recs)
+    floor = noise_floor(run, recs, folder)
+    scores = score_run(run, recs, folder, floor["tolerance_nats"])
     summary = summarize(run, status, recs, scores)
-    verdicts, crashed = config_verdicts(summary), crashed_verdicts(run)
+    canaries = [s for s in run["servers"] if s["role"] == "canary"]
+    power = verdicts.power(canaries, scores, {s["config"]: fault_changes(folder, s["config"], run["scenarios"])
+                                              for s in canaries})
+    table = config_verdicts(run, status, recs, scores, summary, power, folder, min_hits, max_failed)
+    crashed = crashed_verdicts(run)
     if len(crashed):
-        verdicts = pd.concat([verdicts, crashed], ignore_index=True)
-    scores.to_csv(folder / "scores.csv", index=False)
-    summary.to_csv(folder / "summary.csv", index=False)
-    verdicts.to_csv(folder / "verdicts.csv", index=False)
-    pngs = plots(folder, summary, recs)
-    (folder / "report.md").write_text(_markdown(run, status, summary, verdicts, scores, pngs, folder))
-    return 0 if verdicts.as_expected.all() else 1
+        table = pd.concat([table, crashed], ignore_index=True)
+    return Analysis(run, status, recs, floor, scores, summary, power, table)
 
 
-def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
+def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
+          max_failed: float = verdicts.MAX_FAILED_SHARE) -> int:
+    """Write report.md, the CSV tables and the plots; record the scorer in run.json; return the gate's exit
+    code (verdicts.gate)."""
+    folder = Path(folder)
+    a = analyze(folder, min_hits, max_failed)
+    a.scores.to_csv(folder / "scores.csv", index=False)
+    a.summary.to_csv(folder / "summary.csv", index=False)
+    a.verdicts.to_csv(folder / "verdicts.csv", index=False)
+    a.power.to_csv(folder / "power.csv", index=False)
+    pngs = plots(folder, a.summary, a.recs)
+    (folder / "report.md").write_text(_markdown(a, pngs, folder))
+    run = dict(a.run, scorer={"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
+                              "max_failed_share": max_failed, **a.floor})
+    (folder / "run.json").write_text(json.dumps(run, indent=2, ensure_ascii=False) + "\n")
+    return verdicts.gate(a.verdicts)
+
+
+def console(folder: Path) -> str:
+    """The verdicts and the detection power of a written report, as plain text for the terminal."""
+    v = pd.read_csv(Path(folder) / "verdicts.csv")
+    lines = [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
+             for r in v.itertuples()]
+    power = pd.read_csv(Path(folder) / "power.csv")
+    if len(power):
+        lines += ["", "detection power (wrong KV served by each canary treatment, caught):"]
+        lines += [f"  {r.fault:<12} {r.detected:>4} of {r.affected_hits:<4} hits it broke  rate {r.rate:.3f} "
+                  f"(95 % lower bound {r.rate_low95:.3f})" for r in power.itertuples() if r.affected_hits]
+        lines += [f"  {r.fault:<12} broke no hit" for r in power.itertuples() if not r.affected_hits]
+        lines.append(f"  all faults: {verdicts.pooled(power)}")
+    return "\n".join(lines)
+
+
+GATE_WORDS = {verdicts.GATE_OK: "every verdict as expected (exit 0)",
+              verdicts.GATE_FAIL: "FAILED: a verdict its role does not allow (exit 1)",
+              verdicts.GATE_INCONCLUSIVE: "inconclusive: nothing failed, but not everything was verified (exit 3)"}
+
+
+def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
+    run, summary, scores, floor = a.run, a.summary, a.scores, a.floor
     m = run["machine"]
     first = run["servers"][0]
     lines = [f"# kvscope report: run {run['run_id']}", ""]
     lines += ["Every figure here is computed from this folder's raw records (`records/*.jsonl`) by "
-              f"`make report RUN={folder}`. Fidelity compares each answer with the golden config's answer to "
-              f"the same request (greedy, same seed); speed-up = golden TTFT p50 / config TTFT p50 on the same "
+              f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
+              "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "
+              "logprobs wherever the tokens agree; speed-up = golden TTFT p50 / config TTFT p50 on the same "
               "requests (>1 is faster).", ""]
-    lines += ["## Verdicts", ""]
-    v = verdicts.copy()
+    lines += ["## Verdicts", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
+    v = a.verdicts.copy()
     v["verdict"] = [f"**{x}**" + ("" if ok else " (unexpected)") for x, ok in zip(v.verdict, v.as_expected)]
-    lines += [_md_table(v.drop(columns=["as_expected"])), ""]
+    cols = ["config", "role", "verdict", "why", "verified_hits", "fail_requests", "scored", "max_dev",
+            "speedup_hits_median"]
+    lines += [_md_table(v[cols]), ""]
     crashed = {c["config"]: c for c in run.get("crashed", [])}
-    for row in verdicts.itertuples():
-        if row.config in crashed:
-            lines.append(f"- `{row.config}`: **did not start** ({crashed[row.config]['why']}): "
-                         f"`{crashed[row.config]['error']}`")
-            continue
-        speed = (f"speed-up {row.speedup_hits_median}x on its cache hits (golden TTFT p50 / its TTFT p50)"
-                 if pd.notna(row.speedup_hits_median) and row.hit_requests else "no cache hits")
-        tag = " (fault-injection canary: FAIL is the expected result)" if row.role == "canary" else ""
-        lines.append(f"- `{row.config}`: fidelity **{row.verdict}**, {row.fail_requests} FAIL of {row.scored} "
-                     f"scored answers, {speed}{tag}.")
-    lines += ["", "## Environment", ""]
+    lines += [f"- `{c}`: **did not start** ({d['why']}): `{d['error']}`" for c, d in crashed.items()]
+    lines += ["", "## How strong the verdict is", ""]
+    measured = "not measured" if floor["noise_nats"] is None else f"{floor['noise_nats']:.3g} nat"
+    lines += [f"- Noise floor: the control's answers ({floor['control_answers']}) and golden's own answers scored "
+              f"again by golden ({floor['golden_rescored']}) differ from golden's by at most **{measured}**. "
+              f"Tolerance: **{floor['tolerance_nats']:.3g} nat** ({floor['source']}); tie band "
+              f"{floor['tie_band_nats']:.3g} nat. `max_dev` above: a config's largest difference from golden.",
+              f"- A PASS needs every expected answer scored and at least "
+              f"{run.get('scorer', {}).get('min_verified_hits', verdicts.MIN_VERIFIED_HITS)} verified cache hits.", ""]
+    if len(a.power):
+        lines += ["Detection power (`power.csv`): each canary treatment serves wrong KV of one fault class; "
+                  "`affected_hits` are the cache hits its fault log says it broke, `detected` those that FAILed; "
+                  f"`rate_low95` is the lower bound of the 95 % Wilson interval. Goal: {verdicts.POWER_GOAL:.0%} "
+                  "per class. Hits the canary left correct must not FAIL (`unaffected_fail`).", ""]
+        lines += [_md_table(a.power.drop(columns=["config"])), "", f"All faults together: {verdicts.pooled(a.power)}.", ""]
+    lines += ["## Environment", ""]
     lines += [f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['arch']}, "
               f"GPU: {m['gpu'] or 'none'}; {m['os']}",
               f"- vLLM {first['vllm_version']} ({first['platform']}), model `{Path(first['model_path']).name}` "
@@ -336,26 +458,29 @@ def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
                 "hit_rate_counters_external", "hit_rate_theoretical"]
     lines += [_md_table(summary[hit_cols]), ""]
     lines += ["## Fidelity per config and scenario", "",
-              f"Classes split by whether the request hit the cache. Near tie: each side's token within "
-              f"{near_tie(run)} nats of the other side's best logprob (band for dtype "
-              f"{served_dtype(run['servers'][0]) or 'default'}). `unscored`: failed requests, missing golden answers, or inputs that "
-              "differ from golden's (later turns after a divergence).", ""]
+              "Classes split by whether the request hit the cache (fidelity.py says what each means). "
+              "`unscored`: failed requests, missing golden answers, inputs that differ from golden's (later turns "
+              "after a divergence), answers without token ids, and near ties golden could not score "
+              "(`unverified`).", ""]
     fid_cols = ["config", "scenario", "identical_hit", "benign_hit", "fail_hit", "identical_miss", "benign_miss",
-                "fail_miss", "unscored", "degenerate", "needle_golden", "needle_candidate", "verdict"]
+                "fail_miss", "unscored", "unverified", "max_dev", "degenerate", "needle_golden", "needle_candidate",
+                "fidelity"]
     lines += [_md_table(summary[fid_cols]), ""]
-    fails = scores[scores.cls == "FAIL"] if len(scores) else scores
+    order = {s["config"]: ROLE_ORDER[s["role"]] for s in run["servers"]}
+    fails = scores[(scores.cls == "FAIL") & (scores.phase == "measure")]
+    fails = fails.iloc[fails.config.map(order).argsort(kind="stable")]
     if len(fails):
-        lines += ["First FAIL reasons (up to 10):", ""]
+        lines += ["First FAIL reasons (up to 10; candidates before canaries):", ""]
         for r in fails.head(10).itertuples():
             lines.append(f"- `{r.config}` / `{r.request_id}` (cached {r.cached_tokens}): {r.reason}")
         lines.append("")
-    failed = scores[scores.cls == "failed"] if len(scores) else scores
+    failed = scores[scores.cls == "failed"]
     if len(failed):
         lines += ["Failed requests (first error of each config):", ""]
         for config, part in failed.groupby("config"):
             lines.append(f"- `{config}`: {len(part)} failed; first: {part.reason.iloc[0]}")
         lines.append("")
-    faults = [r for r in status for p in r["phases"].values() if p.get("locust_exit") not in (0, 1)
+    faults = [r for r in a.status for p in r["phases"].values() if p.get("locust_exit") not in (0, 1)
               or p.get("metrics_error")]
     if faults:
         lines += ["Faults during the run:", ""]
@@ -366,7 +491,8 @@ def _markdown(run, status, summary, verdicts, scores, pngs, folder) -> str:
                              + (f" server log: `{p['server_error']}`" if p.get("server_error") else ""))
         lines.append("")
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs] + [""]
-    lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `scores.csv` (one row per request and config).", ""]
+    lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `power.csv`, `scores.csv` (one row per request and "
+              "config).", ""]
     return "\n".join(lines)
 
 
@@ -389,14 +515,14 @@ def compare(folders: list[Path], out: Path | None = None) -> str:
         raise RunError(f"runs replayed different workloads (digests {digests}); comparing them would mislead")
     frames = []
     for f in folders:
-        run, status, recs = _load(f)
-        summary = summarize(run, status, recs, score_run(run, recs))
-        summary.insert(0, "run", run["run_id"])
-        summary.insert(1, "vllm", run["servers"][0]["vllm_version"])
+        a = analyze(f)
+        summary = a.summary.merge(a.verdicts[["config", "verdict"]], on="config", how="left")
+        summary.insert(0, "run", a.run["run_id"])
+        summary.insert(1, "vllm", a.run["servers"][0]["vllm_version"])
         frames.append(summary)
     table = pd.concat(frames)
     cols = ["run", "vllm", "config", "scenario", "ttft_p50_ms_miss", "ttft_p50_ms_hit", "speedup_hits",
-            "hit_rate_per_request", "hit_rate_theoretical", "fail_hit", "fail_miss", "verdict"]
+            "hit_rate_per_request", "hit_rate_theoretical", "fail_hit", "fail_miss", "fidelity", "verdict"]
     text = "# kvscope comparison\n\n" + _md_table(table[cols].sort_values(["config", "scenario", "run"])) + "\n"
     if out:
         Path(out).write_text(text)

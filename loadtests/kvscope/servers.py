@@ -169,6 +169,7 @@ def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Pa
         "env": redact(rendered["env"]),
         "stores": rendered["stores"],
         "store_reset": rendered.get("store_reset", "wipe"),
+        "faults": rendered.get("faults", []),
     }
 
 

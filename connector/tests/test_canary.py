@@ -1,0 +1,127 @@
+"""The fault-injection canary's faults on fake vLLM caches: what each writes, and what its log says."""
+
+import json
+
+import pytest
+import torch
+
+from kvscope_connector.canary import FAULTS, CanaryMetadata, _FaultWorker
+from kvscope_connector.scheduler import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.store import RamTier
+
+FP, B, HEADS = "f" * 32, 4, 2
+
+
+def canary(tmp_path, blocks=3):
+    """A canary worker on CPU-shaped caches (H, B, 2D) with `blocks` distinct blocks stored as k0, k1, ..."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    w = _FaultWorker(FP, B, RamTier(1 << 20), None)
+    gen = torch.Generator().manual_seed(0)
+    w.register({f"layer{i}": torch.randn(16, HEADS, B, 6, generator=gen) for i in range(3)})
+    w.kv_heads, w.fault_log = HEADS, str(tmp_path / "faults.jsonl")
+    w.save(KVScopeMetadata(stores=[StoreSpec(j, f"k{j}", True, False) for j in range(blocks)]))
+    w.flush()
+    return w
+
+
+def load(w, fault, n=3, first_slot=8, request="r1"):
+    loads = [LoadSpec(first_slot + j, f"k{j}", "ram", request_id=request, index=j) for j in range(n)]
+    w.load(CanaryMetadata(loads=loads, faults={request: fault}))
+    return [{name: t[first_slot + j] for name, t in w.layers.items()} for j in range(n)]
+
+
+def stored(w, j):
+    return {name: t[j] for name, t in w.layers.items()}
+
+
+def log(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+
+
+def test_shift_loads_every_block_one_block_late_and_the_first_as_it_is(tmp_path):
+    w = canary(tmp_path)
+    got = load(w, "shift")
+    for name in w.layers:
+        assert torch.equal(got[0][name], stored(w, 0)[name])
+        assert torch.equal(got[1][name], stored(w, 0)[name]) and torch.equal(got[2][name], stored(w, 1)[name])
+    assert log(tmp_path) == [{"request": "r1", "fault": "shift", "loaded": 3, "changed": 2}]
+
+
+def test_shift_of_a_single_block_moves_its_tokens_one_position_late(tmp_path):
+    w = canary(tmp_path, blocks=1)
+    got = load(w, "shift", n=1)[0]["layer0"]
+    want = stored(w, 0)["layer0"]
+    assert torch.equal(got[:, 0], want[:, 0]) and torch.equal(got[:, 1:], want[:, :-1])
+
+
+def test_layer_and_head_faults_touch_only_their_part(tmp_path):
+    w = canary(tmp_path)
+    got = load(w, "layer")
+    assert torch.equal(got[2]["layer1"], stored(w, 1)["layer1"])  # the middle layer of three
+    assert all(torch.equal(got[2][n], stored(w, 2)[n]) for n in ("layer0", "layer2"))
+    w = canary(tmp_path / "h")
+    got = load(w, "head")
+    assert torch.equal(got[2]["layer1"][0], stored(w, 1)["layer1"][0])  # head 0 of the middle layer
+    assert torch.equal(got[2]["layer1"][1], stored(w, 2)["layer1"][1])
+    assert all(torch.equal(got[2][n], stored(w, 2)[n]) for n in ("layer0", "layer2"))
+
+
+def test_zeros_and_stale_break_the_last_block_only(tmp_path):
+    w = canary(tmp_path)
+    got = load(w, "zeros")
+    assert not got[2]["layer0"].any() and torch.equal(got[1]["layer0"], stored(w, 1)["layer0"])
+    before = w.layers["layer0"][10].clone()
+    got = load(w, "stale", request="r2")
+    assert torch.equal(got[2]["layer0"], before) and torch.equal(got[0]["layer0"], stored(w, 0)["layer0"])
+    assert [e["changed"] for e in log(tmp_path)] == [1, 1]
+
+
+def test_stale_onto_a_slot_that_already_holds_the_block_is_logged_as_unchanged(tmp_path):
+    w = canary(tmp_path)  # slot 2 still holds the bytes block k2 was stored from
+    w.load(CanaryMetadata(loads=[LoadSpec(2, "k2", "ram", request_id="r2")], faults={"r2": "stale"}))
+    assert log(tmp_path) == [{"request": "r2", "fault": "stale", "loaded": 1, "changed": 0}]
+
+
+@pytest.mark.parametrize("fault,scale", [("noise-1e-2", 1e-2), ("noise-1e-3", 1e-3)])
+def test_noise_is_small_relative_to_the_kv_and_touches_every_block(tmp_path, fault, scale):
+    w = canary(tmp_path)
+    got = load(w, fault)
+    for j in range(3):
+        diff = got[j]["layer0"] - stored(w, j)["layer0"]
+        assert 0.3 * scale < float(diff.std() / stored(w, j)["layer0"].std()) < 3 * scale
+    assert log(tmp_path)[0]["changed"] == 3
+
+
+def test_second_hit_is_correct_on_a_keys_first_load_and_shifted_from_its_second(tmp_path):
+    w = canary(tmp_path)
+    first = load(w, "second-hit")
+    assert all(torch.equal(first[j]["layer0"], stored(w, j)["layer0"]) for j in range(3))
+    second = load(w, "second-hit", first_slot=12, request="r2")
+    assert torch.equal(second[1]["layer0"], stored(w, 0)["layer0"])
+    w.load(CanaryMetadata(reset=True))
+    w.save(KVScopeMetadata(stores=[StoreSpec(j, f"k{j}", True, False) for j in range(3)]))
+    third = load(w, "second-hit", request="r3")
+    assert torch.equal(third[1]["layer0"], stored(w, 1)["layer0"])  # a reset forgets what was loaded
+    assert [e["changed"] for e in log(tmp_path)] == [0, 2, 0]
+
+
+def test_foreign_serves_another_keys_block(tmp_path):
+    w = canary(tmp_path, blocks=4)
+    got = load(w, "foreign")  # loads k0..k2; k3 is the other key in RAM
+    assert torch.equal(got[2]["layer0"], stored(w, 3)["layer0"])
+    assert log(tmp_path)[0]["changed"] == 1
+
+
+def test_every_fault_changes_what_a_request_loads(tmp_path):
+    for fault in FAULTS:
+        w = canary(tmp_path / fault, blocks=4)
+        load(w, fault)
+        load(w, fault, first_slot=12, request="r2")  # second-hit needs a second load
+        assert log(tmp_path / fault)[-1]["changed"] > 0, fault
+
+
+def test_an_unknown_fault_loads_correct_kv_and_says_so(tmp_path):
+    w = canary(tmp_path)
+    got = load(w, "bogus")
+    assert all(torch.equal(got[j]["layer0"], stored(w, j)["layer0"]) for j in range(3))
+    assert log(tmp_path)[0]["changed"] == 0 and "fault" in w.logged

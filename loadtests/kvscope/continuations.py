@@ -1,0 +1,91 @@
+"""Golden's view of answers: the golden server scores prompt + answer, token by token.
+
+Two uses, both while the golden server is still up at the end of a bench:
+- an answer that splits from golden's: is the rest what golden itself would say after that token? A
+  correct cache that flips a near tie continues as golden would from there; wrong KV does not.
+- golden's own answers, scored again: how far golden's prompt_logprobs path is from its decode path (part
+  of the run's noise floor; fidelity.noise).
+prompt_logprobs bypass the prefix cache, which is harmless on a cache-off server (and only there).
+Files: continuations/<config>__<scenario>.jsonl, one line per answer: request_id, phase, start (the first
+position scored) and logprobs ([[token id, logprob], ...] per position from start to the answer's end).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import fidelity, jsonl
+from .records import Record, read, request_key
+from .render import SERVED_MODEL_NAME
+
+TOP = 5
+
+
+@dataclass
+class Continuation:
+    request_id: str
+    phase: str
+    start: int  # the first answer position scored
+    logprobs: list[list[list]]  # per position from start: [[token id, logprob], ...] best first
+
+
+def golden_logprobs(base: str, prompt_ids: list[int], answer_ids: list[int], start: int) -> list[list[list]]:
+    """Golden's top-5 (and the answer's own token) at each answer position from `start` on."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": prompt_ids + answer_ids, "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": TOP}
+    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        positions = json.loads(resp.read())["choices"][0]["prompt_logprobs"]
+    return [sorted(([int(tok), alt["logprob"]] for tok, alt in positions[len(prompt_ids) + j].items()),
+                   key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
+
+
+def collect(folder: Path, golden: dict, configs: list[str], scenarios: list[str]) -> dict[str, int]:
+    """Score every answer that splits from golden's, and golden's own answers, with the golden server;
+    returns how many answers each config had scored. An answer golden could not score is left out (the
+    fidelity class is then `unverified`, never identical)."""
+    base = f"http://{golden['host']}:{golden['port']}"
+    out_dir = Path(folder) / "continuations"
+    out_dir.mkdir(exist_ok=True)
+    counts: dict[str, int] = {}
+    for scenario in scenarios:
+        gold = {request_key(r.request_id, r.phase): r for r in _records(folder, golden["config"], scenario)
+                if r.ok and r.prompt_token_ids and r.output_token_ids}
+        for config in configs:
+            lines = []
+            for rec in _records(folder, config, scenario):
+                g = gold.get(request_key(rec.request_id, rec.phase))
+                if g is None or not rec.ok or rec.prompt_sha != g.prompt_sha or not rec.output_token_ids:
+                    continue
+                start = 0 if config == golden["config"] else fidelity.first_divergence(
+                    g.output_token_ids, rec.output_token_ids)
+                if start is None or start >= len(rec.output_token_ids):
+                    continue
+                try:
+                    tops = golden_logprobs(base, g.prompt_token_ids, rec.output_token_ids, start)
+                except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
+                    continue
+                lines.append(Continuation(rec.request_id, rec.phase, start, tops))
+            with open(out_dir / f"{config}__{scenario}.jsonl", "w") as f:
+                f.writelines(json.dumps(asdict(line)) + "\n" for line in lines)
+            counts[config] = counts.get(config, 0) + len(lines)
+    return counts
+
+
+def _records(folder: Path, config: str, scenario: str) -> list[Record]:
+    path = Path(folder) / "records" / f"{config}__{scenario}.jsonl"
+    return read(path) if path.exists() else []
+
+
+def load(folder: Path, config: str, scenario: str) -> dict[str, tuple[int, list[fidelity.Alts]]]:
+    """request key -> (start, golden's alternatives per position from start), as collect() wrote them."""
+    path = Path(folder) / "continuations" / f"{config}__{scenario}.jsonl"
+    if not path.exists():
+        return {}
+    return {request_key(c.request_id, c.phase): (c.start, [{t: lp for t, lp in pos} for pos in c.logprobs])
+            for c in jsonl.read(path, Continuation, "continuation")}

@@ -1,0 +1,132 @@
+"""The gate: one verdict per config from its scores, its coverage and its role; the canaries' detection power.
+
+Verdicts:
+- PASS:       every expected answer is there and scored, none FAILs, and at least `min_hits` of them were
+              cache hits that scored identical or benign (verified hits).
+- FAIL:       an answer FAILs (fidelity.py).
+- INCOMPLETE: answers missing, failed beyond `max_failed` of those expected, a scenario that never ran,
+              answers without token ids or without a golden answer.
+- UNVERIFIED: too few verified hits (the cache was never really tested), near ties that golden could not
+              score, or a golden or control server that was not cache-off.
+- GOLDEN / INVALID: the reference itself, cache-off (its manifest and every record) or not.
+- CRASHED:    the config did not start.
+Expected: candidates and the control PASS; a canary FAILs, and on at least POWER_GOAL of the cache hits it
+really broke (its fault log says which). Exit code of the gate: 0 when every verdict is as expected; 1 when
+the gate fails (a FAIL where PASS was expected, a canary kvscope misses too often, a crash); 3 when nothing
+failed but some verdict is INCOMPLETE, UNVERIFIED or INVALID (inconclusive); 2 is bad input (cli.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from . import fidelity
+
+MIN_VERIFIED_HITS = 20
+MAX_FAILED_SHARE = 0.02
+POWER_GOAL = 0.99
+GATE_OK, GATE_FAIL, GATE_INCONCLUSIVE = 0, 1, 3
+
+
+def cache_off_problems(server: dict, cached_tokens: list[int | None]) -> list[str]:
+    """Why a golden or control server was not cache-off, from its manifest and its answers ([] if it was)."""
+    args = server.get("server_args", [])
+    problems = []
+    if server.get("prefix_caching"):
+        problems.append("its manifest says prefix caching was on")
+    problems += [f"it ran with {flag}" for flag in ("--kv-transfer-config", "--kv-offloading-size", "--enable-prefix-caching")
+                 if flag in args]
+    hits = sum(1 for c in cached_tokens if c)
+    if hits:
+        problems.append(f"{hits} of its answers report cached prompt tokens")
+    return problems
+
+
+def wilson_low(k: int, n: int, z: float = 1.96) -> float | None:
+    """Lower bound of the 95 % Wilson interval of a rate k/n."""
+    if n == 0:
+        return None
+    p = k / n
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - spread) / (1 + z * z / n)
+
+
+def power(canaries: list[dict], scores: pd.DataFrame, changed: dict[str, dict[str, int] | None]) -> pd.DataFrame:
+    """Detection power per canary treatment: of the scored cache hits the canary broke, how many FAILed.
+    `changed[config]`: request key -> blocks the canary changed, from its fault log (None: no log, so every
+    hit counts as affected). Hits it left correct ("changed" 0) are counted apart: they must not FAIL."""
+    rows = []
+    for server in canaries:
+        config = server["config"]
+        sc = scores[(scores.config == config) & (scores.phase == "measure") & scores.cls.isin(fidelity.SCORED)
+                    & (scores.cached_tokens.fillna(0) > 0)]
+        log = changed.get(config)
+        keys = sc.request_id + "@" + sc.phase
+        hit = keys.map(lambda k: log.get(k, 0) > 0) if log is not None else pd.Series(True, index=sc.index)
+        affected, unaffected = sc[hit.astype(bool)], sc[~hit.astype(bool)]
+        detected = int((affected.cls == "FAIL").sum())
+        n = len(affected)
+        rows.append({"fault": server.get("fault") or config, "config": config, "affected_hits": n,
+                     "detected": detected, "rate": round(detected / n, 4) if n else None,
+                     "rate_low95": round(wilson_low(detected, n), 4) if n else None,
+                     "unaffected_hits": len(unaffected), "unaffected_fail": int((unaffected.cls == "FAIL").sum()),
+                     "fault_log": "kept" if log is not None else "missing: every hit counted as affected"})
+    return pd.DataFrame(rows, columns=["fault", "config", "affected_hits", "detected", "rate", "rate_low95",
+                                       "unaffected_hits", "unaffected_fail", "fault_log"])
+
+
+def pooled(power_table: pd.DataFrame) -> str:
+    """Every canary treatment together: detected of affected, with the 95 % lower bound."""
+    k, n = int(power_table.detected.sum()), int(power_table.affected_hits.sum())
+    return f"{k} of {n} broken hits caught" + (f", 95 % lower bound {wilson_low(k, n):.3f}" if n else "")
+
+
+def config_verdict(server: dict, scores: pd.DataFrame, expected: dict[str, int], ran: set[str],
+                   reference_problems: list[str], min_hits: int = MIN_VERIFIED_HITS,
+                   max_failed: float = MAX_FAILED_SHARE) -> tuple[str, str]:
+    """(verdict, why) of one config from its measure-phase scores; `expected`: answers per scenario;
+    `ran`: the scenarios with a status row; `reference_problems`: why golden or control was not cache-off."""
+    config, role = server["config"], server["role"]
+    sc = scores[(scores.config == config) & (scores.phase == "measure")]
+    counts = sc.cls.value_counts().to_dict()
+    if role == "golden":
+        problems = reference_problems + [f"{counts.get('failed', 0)} failed answers"] * bool(counts.get("failed"))
+        return ("INVALID", "; ".join(problems)) if problems else ("GOLDEN", "cache-off reference")
+    if counts.get("FAIL"):
+        first = sc[sc.cls == "FAIL"].iloc[0]
+        return "FAIL", f"{counts['FAIL']} of {int(sc.cls.isin(fidelity.SCORED).sum())} scored answers; first: {first.reason}"
+    incomplete = [f"scenario {s} did not run" for s in expected if s not in ran]
+    present = sc.groupby("scenario").size().to_dict()
+    incomplete += [f"{s}: {present.get(s, 0)} of {n} answers recorded" for s, n in expected.items()
+                   if s in ran and present.get(s, 0) < n]
+    total = sum(expected.values())
+    if counts.get("failed", 0) > max_failed * total:
+        incomplete.append(f"{counts['failed']} of {total} requests failed (allowed: {max_failed:.0%})")
+    incomplete += [f"{counts[c]} answers {c}" for c in ("no-token-ids", "no-golden") if counts.get(c)]
+    if incomplete:
+        return "INCOMPLETE", "; ".join(incomplete)
+    verified = int((sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)).sum())
+    unverified = []
+    if role != "control" and verified < min_hits:
+        unverified.append(f"{verified} verified cache hits (at least {min_hits} needed)")
+    if counts.get("unverified"):
+        unverified.append(f"{counts['unverified']} near ties golden could not score")
+    unverified += reference_problems
+    if unverified:
+        return "UNVERIFIED", "; ".join(unverified)
+    return "PASS", f"{verified} verified cache hits" if role != "control" else "within the noise floor"
+
+
+def expected_verdict(role: str) -> str:
+    return {"golden": "GOLDEN", "canary": "FAIL"}.get(role, "PASS")
+
+
+def gate(verdicts: pd.DataFrame) -> int:
+    """The exit code of a run's verdicts (see the module docstring)."""
+    bad = verdicts[~verdicts.as_expected]
+    if bad.verdict.isin(["FAIL", "PASS", "CRASHED"]).any():
+        return GATE_FAIL
+    return GATE_INCONCLUSIVE if len(bad) else GATE_OK
