@@ -48,7 +48,10 @@ def short_run(deployment, tmp_path_factory):
 
 def test_bench_writes_records_for_every_config_and_scenario(short_run, deployment):
     out, run = short_run
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # example-fs matches whole prompts only: one verified hit here, so the gate is inconclusive (exit 3)
+    assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
+    unexpected = pd.read_csv(run / "verdicts.csv").query("not as_expected")
+    assert list(unexpected.config) == ["example-fs"], unexpected.to_dict("records")
     assert "[28/28]" in out.stdout  # visible progress, one line per treatment
     configs = [s["config"] for s in json.loads((run / "run.json").read_text())["servers"]]
     assert configs[:2] == ["baseline", "control"]  # the golden config runs first, then the control

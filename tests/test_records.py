@@ -108,3 +108,23 @@ def test_records_round_trip_and_truncated_file_is_named(tmp_path):
         raise AssertionError("a truncated record must not pass")
     except ValueError as exc:
         assert f"{path}:2" in str(exc)
+
+
+def test_alternatives_are_token_ids_and_the_prompt_is_kept_only_when_asked():
+    first = chat_chunk("", [11], top=[["token_id:11", -0.1], ["token_id:12", -0.2]])
+    first = first.replace(b'"delta"', b'"prompt_token_ids": [1, 2, 3, 4, 5], "delta"', 1)
+    r = records.parse_stream(feed((0.1, first), (0.2, DONE)), 0.0, rec(), 2, keep_prompt=True)
+    assert r.top_logprobs == [[[11, -0.1], [12, -0.2]]]  # '' for both byte tokens, told apart by id
+    assert r.prompt_token_ids == [1, 2, 3, 4, 5]
+    r = records.parse_stream(feed((0.1, first), (0.2, DONE)), 0.0, rec(), 2)
+    assert r.prompt_token_ids is None and r.prompt_sha
+
+
+def test_request_bodies_ask_for_token_ids_and_a_canary_fault():
+    req = Request("r1", "s", "measure", "s1", 0, "chat", 4, messages=[{"role": "user", "content": "hi"}])
+    _, body = records.request_body(req, [])
+    assert body["return_tokens_as_token_ids"] and "kv_transfer_params" not in body
+    _, body = records.request_body(req, [], fault="zeros")
+    assert body["kv_transfer_params"] == {"kvscope_fault": "zeros"}
+    key = records.request_key("rag-zipf-0003-t0", "measure")
+    assert records.key_from_server_id(f"chatcmpl-{key}-1a2b3c4d") == key  # how vLLM names the request
