@@ -23,6 +23,8 @@ Every request a step loads for gets one line in the JSONL file `fault_log` (extr
 {"request": vLLM's request id, "fault": NAME, "loaded": blocks, "changed": blocks whose written bytes
 differ from the verified block}. A request with "changed" 0 was served correct KV ("stale" onto a slot
 that already held the right bytes, "second-hit" on a first load, "foreign" with no other key stored).
+Blocks that a request computed on top of wrong KV are not stored, so a later hit gets wrong KV only from
+the fault it is logged with (a key the scheduler counts as stored then misses, and vLLM recomputes it).
 """
 
 from __future__ import annotations
@@ -70,11 +72,17 @@ class _FaultWorker(WorkerSide):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seen: set[str] = set()  # keys loaded since the last reset (second-hit)
+        self.tainted: set[str] = set()  # requests given wrong KV since the last reset: their blocks are not stored
+
+    def save(self, meta: KVScopeMetadata) -> None:
+        meta.stores = [spec for spec in meta.stores if spec.request_id not in self.tainted]
+        super().save(meta)
 
     def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
                  ) -> Iterable[tuple[int, Block]]:
         if meta.reset:
             self.seen.clear()
+            self.tainted.clear()
         by_request: dict[str, list[tuple[LoadSpec, Block]]] = {}
         for spec, block in verified:
             by_request.setdefault(spec.request_id, []).append((spec, block))
@@ -84,6 +92,8 @@ class _FaultWorker(WorkerSide):
             fault = faults.get(request_id, self.default_fault)
             written = self._apply(fault, loaded)
             changed = sum(self._changed(spec, block, new) for (spec, block), new in zip(loaded, written))
+            if changed:
+                self.tainted.add(request_id)
             out += [(spec.block_id, new) for (spec, _), new in zip(loaded, written) if new is not None]
             lines.append({"request": request_id, "fault": fault, "loaded": len(loaded), "changed": changed})
         self._log(lines)

@@ -38,6 +38,7 @@ class StoreSpec:
     key: str
     to_ram: bool
     to_fs: bool
+    request_id: str = ""  # the request whose prefill computed the block
 
 
 @dataclass
@@ -52,6 +53,7 @@ class KVScopeMetadata(KVConnectorMetadata):
 
 @dataclass
 class _Req:
+    request_id: str
     keys: list[str]
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
@@ -71,7 +73,7 @@ class SchedulerSide:
     def _req(self, request_id: str, prompt: list[int]) -> _Req:
         if request_id not in self.reqs:
             usable = max(0, (len(prompt) - 1) // self.block_size)  # the last prompt token is always computed
-            self.reqs[request_id] = _Req(block_keys(self.fp, prompt, self.block_size, usable), len(prompt))
+            self.reqs[request_id] = _Req(request_id, block_keys(self.fp, prompt, self.block_size, usable), len(prompt))
         return self.reqs[request_id]
 
     def _tier(self, key: str) -> str | None:
@@ -163,7 +165,7 @@ class SchedulerSide:
             if to_ram:
                 self._ram_add(key)
             if to_ram or to_fs:
-                self.meta.stores.append(StoreSpec(state.block_ids[j], key, to_ram, to_fs))
+                self.meta.stores.append(StoreSpec(state.block_ids[j], key, to_ram, to_fs, state.request_id))
         state.stored_upto = max(state.stored_upto, full)
 
     def load_failed(self, block_ids: set[int]) -> None:

@@ -199,10 +199,12 @@ class WorkerSide:
         started = time.perf_counter()
 
         def verified() -> Iterator[tuple[LoadSpec, Block]]:
+            broken: set[str] = set()  # requests with a failed block: vLLM recomputes from that block on
             for spec, block in self.fetch_all(meta.loads):
                 if block is None:
                     self.load_errors.add(spec.block_id)
-                else:
+                    broken.add(spec.request_id)
+                elif spec.request_id not in broken:
                     yield spec, block
 
         self.stats.load_bytes += self.block_bytes() * self.inject(self.to_write(meta, verified()))

@@ -125,3 +125,13 @@ def test_an_unknown_fault_loads_correct_kv_and_says_so(tmp_path):
     got = load(w, "bogus")
     assert all(torch.equal(got[j]["layer0"], stored(w, j)["layer0"]) for j in range(3))
     assert log(tmp_path)[0]["changed"] == 0 and "fault" in w.logged
+
+
+def test_blocks_computed_on_top_of_wrong_kv_are_not_stored(tmp_path):
+    w = canary(tmp_path)
+    load(w, "zeros", request="r1")
+    w.load(CanaryMetadata(loads=[LoadSpec(2, "k2", "ram", request_id="r2")], faults={"r2": "stale"}))  # correct
+    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r1"),
+                                   StoreSpec(5, "k-r2", True, False, request_id="r2")]))
+    w.flush()
+    assert w.ram.get("k-r1") is None and w.ram.get("k-r2") is not None

@@ -101,6 +101,15 @@ def test_a_vanished_block_is_a_counted_miss(tmp_path):
     assert w.take_load_errors() == {3} and w.stats.misses == 1
 
 
+def test_blocks_after_a_failed_one_are_not_written_as_vllm_recomputes_them(tmp_path):
+    w = worker(tmp_path, fs=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(2, "k2", True, False)]))
+    before = w.layers["layer0"][6].clone()
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram", request_id="r", index=0),
+                                  LoadSpec(6, "k2", "ram", request_id="r", index=1)]))
+    assert torch.equal(w.layers["layer0"][6], before) and w.take_load_errors() == {5}
+
+
 def test_cpu_caches_that_are_not_contiguous_are_refused_at_registration():
     w = WorkerSide(FP, B, RamTier(1 << 20), None)
     with pytest.raises(ValueError, match="not contiguous"):

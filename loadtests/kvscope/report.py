@@ -212,17 +212,15 @@ def config_verdicts(run: dict, status: list[dict], recs: dict, scores: pd.DataFr
                                                reference.get(config) if role == "golden" else broken,
                                                min_hits, max_failed)
         as_expected = verdict == verdicts.expected_verdict(role)
-        if role == "canary" and verdict == "FAIL":
-            row = power[power.config == config].iloc[0]
-            if row.rate is None or pd.isna(row.rate) or row.rate < verdicts.POWER_GOAL:
-                as_expected = False
-                why = f"detected on {row.detected} of {row.affected_hits} hits it broke (goal {verdicts.POWER_GOAL:.0%})"
+        if role == "canary" and verdict == "FAIL" and (
+                short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
+            as_expected, why = False, short
         part = summary[summary.config == config]
         sc = scores[(scores.config == config) & (scores.phase == "measure")]
         out.append({
             "config": config, "role": role, "verdict": verdict, "as_expected": as_expected, "why": why,
             "fail_requests": int((sc.cls == "FAIL").sum()), "scored": int(sc.cls.isin(fidelity.SCORED).sum()),
-            "verified_hits": int((sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)).sum()),
+            "verified_hits": verdicts.verified_hits(sc),
             "hit_requests": int(part.hit_requests.sum()), "failed_requests": int(part.failed.sum()),
             "max_dev": sc.max_dev.max() if sc.max_dev.notna().any() else None,
             "speedup_hits_median": _median(part.speedup_hits), "speedup_all_median": _median(part.speedup_all),

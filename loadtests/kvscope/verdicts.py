@@ -78,6 +78,18 @@ def power(canaries: list[dict], scores: pd.DataFrame, changed: dict[str, dict[st
                                        "unaffected_hits", "unaffected_fail", "fault_log"])
 
 
+def verified_hits(sc: pd.DataFrame) -> int:
+    """Cache hits that scored identical or benign."""
+    return int((sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)).sum())
+
+
+def power_shortfall(row) -> str | None:
+    """Why a canary treatment's detection rate (a power.csv row) misses POWER_GOAL; None when it does not."""
+    if row.affected_hits and row.rate >= POWER_GOAL:
+        return None
+    return f"detected on {row.detected} of {row.affected_hits} hits it broke (goal {POWER_GOAL:.0%})"
+
+
 def pooled(power_table: pd.DataFrame) -> str:
     """Every canary treatment together: detected of affected, with the 95 % lower bound."""
     k, n = int(power_table.detected.sum()), int(power_table.affected_hits.sum())
@@ -108,7 +120,7 @@ def config_verdict(server: dict, scores: pd.DataFrame, expected: dict[str, int],
     incomplete += [f"{counts[c]} answers {c}" for c in ("no-token-ids", "no-golden") if counts.get(c)]
     if incomplete:
         return "INCOMPLETE", "; ".join(incomplete)
-    verified = int((sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)).sum())
+    verified = verified_hits(sc)
     unverified = []
     if role != "control" and verified < min_hits:
         unverified.append(f"{verified} verified cache hits (at least {min_hits} needed)")
