@@ -59,7 +59,7 @@ def test_a_near_tie_flip_followed_by_other_tokens_fails():
     gold, cand = rec([1, 2, 3, 4], tops=NEAR_GOLD), rec([1, 9, 7, 8], tops=NEAR_CAND)
     continuation = (1, [{9: -0.70001, 2: -0.70003}, {3: -0.1, 7: -2.5}, {4: -0.1, 8: -2.5}])
     s = fidelity.score(gold, cand, TOL, continuation)
-    assert s.cls == "FAIL" and "then token 2 is 2.4 nat below golden's best" in s.reason
+    assert s.cls == "FAIL" and "token 2 is 2.4 nat below golden's best" in s.reason
 
 
 def test_a_near_tie_flip_whose_continuation_logprobs_drift_fails():
@@ -67,6 +67,15 @@ def test_a_near_tie_flip_whose_continuation_logprobs_drift_fails():
     continuation = (1, [{9: -0.70001, 2: -0.70003}, {7: -0.3, 3: -2.0}, {8: -0.31, 4: -2.0}])
     s = fidelity.score(gold, cand, TOL, continuation)
     assert s.cls == "FAIL" and "logprob off by 0.01 nat at token 3" in s.reason
+
+
+def test_records_from_before_token_ids_compare_only_the_chosen_tokens_logprob():
+    # by text, '' may name two different tokens: only the best logprobs (the same chosen id) are compared
+    gold = rec([1, 2], tops=[[["a", -0.1], ["", -3.0]], [["b", -0.2], ["", -2.2]]])
+    cand = rec([1, 2], tops=[[["a", -0.1], ["", -5.0]], [["b", -0.2], ["", -4.2]]])
+    assert fidelity.score(gold, cand, 1e-4).cls == "identical"
+    cand = rec([1, 2], tops=[[["a", -0.1], ["", -5.0]], [["b", -0.3], ["", -4.2]]])
+    assert fidelity.score(gold, cand, 1e-4).cls == "FAIL"
 
 
 def test_a_near_tie_flip_golden_did_not_score_is_unverified_not_benign():
@@ -78,8 +87,14 @@ def test_ties_are_matched_by_token_id_not_by_text():
     # ids 9 and 11 may both render as '' (byte tokens): by text the candidate's token would be "in" golden's list
     gold = rec([1, 2], tops=[[[1, -0.1]], [[2, -0.70000], [9, -0.70001]]])
     cand = rec([1, 11], tops=[[[1, -0.1]], [[11, -0.70000], [2, -0.70001]]])
-    s = fidelity.score(gold, cand, TOL, (1, [{2: -0.70000, 9: -0.70001}]))
-    assert s.cls == "FAIL" and "diverges at token 1" in s.reason
+    s = fidelity.score(gold, cand, TOL)  # 11 is not among golden's two: at least 1e-05 below its best
+    assert s.cls == "unverified"
+    far = rec([1, 2], tops=[[[1, -0.1]], [[2, -0.70000], [9, -0.70001], [5, -0.9]]])
+    s = fidelity.score(far, cand, TOL)  # at least 0.2 nat below golden's best: beyond the band
+    assert s.cls == "FAIL" and "gaps >=0.2/1e-05" in s.reason
+    # golden's own view of the answer lists the candidate's token, far below its best
+    s = fidelity.score(gold, cand, TOL, (1, [{2: -0.70000, 9: -0.70001, 11: -5.0}]))
+    assert s.cls == "FAIL" and "token 1 is 4.3 nat below golden's best" in s.reason
 
 
 def test_exact_ties_within_the_band():
