@@ -36,13 +36,21 @@ def model_dir() -> Path:
 
 
 SESSION_CONFIGS = "baseline,control,apc,example-fs,kvscope-fs,canary"
+# The session's servers listen on the matrix's ports + 100, so the tests pass beside a running `make deploy`.
+SESSION_DEPLOY = ("-e", f"vllm_configs={SESSION_CONFIGS}", "-e", "vllm_port_offset=100")
+
+
+def pytest_collection_modifyitems(items):
+    """Tests on the session's servers run last: the modules that deploy servers of their own (the cluster,
+    the connector's) then never run beside them, nor beside a `make deploy` (memory on a 24 GiB machine)."""
+    items.sort(key=lambda item: "deployment" in item.fixturenames)
 
 
 @pytest.fixture(scope="session")
 def deployment(tmp_path_factory, model_dir):
     """The session's servers, deployed once by the real playbook, then torn down."""
     run_dir = tmp_path_factory.mktemp("run")
-    result = ansible("deploy.yml", run_dir, "-e", f"vllm_configs={SESSION_CONFIGS}")
+    result = ansible("deploy.yml", run_dir, *SESSION_DEPLOY)
     if result.returncode != 0:
         ansible("teardown.yml", run_dir)
         pytest.fail(f"deploy failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")

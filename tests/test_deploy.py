@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
+import time
 import urllib.request
 
 import yaml
 
-from conftest import REPO, SESSION_CONFIGS, ansible, servers_of
+from conftest import REPO, SESSION_CONFIGS, SESSION_DEPLOY, ansible, servers_of
 from kvscope import servers
 
 
@@ -61,15 +63,40 @@ def test_greedy_output_is_identical_across_configs_and_sensitive_to_one_early_to
 
 def test_redeploy_is_idempotent(deployment):
     before = {n: s["pid"] for n, s in servers_of(deployment).items()}
-    result = ansible("deploy.yml", deployment, "-e", f"vllm_configs={SESSION_CONFIGS}")
+    result = ansible("deploy.yml", deployment, *SESSION_DEPLOY)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "changed=0" in result.stdout
     assert {n: s["pid"] for n, s in servers_of(deployment).items()} == before
 
 
+def test_a_port_another_process_holds_stops_deploy_and_names_the_process(tmp_path):
+    # a server of another deployment (here a plain HTTP server) on baseline's port: its answers are not ours
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    doc["configs"][0]["port"] = port
+    own = tmp_path / "matrix.yaml"
+    own.write_text(yaml.safe_dump(doc))
+    holder = subprocess.Popen(["python3", "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if servers.listener(port) == holder.pid:
+                break
+            time.sleep(0.1)
+        result = ansible("deploy.yml", tmp_path / "run", "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline")
+        assert result.returncode != 0
+        assert f"port {port} is held by pid {holder.pid} (" in result.stdout and f"http.server {port}" in result.stdout
+        assert not list((tmp_path / "run").glob("*/server.pid"))  # nothing was started
+        assert servers.probe(tmp_path / "run" / "baseline" / "server.pid", port)[0] == servers.PORT_TAKEN
+    finally:
+        holder.kill()
+
+
 def test_bad_config_stops_deploy_before_anything_starts(tmp_path):
     doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
-    doc["configs"][1]["port"] = doc["configs"][0]["port"]
+    next(c for c in doc["configs"] if c["name"] == "apc")["port"] = doc["configs"][0]["port"]
     bad = tmp_path / "matrix.yaml"
     bad.write_text(yaml.safe_dump(doc))
     result = ansible("deploy.yml", tmp_path / "run", "-e", f"kvscope_matrix={bad}", "-e", "vllm_configs=baseline,apc")

@@ -39,7 +39,7 @@ def cmd_render(args) -> int:
         raise matrix_mod.ConfigError(f"model folder {model} has no config.json: run `make model` first")
     store_root = Path(args.run_dir).resolve() / "stores"
     overrides = parse_overrides(args.overrides)
-    rendered = [render(m, c, args.platform, model, store_root, args.host, overrides) for c in chosen]
+    rendered = [render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset) for c in chosen]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"kvscope_servers": rendered}, indent=2) + "\n")
@@ -56,7 +56,9 @@ def cmd_build_model(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    return servers.probe(Path(args.pid_file), args.port, args.host)
+    code, message = servers.probe(Path(args.pid_file), args.port, args.host)
+    print(message)
+    return code
 
 
 def cmd_stop(args) -> int:
@@ -172,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--overrides", default="{}", metavar="JSON",
                    help='server flags over every config\'s, e.g. \'{"dtype": "bfloat16"}\'')
+    s.add_argument("--port-offset", type=int, default=0, help="added to every config's port")
     s.set_defaults(func=cmd_render)
 
     s = sub.add_parser("build-model", help="build the tiny offline Qwen3 model")
@@ -180,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", choices=["tiny", "qwen3-4b"], default="tiny")
     s.set_defaults(func=cmd_build_model)
 
-    s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running")
+    s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running, 4 port held by another process")
     s.add_argument("--pid-file", required=True)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--host", default="127.0.0.1")

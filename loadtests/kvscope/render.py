@@ -56,12 +56,14 @@ def parse_overrides(text: str) -> dict:
 
 def render(
     matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str,
-    overrides: dict | None = None,
+    overrides: dict | None = None, port_offset: int = 0,
 ) -> dict:
-    """Everything a runtime needs to start `cfg`, as plain JSON-able data."""
+    """Everything a runtime needs to start `cfg`, as plain JSON-able data; `port_offset` moves its port (a
+    second deployment beside one on the matrix's ports)."""
     defaults = matrix.platforms[platform]
     stores = store_paths(cfg, store_root)
-    args = ["--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(cfg.port)]
+    port = cfg.port + port_offset
+    args = ["--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port)]
     flags = {**defaults.flags, **cfg.flags, **(overrides or {})}
     if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
         raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
@@ -73,7 +75,7 @@ def render(
     return {
         "name": cfg.name,
         "role": cfg.role,
-        "port": cfg.port,
+        "port": port,
         "platform": platform,
         "server_args": args,
         "env": {**defaults.env, **cfg.env},

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-HEALTHY, STARTING, NOT_RUNNING = 0, 1, 3  # probe exit codes, read by the Ansible role
+HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
 
 def read_pid(pid_file: Path) -> int | None:
@@ -42,16 +42,66 @@ def http_get(url: str, timeout: float = 5.0) -> bytes:
         return resp.read()
 
 
-def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> int:
-    """HEALTHY when our process lives and /health answers, STARTING while it lives, else NOT_RUNNING."""
+def listener(port: int) -> int | None:
+    """The pid of the process listening on TCP `port` (any address); -1 when one listens but its process
+    cannot be seen (another user's); None when the port is free."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+            except OSError:
+                continue
+    return -1
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def describe(pid: int) -> str:
+    """'pid N (command line)' for messages about a process kvscope did not start."""
+    if pid < 0:
+        return "a process of another user"
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmdline = "?"
+    return f"pid {pid} ({cmdline[:160]})"
+
+
+def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> tuple[int, str]:
+    """(code, message): HEALTHY when our process lives, holds the port and /health answers; STARTING while
+    it lives; NOT_RUNNING when it does not and the port is free; PORT_TAKEN when another process holds the
+    port (a server from another deployment, say): /health there would answer for a server we did not start."""
     pid = read_pid(pid_file)
+    holder = listener(port)
     if pid is None or not alive(pid):
-        return NOT_RUNNING
+        if holder is None:
+            return NOT_RUNNING, "not running"
+        return PORT_TAKEN, f"port {port} is held by {describe(holder)}, not by a server this deployment started"
+    if holder is None or holder < 0 or _pgid(holder) != pid:
+        return STARTING, "starting" if holder is None else f"starting; port {port} is held by {describe(holder)}"
     try:
         http_get(f"http://{host}:{port}/health", timeout=2)
-        return HEALTHY
+        return HEALTHY, "healthy"
     except (urllib.error.URLError, OSError):
-        return STARTING
+        return STARTING, "starting"
 
 
 def stop(pid_file: Path, grace_s: float = 30.0) -> str:
@@ -236,7 +286,8 @@ def status(run_dir: Path) -> list[dict]:
     for pid_file in sorted(Path(run_dir).glob("*/server.pid")):
         manifest_file = pid_file.parent / "manifest.json"
         port = json.loads(manifest_file.read_text())["port"] if manifest_file.exists() else None
-        code = probe(pid_file, port) if port else (STARTING if alive(read_pid(pid_file) or -1) else NOT_RUNNING)
-        state = {HEALTHY: "healthy", STARTING: "running, not healthy", NOT_RUNNING: "dead (stale pid file)"}[code]
+        code = probe(pid_file, port)[0] if port else (STARTING if alive(read_pid(pid_file) or -1) else NOT_RUNNING)
+        state = {HEALTHY: "healthy", STARTING: "running, not healthy", NOT_RUNNING: "dead (stale pid file)",
+                 PORT_TAKEN: "dead; its port is held by another process"}[code]
         rows.append({"config": pid_file.parent.name, "port": port, "pid": read_pid(pid_file), "state": state})
     return rows
