@@ -8,11 +8,11 @@ import sys
 
 import pandas as pd
 import pytest
-
 from conftest import REPO
-from kvscope.bench import reset
-from kvscope.matrix import CANARY_FAULTS as FAULTS
-from kvscope.records import read
+
+from kvscope.config.matrix import CANARY_FAULTS as FAULTS
+from kvscope.run.records import read
+from kvscope.run.treatments import reset
 
 SMALL = """scenarios:
   - name: rag-small

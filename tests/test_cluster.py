@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import PLAYBOOK, REPO
-from kvscope.records import read
+
+from kvscope.run.records import read
 
 NETNS = REPO / "ansible" / "inventories" / "netns"
 SSH_CONFIG = REPO / "runs" / "netns" / "ssh" / "config"

@@ -9,14 +9,15 @@ import subprocess
 import threading
 import urllib.request
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import pytest
 import yaml
-from pydoc_data.topics import topics
-
 from conftest import REPO, ansible, servers_of
-from kvscope import metrics, servers
 from tokenizers import Tokenizer
+
+from kvscope.deploy import servers
+from kvscope.run import metrics
 
 PORTS = {"kvscope-fs": 8191, "kvscope-fsonly": 8192, "kvscope-shared": 8193, "kvscope-shared-b": 8194,
          "kvscope-apc-tight": 8188}

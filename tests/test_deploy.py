@@ -9,9 +9,9 @@ import time
 import urllib.request
 
 import yaml
-
 from conftest import REPO, SESSION_CONFIGS, SESSION_DEPLOY, ansible, servers_of
-from kvscope import servers
+
+from kvscope.deploy import servers
 
 
 def get(url: str) -> bytes:
@@ -37,7 +37,7 @@ def kv_tokens_expected(model_dir) -> int:
 def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment, model_dir):
     deployed = servers_of(deployment)
     assert set(deployed) == set(SESSION_CONFIGS.split(","))
-    for name, srv in deployed.items():
+    for srv in deployed.values():
         assert srv["vllm_version"] == "0.32.0"
         assert srv["kv_capacity_tokens"] == kv_tokens_expected(model_dir)
         assert len(srv["model_hash"]) == 64

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import REPO
-from kvscope import images
+
+from kvscope.deploy import images
 
 VENV_BIN = REPO / ".venv" / "bin"
 GPU_CONFIGS = ["offload-cpu", "lmcache-cpu", "lmcache-disk", "ucm-pipeline", "ucm-nfs", "ucm-blend"]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvscope import fidelity
-from kvscope.records import Record
+from kvscope.analyze import fidelity
+from kvscope.run.records import Record
 
 TOL = 1e-4
 

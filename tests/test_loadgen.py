@@ -9,11 +9,11 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import REPO
-from kvscope.bench import run_locust
-from kvscope.records import read
-from kvscope.workload import Request, write_jsonl
+
+from kvscope.run.records import read
+from kvscope.run.treatments import run_locust
+from kvscope.run.workload import Request, write_jsonl
 
 PORT = 8187
 

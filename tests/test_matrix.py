@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvscope import matrix
-from kvscope.render import render
+from kvscope.config import matrix
+from kvscope.config.render import render
 
 SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml"
 
@@ -99,7 +99,7 @@ def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
 
 
 def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
-    from kvscope.render import parse_overrides
+    from kvscope.config.render import parse_overrides
 
     m = matrix.load(Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml")
     cfg = next(c for c in m.configs if c.name == "apc")
@@ -112,7 +112,7 @@ def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
 
 
 def test_overrides_may_not_give_golden_or_control_a_cache(tmp_path):
-    from kvscope.render import parse_overrides
+    from kvscope.config.render import parse_overrides
 
     m = matrix.load(SHIPPED)
     on = parse_overrides('{"enable-prefix-caching": true, "no-enable-prefix-caching": false}')
@@ -135,7 +135,7 @@ def test_the_harness_knows_the_canary_connectors_faults():
 def test_a_config_deployed_on_two_hosts_is_refused(tmp_path):
     import json
 
-    from kvscope.bench import load_deployments, run
+    from kvscope.run.treatments import load_deployments, run
 
     for host in ("a", "b"):
         (tmp_path / host).mkdir()

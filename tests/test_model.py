@@ -2,7 +2,7 @@
 
 from tokenizers import Tokenizer
 
-from kvscope.model_builder import build, model_hash
+from kvscope.deploy.model import build, model_hash
 
 
 def test_two_builds_are_byte_identical(tmp_path):

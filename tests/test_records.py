@@ -2,8 +2,8 @@
 
 import json
 
-from kvscope import records
-from kvscope.workload import Request
+from kvscope.run import records
+from kvscope.run.workload import Request
 
 
 def rec(endpoint="chat"):

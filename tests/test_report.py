@@ -10,8 +10,8 @@ from dataclasses import asdict
 import pandas as pd
 import pytest
 
-from kvscope import fidelity, report
-from kvscope.records import Record
+from kvscope.analyze import fidelity, report
+from kvscope.run.records import Record
 
 SERVERS = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-shift", "canary")]
 GOOD = [[1, 2, 3], [4, 5, 6]]
@@ -51,7 +51,7 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
                            turn=0, endpoint="chat", start_unix_s=float(i), ok=ok, error=None if ok else "HTTP 500",
                            ttft_s=0.1 + 0.01 * i, e2e_s=0.5, itl_s=[0.01], prompt_tokens=200, cached_tokens=cached,
                            output_token_ids=toks, top_logprobs=[[[t, -0.1 + off], [999, -3.0 + off]] for t in toks],
-                           prompt_sha="p%d" % i, prompt_block_hashes=["h0", "h1", "h2"])
+                           prompt_sha=f"p{i}", prompt_block_hashes=["h0", "h1", "h2"])
                 f.write(json.dumps(asdict(r)) + "\n")
     return folder
 

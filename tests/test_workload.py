@@ -6,9 +6,17 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from kvscope.matrix import ConfigError
-from kvscope.workload import (Scenario, build_pool, generate, load_scenarios, read_jsonl, sessions, write_jsonl,
-                              zipf_weights)
+from kvscope.config.matrix import ConfigError
+from kvscope.run.workload import (
+    Scenario,
+    build_pool,
+    generate,
+    load_scenarios,
+    read_jsonl,
+    sessions,
+    write_jsonl,
+    zipf_weights,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -71,8 +71,9 @@ def main() -> None:
     mib = 2**20
     cache = "cold: dropped from the page cache" if args.cold else "hot: in the page cache"
     print(f"{args.blocks} blocks x {total / args.blocks / mib:.1f} MiB under {root}, {args.repeats} rounds, {cache}")
-    print(f"raw sequential read  median {np.median(raw) / mib:8.0f} MiB/s (min {min(raw) / mib:.0f}, max {max(raw) / mib:.0f})")
-    print(f"connector load       median {np.median(conn) / mib:8.0f} MiB/s (min {min(conn) / mib:.0f}, max {max(conn) / mib:.0f})")
+    for name, rates in (("raw sequential read", raw), ("connector load", conn)):
+        print(f"{name:<20} median {np.median(rates) / mib:8.0f} MiB/s "
+              f"(min {min(rates) / mib:.0f}, max {max(rates) / mib:.0f})")
     print(f"connector / raw = {np.median(conn) / np.median(raw):.2f}  (goal >= 0.7)")
     if args.dir is None:
         shutil.rmtree(root)

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import torch
 

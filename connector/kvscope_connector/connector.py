@@ -49,7 +49,7 @@ class KVScopeStats(KVConnectorStats):
     def reset(self):
         self.data = {k: 0 for k in COUNTERS}
 
-    def aggregate(self, other: "KVConnectorStats") -> "KVConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self
@@ -101,7 +101,7 @@ def _tp_rank() -> int:
 class KVScopeConnector(KVConnectorBase_V1):
     worker_cls = WorkerSide
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.get_from_extra_config
         model = vllm_config.model_config
@@ -122,7 +122,8 @@ class KVScopeConnector(KVConnectorBase_V1):
             block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
             self.scheduler_side = SchedulerSide(self.fp, self.block_size, self.ram_bytes // block_bytes, fs)
         else:
-            ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None  # evictions come from the scheduler
+            # the scheduler decides evictions; the slack covers blocks still in flight
+            ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
             self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs)
 
     # Worker-side methods

@@ -10,9 +10,9 @@ never sees a torn block. Anything that does not verify is a miss: counted, moved
 from __future__ import annotations
 
 import json
-import struct
 import logging
 import os
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
@@ -89,7 +89,7 @@ class Stats:
     evictions: int = 0
     logged: set = field(default_factory=set)
 
-    def add(self, other: "Stats") -> None:
+    def add(self, other: Stats) -> None:
         for f in fields(self):
             if f.name != "logged":
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))

@@ -14,8 +14,9 @@ through get_block_ids_with_load_errors() and vLLM recomputes it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,8 +46,9 @@ class WorkerSide:
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
-        self.loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-load")  # reads in flight: 4 beat 2 from disk
-        self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")  # one: stores stay in order
+        # four reads in flight beat two from disk; one save thread keeps stores in order
+        self.loaders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-load")
+        self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
         self.saving: list[tuple[Future, set[str], int]] = []  # (job, keys it stores, bytes it holds), oldest first
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from kvscope import metrics
-from kvscope.bench import run_locust
-from kvscope.records import read
-from kvscope.workload import Request, Scenario, generate, write_jsonl
+from kvscope.run import metrics
+from kvscope.run.records import read
+from kvscope.run.treatments import run_locust
+from kvscope.run.workload import Request, Scenario, generate, write_jsonl
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

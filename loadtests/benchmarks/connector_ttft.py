@@ -20,13 +20,13 @@ import json
 import time
 import urllib.request
 from pathlib import Path
-
-import numpy as np
 from pydoc_data.topics import topics
 
-from kvscope.metrics import delta, scrape
-from kvscope.records import new_record, parse_stream, request_body
-from kvscope.workload import Request
+import numpy as np
+
+from kvscope.run.metrics import delta, scrape
+from kvscope.run.records import new_record, parse_stream, request_body
+from kvscope.run.workload import Request
 
 
 def ttft(port: int, prompt: str) -> tuple[float, int]:

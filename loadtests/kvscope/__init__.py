@@ -1,1 +1,13 @@
-"""kvscope: deploy vLLM storage configs, replay RAG workloads, score TTFT, hit rate and fidelity."""
+"""kvscope: deploy vLLM storage configs, replay RAG workloads, score TTFT, hit rate and fidelity.
+
+The package is grouped by stage, and imports only go down the list: `artifacts` (what travels between
+stages), `config` (matrix, rendering), `deploy` (model, images, the Ansible roles' helpers), `run`
+(workloads, Locust, records, treatments), `analyze` (fidelity, verdicts, reports).
+"""
+
+from pathlib import Path
+
+__version__ = "0.2.0"
+
+HARNESS = Path(__file__).resolve().parent.parent  # loadtests/: matrix.yaml, scenarios.yaml, locustfile.py
+REPO = HARNESS.parent

@@ -7,16 +7,17 @@ import json
 import sys
 from pathlib import Path
 
-from . import matrix as matrix_mod
-from . import servers
-from .render import parse_overrides, render
+from kvscope import HARNESS
+from kvscope.config import matrix as matrix_mod
+from kvscope.config.render import parse_overrides, render
+from kvscope.deploy import servers
 
 EXIT_CODES = """exit codes of bench --report and report (the gate):
   0  every verdict is what its role expects (candidates and control PASS, canaries FAIL)
   1  the gate fails: a FAIL where PASS was expected, a canary kvscope missed too often, a crash
   2  bad input: the matrix, a selection, a scenario or a run folder (nothing was deployed or scored)
   3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID"""
-DEFAULT_MATRIX = Path(__file__).resolve().parent.parent / "matrix.yaml"
+DEFAULT_MATRIX = HARNESS / "matrix.yaml"
 
 
 def _names(text: str) -> list[str]:
@@ -48,7 +49,7 @@ def cmd_render(args) -> int:
 
 
 def cmd_build_model(args) -> int:
-    from .model_builder import build
+    from kvscope.deploy.model import build
 
     digest = build(Path(args.out), seed=args.seed, shape=args.shape)
     print(f"built {args.out} sha256={digest}")
@@ -69,7 +70,7 @@ def cmd_stop(args) -> int:
 
 
 def cmd_manifest(args) -> int:
-    from .model_builder import model_hash
+    from kvscope.deploy.model import model_hash
 
     run_dir = Path(args.run_dir)
     rendered = servers.rendered_servers(Path(args.rendered))[args.config]
@@ -103,7 +104,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from kvscope.run import treatments as bench
 
     remote = None
     if args.worker_hosts:
@@ -119,7 +120,7 @@ def cmd_bench(args) -> int:
 
 
 def _report(folder: Path, args) -> int:
-    from . import report
+    from kvscope.analyze import report
 
     code = report.write(folder, args.min_hits, args.max_failed)
     print(report.console(folder))
@@ -132,21 +133,21 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from . import report
+    from kvscope.analyze import report
 
     print(report.compare([Path(r) for r in _names(args.runs)], Path(args.out) if args.out else None))
     return 0
 
 
 def cmd_image_info(args) -> int:
-    from .images import info
+    from kvscope.deploy.images import info
 
     print(json.dumps(info(args.image)))
     return 0
 
 
 def _gate_options(s) -> None:
-    from .verdicts import MAX_FAILED_SHARE, MIN_VERIFIED_HITS
+    from kvscope.analyze.verdicts import MAX_FAILED_SHARE, MIN_VERIFIED_HITS
 
     s.add_argument("--min-hits", type=int, default=MIN_VERIFIED_HITS,
                    help="verified cache hits a config needs for PASS (fewer: UNVERIFIED)")

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
-from . import continuations, fidelity, hitrate, metrics, verdicts
-from .matrix import ROLE_ORDER
-from .records import Record, key_from_server_id, read
+from kvscope.analyze import fidelity, hitrate, verdicts
+from kvscope.config.matrix import ROLE_ORDER
+from kvscope.run import continuations, metrics
+from kvscope.run.records import Record, key_from_server_id, read
 
 
 class RunError(ValueError):
@@ -87,7 +89,7 @@ def score_run(run: dict, recs: dict, folder: Path, tol: float) -> pd.DataFrame:
     rows = []
     for (config, scenario), records in recs.items():
         rows += fidelity.score_all(recs[golden, scenario], records, tol, continuations.load(folder, config, scenario))
-    return pd.DataFrame(rows, columns=[f.name for f in fidelity.fields(fidelity.Score)])
+    return pd.DataFrame(rows, columns=[f.name for f in fields(fidelity.Score)])
 
 
 def summarize(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame) -> pd.DataFrame:
@@ -427,22 +429,25 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
                   "`affected_hits` are the cache hits its fault log says it broke, `detected` those that FAILed; "
                   f"`rate_low95` is the lower bound of the 95 % Wilson interval. Goal: {verdicts.POWER_GOAL:.0%} "
                   "per class. Hits the canary left correct must not FAIL (`unaffected_fail`).", ""]
-        lines += [_md_table(a.power.drop(columns=["config"])), "", f"All faults together: {verdicts.pooled(a.power)}.", ""]
+        lines += [_md_table(a.power.drop(columns=["config"])), "",
+                  f"All faults together: {verdicts.pooled(a.power)}.", ""]
     lines += ["## Environment", ""]
     lines += [f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['arch']}, "
               f"GPU: {m['gpu'] or 'none'}; {m['os']}",
               f"- vLLM {first['vllm_version']} ({first['platform']}), model `{Path(first['model_path']).name}` "
               f"sha256 `{first['model_hash'][:16]}…`, KV capacity {first['kv_capacity_tokens']} tokens, "
               f"block {first.get('block_size')} tokens",
-              f"- server packages: {_packages(first.get('packages'))}; model shape: {_shape(first.get('model_config'))}",
+              f"- server packages: {_packages(first.get('packages'))}; "
+              f"model shape: {_shape(first.get('model_config'))}",
               f"- load: {run['load']}; workload digest `{workload_digest(folder)}`",
               f"- command: `{run['command']}`", ""]
     lines += ["| config | role | port | flags | kv-transfer-config |", "|---|---|---|---|---|"]
     for s in run["servers"]:
         args = s["server_args"]
         ktc = args[args.index("--kv-transfer-config") + 1] if "--kv-transfer-config" in args else "–"
-        skip = {args.index("--model") + 1, args.index("--kv-transfer-config") + 1} if ktc != "–" else {args.index("--model") + 1}
-        flags = " ".join(a for i, a in enumerate(args) if i not in skip and a not in ("--model", "--kv-transfer-config"))
+        skip = {args.index("--model") + 1} | ({args.index("--kv-transfer-config") + 1} if ktc != "–" else set())
+        flags = " ".join(a for i, a in enumerate(args)
+                         if i not in skip and a not in ("--model", "--kv-transfer-config"))
         lines.append(f"| {s['config']} | {s['role']} | {s['port']} | `{flags}` | `{ktc}` |")
     lines += ["", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "

@@ -234,7 +234,8 @@ def first_error(log_text: str) -> str:
         if line.startswith("Traceback"):
             for j in range(i + 1, len(lines)):
                 if ERROR_LINE.match(lines[j]) and not lines[j].startswith((" ", "\t")):
-                    detail = [d.strip() for d in lines[j + 1:j + 3] if d.startswith("  ") and "errors.pydantic" not in d]
+                    detail = [d.strip() for d in lines[j + 1:j + 3]
+                              if d.startswith("  ") and "errors.pydantic" not in d]
                     return " ".join([lines[j].strip(), *detail])[:400]
     return next((line.strip()[:400] for line in lines if " ERROR " in line or "ERROR" in line.split()[:1]),
                 "no error line in the log")

@@ -20,17 +20,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from . import continuations, metrics, servers
-from .matrix import ROLE_ORDER, ConfigError
-from .render import SERVED_MODEL_NAME
-from .workload import Request, generate, load_scenarios, sessions, write_jsonl
+from kvscope import HARNESS
+from kvscope.config.matrix import ROLE_ORDER, ConfigError
+from kvscope.config.render import SERVED_MODEL_NAME
+from kvscope.deploy import servers
+from kvscope.run import continuations, metrics
+from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
 
-LOCUSTFILE = Path(__file__).resolve().parent.parent / "locustfile.py"
+LOCUSTFILE = HARNESS / "locustfile.py"
 
 
 def _post(url: str, timeout: float = 60) -> int:
@@ -65,7 +67,8 @@ def reset(server: dict) -> dict:
 
 def warm_up(server: dict) -> None:
     """One throwaway request before the reset, so an idle server's slow first request is not measured."""
-    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": "kvscope warm-up " * 40, "max_tokens": 4, "temperature": 0})
+    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
+                       "temperature": 0})
     req = urllib.request.Request(f"http://{server['host']}:{server['port']}/v1/completions", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     try:
@@ -101,7 +104,8 @@ def run_locust(server: dict, workload: Path, records: Path, users: int, processe
     hosts: this process is the master, one worker per host started over ssh with the same options (the
     repository and venvs at the same paths there); workers send their records to the master."""
     kvscope_args = ["-f", str(LOCUSTFILE), "--host", f"http://{server['host']}:{server['port']}",
-                    "--kvscope-workload", str(Path(workload).resolve()), "--kvscope-records", str(Path(records).resolve()),
+                    "--kvscope-workload", str(Path(workload).resolve()),
+                    "--kvscope-records", str(Path(records).resolve()),
                     "--kvscope-config", server["config"], "--kvscope-block-size", str(server.get("block_size") or 128),
                     "--kvscope-rate", str(rate)]
     if server.get("fault"):
@@ -214,7 +218,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if len(hashes) != 1:
         raise ConfigError(f"deployed servers serve different models ({sorted(hashes)}); outputs are not comparable")
 
-    run_id = run_id or datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    run_id = run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     folder = Path(results) / run_id
     if folder.exists() and not resume:
         raise ConfigError(f"run folder {folder} exists: its records would be mixed with new ones; choose another "

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
 
-from . import jsonl
-from .workload import Request
+from kvscope import jsonl
+from kvscope.run.workload import Request
 
 
 @dataclass

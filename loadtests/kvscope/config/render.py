@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors
+from kvscope.config.matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors
 
 SERVED_MODEL_NAME = "tiny"
 

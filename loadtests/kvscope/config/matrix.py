@@ -104,7 +104,7 @@ class StorageConfig(Strict):
         return stores
 
     @model_validator(mode="after")
-    def _role_rules(self) -> "StorageConfig":
+    def _role_rules(self) -> StorageConfig:
         if self.role in ("golden", "control"):
             errors = cache_off_errors(self.flags) + (["has a kv_transfer_config"] if self.kv_transfer_config else [])
             if errors:

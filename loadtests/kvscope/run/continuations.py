@@ -18,9 +18,10 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import fidelity, jsonl
-from .records import Record, read, request_key
-from .render import SERVED_MODEL_NAME
+from kvscope import jsonl
+from kvscope.analyze import fidelity
+from kvscope.config.render import SERVED_MODEL_NAME
+from kvscope.run.records import Record, read, request_key
 
 TOP = 5
 

@@ -17,9 +17,9 @@ from gevent.queue import Empty, Queue
 from locust import FastHttpUser, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
-from . import records
-from .records import request_key
-from .workload import Request, read_jsonl, sessions
+from kvscope.run import records
+from kvscope.run.records import request_key
+from kvscope.run.workload import Request, read_jsonl, sessions
 
 
 @events.init_command_line_parser.add_listener

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent.parent
+from kvscope import REPO
+
 CONTEXT = {"gb10": ["docker/gb10/Dockerfile", "docker/verify_image.py", "connector"],
            "cpu": ["docker/cpu/Dockerfile", "connector", "loadtests"]}
 _ARG = re.compile(r"^ARG\s+([A-Z0-9_]+)=(.*)$", re.M)

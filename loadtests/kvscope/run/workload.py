@@ -17,8 +17,8 @@ import numpy as np
 import yaml
 from pydantic import Field, ValidationError
 
-from . import jsonl
-from .matrix import ConfigError, Strict
+from kvscope import jsonl
+from kvscope.config.matrix import ConfigError, Strict
 
 SEED_SYSTEM = "你是一个简洁、专业的中文助手"
 SEED_USER = (

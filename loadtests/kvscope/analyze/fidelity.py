@@ -22,9 +22,9 @@ near tie that golden could not score: no continuation was recorded).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
-from .records import Record, request_key
+from kvscope.run.records import Record, request_key
 
 SCORER_VERSION = 2
 # A correct cache may differ from golden by more than the control did on its answers (another batch mix,
@@ -194,7 +194,8 @@ def _split(golden: Record, cand: Record, i: int, tol: float, band: float, contin
         least = [gap if gap is not None else max(a.values()) - min(a.values()) for gap, a in gaps]
         if max(least) > band:
             shown = "/".join(f"{x:.3g}" if gap is not None else f">={x:.3g}" for x, (gap, _) in zip(least, gaps))
-            return "FAIL", f"diverges at token {i}, golden margin {s.golden_margin:.3g} nat, gaps {shown} (tie band {band:.3g})"
+            return "FAIL", (f"diverges at token {i}, golden margin {s.golden_margin:.3g} nat, gaps {shown} "
+                            f"(tie band {band:.3g})")
         return "unverified", f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden did not " \
                              "score the rest of the answer"
     for j, tf in enumerate(continuation, start=i):  # golden's view lists the candidate's own token too

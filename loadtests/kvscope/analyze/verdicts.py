@@ -22,12 +22,13 @@ import math
 
 import pandas as pd
 
-from . import fidelity
+from kvscope.analyze import fidelity
 
 MIN_VERIFIED_HITS = 20
 MAX_FAILED_SHARE = 0.02
 POWER_GOAL = 0.99
 GATE_OK, GATE_FAIL, GATE_INCONCLUSIVE = 0, 1, 3
+CACHE_ARGS = ("--kv-transfer-config", "--kv-offloading-size", "--enable-prefix-caching")
 
 
 def cache_off_problems(server: dict, cached_tokens: list[int | None]) -> list[str]:
@@ -36,8 +37,7 @@ def cache_off_problems(server: dict, cached_tokens: list[int | None]) -> list[st
     problems = []
     if server.get("prefix_caching"):
         problems.append("its manifest says prefix caching was on")
-    problems += [f"it ran with {flag}" for flag in ("--kv-transfer-config", "--kv-offloading-size", "--enable-prefix-caching")
-                 if flag in args]
+    problems += [f"it ran with {flag}" for flag in CACHE_ARGS if flag in args]
     hits = sum(1 for c in cached_tokens if c)
     if hits:
         problems.append(f"{hits} of its answers report cached prompt tokens")
@@ -65,7 +65,8 @@ def power(canaries: list[dict], scores: pd.DataFrame, changed: dict[str, dict[st
                     & (scores.cached_tokens.fillna(0) > 0)]
         log = changed.get(config)
         keys = sc.request_id + "@" + sc.phase
-        hit = keys.map(lambda k: log.get(k, 0) > 0) if log is not None else pd.Series(True, index=sc.index)
+        hit = keys.map({k: n > 0 for k, n in log.items()}).fillna(False) if log is not None \
+            else pd.Series(True, index=sc.index)
         affected, unaffected = sc[hit.astype(bool)], sc[~hit.astype(bool)]
         detected = int((affected.cls == "FAIL").sum())
         n = len(affected)
@@ -109,7 +110,8 @@ def config_verdict(server: dict, scores: pd.DataFrame, expected: dict[str, int],
         return ("INVALID", "; ".join(problems)) if problems else ("GOLDEN", "cache-off reference")
     if counts.get("FAIL"):
         first = sc[sc.cls == "FAIL"].iloc[0]
-        return "FAIL", f"{counts['FAIL']} of {int(sc.cls.isin(fidelity.SCORED).sum())} scored answers; first: {first.reason}"
+        scored = int(sc.cls.isin(fidelity.SCORED).sum())
+        return "FAIL", f"{counts['FAIL']} of {scored} scored answers; first: {first.reason}"
     incomplete = [f"scenario {s} did not run" for s in expected if s not in ran]
     present = sc.groupby("scenario").size().to_dict()
     incomplete += [f"{s}: {present.get(s, 0)} of {n} answers recorded" for s, n in expected.items()

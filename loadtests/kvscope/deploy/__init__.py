@@ -1,0 +1,1 @@
+"""Stage 2, deployment: the model, the images, and the helpers the Ansible roles call (probe, stop, manifest)."""
