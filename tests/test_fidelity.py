@@ -3,7 +3,7 @@
 import pytest
 
 from kvscope.analyze import fidelity
-from kvscope.run.records import Record
+from kvscope.artifacts import Record
 
 TOL = 1e-4
 

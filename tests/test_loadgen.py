@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from kvscope.artifacts import Treatment
 from kvscope.run.records import read
 from kvscope.run.treatments import run_locust
 from kvscope.run.workload import Request, write_jsonl
@@ -22,13 +23,16 @@ PORT = 8187
 def sse_server():
     proc = subprocess.Popen([sys.executable, str(REPO / "loadtests" / "benchmarks" / "sse_server.py"), str(PORT), "16"])
     time.sleep(1.0)
-    yield {"config": "sse", "host": "127.0.0.1", "port": PORT, "block_size": 64}
+    # only what run_locust reads: the synthetic server has no manifest
+    yield Treatment.model_construct(config="sse", role="candidate", host="127.0.0.1", port=PORT, block_size=64,
+                                    served_model_name="tiny")
     proc.terminate()
     proc.wait()
 
 
 def requests(n: int) -> list[Request]:
-    return [Request(f"r{i}", "o", "measure", f"r{i}", 0, "completions", 16, prompt="x") for i in range(n)]
+    return [Request(request_id=f"r{i}", scenario="o", phase="measure", session_id=f"r{i}", turn=0,
+                    endpoint="completions", max_tokens=16, prompt="x") for i in range(n)]
 
 
 def test_open_loop_releases_sessions_at_the_asked_rate(sse_server, tmp_path):

@@ -82,20 +82,20 @@ def test_selection_refuses_unknown_names_and_other_platforms(tmp_path, doc):
 def test_render_merges_platform_flags_and_fills_store_paths(tmp_path):
     m = matrix.load(SHIPPED)
     out = render(m, m.get("example-fs"), "cpu", tmp_path / "model", tmp_path / "stores", "127.0.0.1")
-    args = out["server_args"]
+    args = out.server_args
     assert args[args.index("--port") + 1] == "8102"
     assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
     ktc = args[args.index("--kv-transfer-config") + 1]
     assert f'"shared_storage_path": "{tmp_path}/stores/example-fs/kv"' in ktc
-    assert out["stores"] == {"kv": f"{tmp_path}/stores/example-fs/kv"}
-    assert out["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert out.stores == {"kv": f"{tmp_path}/stores/example-fs/kv"}
+    assert out.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and out.served_model_name == "tiny"
 
 
 def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
     m = matrix.load(SHIPPED)
     a = render(m, m.get("kvscope-shared"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
     b = render(m, m.get("kvscope-shared-b"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
-    assert a["stores"] == b["stores"] == {"shared-blocks": f"{tmp_path}/stores/shared/shared-blocks"}
+    assert a.stores == b.stores == {"shared-blocks": f"{tmp_path}/stores/shared/shared-blocks"}
 
 
 def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
@@ -104,7 +104,7 @@ def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
     m = matrix.load(Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml")
     cfg = next(c for c in m.configs if c.name == "apc")
     args = render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
-                  parse_overrides('{"dtype": "bfloat16", "enforce-eager": false}'))["server_args"]
+                  parse_overrides('{"dtype": "bfloat16", "enforce-eager": false}')).server_args
     assert args[args.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in args
     for bad in ("dtype=bfloat16", "[1]"):
         with pytest.raises(matrix.ConfigError, match="flag overrides"):
@@ -133,14 +133,16 @@ def test_the_harness_knows_the_canary_connectors_faults():
 
 
 def test_a_config_deployed_on_two_hosts_is_refused(tmp_path):
-    import json
-
+    from kvscope.artifacts import Deployment, Manifest, write_json
     from kvscope.run.treatments import load_deployments, run
 
+    apc = Manifest(config="apc", role="candidate", port=8101, platform="cpu", served_model_name="tiny",
+                   server_args=[], vllm_version="0.32.0", kv_capacity_tokens=16384, block_size=64,
+                   prefix_caching=True, model_path="/m", model_hash="f" * 64)
     for host in ("a", "b"):
         (tmp_path / host).mkdir()
-        (tmp_path / host / "deployment.json").write_text(json.dumps({"servers": [{"config": "apc"}], "failed": []}))
+        write_json(tmp_path / host / "deployment.json", Deployment(servers=[apc]))
     found, _ = load_deployments([tmp_path / "a" / "deployment.json"])
-    assert found[0]["run_dir"] == str(tmp_path / "a")  # where the bench finds the server's log
+    assert found[0].run_dir == str(tmp_path / "a")  # where the bench finds the server's log
     with pytest.raises(matrix.ConfigError, match="more than one host"):
         run([tmp_path / h / "deployment.json" for h in ("a", "b")], tmp_path, tmp_path, [], [])

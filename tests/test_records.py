@@ -2,12 +2,12 @@
 
 import json
 
+from kvscope.artifacts import Request
 from kvscope.run import records
-from kvscope.run.workload import Request
 
 
 def rec(endpoint="chat"):
-    req = Request("r1", "s", "measure", "s1", 0, endpoint, 4)
+    req = Request(request_id="r1", scenario="s", phase="measure", session_id="s1", turn=0, endpoint=endpoint, max_tokens=4)
     return records.new_record(req, "cfg", 0.0)
 
 
@@ -121,10 +121,11 @@ def test_alternatives_are_token_ids_and_the_prompt_is_kept_only_when_asked():
 
 
 def test_request_bodies_ask_for_token_ids_and_a_canary_fault():
-    req = Request("r1", "s", "measure", "s1", 0, "chat", 4, messages=[{"role": "user", "content": "hi"}])
-    _, body = records.request_body(req, [])
+    req = Request(request_id="r1", scenario="s", phase="measure", session_id="s1", turn=0, endpoint="chat",
+                  max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    _, body = records.request_body(req, [], "tiny")
     assert body["return_tokens_as_token_ids"] and "kv_transfer_params" not in body
-    _, body = records.request_body(req, [], fault="zeros")
+    _, body = records.request_body(req, [], "tiny", fault="zeros")
     assert body["kv_transfer_params"] == {"kvscope_fault": "zeros"}
     key = records.request_key("rag-zipf-0003-t0", "measure")
     assert records.key_from_server_id(f"chatcmpl-{key}-1a2b3c4d") == key  # how vLLM names the request

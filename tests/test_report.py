@@ -5,13 +5,12 @@ that never ran, no cache hits, answers without token ids, a golden server that w
 """
 
 import json
-from dataclasses import asdict
 
 import pandas as pd
 import pytest
 
 from kvscope.analyze import fidelity, report
-from kvscope.run.records import Record
+from kvscope.artifacts import Record
 
 SERVERS = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-shift", "canary")]
 GOOD = [[1, 2, 3], [4, 5, 6]]
@@ -28,8 +27,9 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
     lines = n if workload_lines is None else workload_lines
     (folder / "workloads" / "s.measure.jsonl").write_text("".join(f'{{"request_id": "r{i}"}}\n' for i in range(lines)))
     docs = [{"config": c, "role": r, "port": 8100 + i, "platform": "cpu", "vllm_version": "0.32.0",
-             "model_path": "/m/tiny-qwen3", "model_hash": "f" * 64, "kv_capacity_tokens": 1024, "block_size": 64,
-             "prefix_caching": False, "server_args": ["--model", "/m", "--port", str(8100 + i), "--dtype", "float32"]}
+             "served_model_name": "tiny", "model_path": "/m/tiny-qwen3", "model_hash": "f" * 64,
+             "kv_capacity_tokens": 1024, "block_size": 64, "prefix_caching": False,
+             "server_args": ["--model", "/m", "--port", str(8100 + i), "--dtype", "float32"]}
             for i, (c, r) in enumerate(servers)]
     run = {"run_id": folder.name, "command": "kvscope bench (test)", "servers": docs, "scenarios": {"s": {}},
            "machine": {"cpu": "test", "cores": 2, "memory_gib": 1, "arch": "x86_64", "os": "linux", "python": "3",
@@ -52,7 +52,7 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
                            ttft_s=0.1 + 0.01 * i, e2e_s=0.5, itl_s=[0.01], prompt_tokens=200, cached_tokens=cached,
                            output_token_ids=toks, top_logprobs=[[[t, -0.1 + off], [999, -3.0 + off]] for t in toks],
                            prompt_sha=f"p{i}", prompt_block_hashes=["h0", "h1", "h2"])
-                f.write(json.dumps(asdict(r)) + "\n")
+                f.write(r.model_dump_json() + "\n")
     return folder
 
 

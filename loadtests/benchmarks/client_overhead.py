@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from kvscope.artifacts import Request, Treatment
 from kvscope.run import metrics
 from kvscope.run.records import read
 from kvscope.run.treatments import run_locust
-from kvscope.run.workload import Request, Scenario, generate, write_jsonl
+from kvscope.run.workload import Scenario, generate, write_jsonl
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -82,11 +83,13 @@ def capacity(folder: Path, tokens: int, model_dir: str) -> None:
     proc = subprocess.Popen([sys.executable, str(HERE / "sse_server.py"), str(port), str(tokens)])
     try:
         time.sleep(1.0)
-        server = {"config": "sse-server", "host": "127.0.0.1", "port": port, "block_size": 64}
+        server = Treatment.model_construct(config="sse-server", role="candidate", host="127.0.0.1", port=port,
+                                           block_size=64, served_model_name="tiny")  # no manifest: a synthetic server
         print(f"\n2. generator capacity against sse_server.py ({tokens} tokens per request, one Locust process)")
         best = 0.0
         for users in (1, 4, 16, 64):
-            reqs = [Request(f"r{i}", "cap", "measure", f"r{i}", 0, "completions", tokens, prompt="x")
+            reqs = [Request(request_id=f"r{i}", scenario="cap", phase="measure", session_id=f"r{i}", turn=0,
+                            endpoint="completions", max_tokens=tokens, prompt="x")
                     for i in range(users * 16)]
             recs = locust_round(server, reqs, users, folder, f"cap{users}")
             ok = [r for r in recs if r.ok]

@@ -24,34 +24,35 @@ from pydoc_data.topics import topics
 
 import numpy as np
 
+from kvscope.artifacts import Deployment, Manifest, Request, read_json
 from kvscope.run.metrics import delta, scrape
 from kvscope.run.records import new_record, parse_stream, request_body
-from kvscope.run.workload import Request
 
 
-def ttft(port: int, prompt: str) -> tuple[float, int]:
-    req = Request("bench", "bench", "measure", "bench", 0, "completions", 4, prompt=prompt)
-    path, body = request_body(req, [])
-    http = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+def ttft(server: Manifest, prompt: str) -> tuple[float, int]:
+    req = Request(request_id="bench", scenario="bench", phase="measure", session_id="bench", turn=0,
+                  endpoint="completions", max_tokens=4, prompt=prompt)
+    path, body = request_body(req, [], server.served_model_name)
+    http = urllib.request.Request(f"http://{server.host}:{server.port}{path}", data=json.dumps(body).encode(),
                                   headers={"Content-Type": "application/json"})
     rec = new_record(req, "bench", time.time())
     t0 = time.perf_counter()
     with urllib.request.urlopen(http, timeout=300) as resp:
-        parse_stream(((time.perf_counter(), line) for line in resp), t0, rec, 64)
+        parse_stream(((time.perf_counter(), line) for line in resp), t0, rec, server.block_size)
     if not rec.ok:
-        raise RuntimeError(f"port {port}: {rec.error}")
+        raise RuntimeError(f"{server.config}: {rec.error}")
     return rec.ttft_s, rec.cached_tokens or 0
 
 
-def evict_ram(port: int, prompts: list[str]) -> None:
+def evict_ram(server: Manifest, prompts: list[str]) -> None:
     """Push a RAM tier of up to ~16 prompts' KV past capacity with other prompts, so hits come from disk."""
     for i in range(4):
         for p in prompts:
-            ttft(port, f"[evict {i}] {p}")
+            ttft(server, f"[evict {i}] {p}")
 
 
-def tier_hits(port: int, before: dict[str, float]) -> str:
-    d = delta(before, scrape(f"http://127.0.0.1:{port}"))
+def tier_hits(server: Manifest, before: dict[str, float]) -> str:
+    d = delta(before, scrape(f"http://{server.host}:{server.port}"))
     return ", ".join(f"{t} {int(d.get(f'kvscope:connector_{t}_hits_total', 0))}" for t in ("ram", "fs"))
 
 
@@ -69,21 +70,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="warm requests per prompt and server")
     ap.add_argument("--pause", type=float, default=1.5, help="seconds of quiet before each measured request")
     args = ap.parse_args()
-    ports = {s["config"]: s["port"] for s in json.loads(Path(args.deployment).read_text())["servers"]}
-    base, apc, fs = ports["baseline"], ports["apc"], ports[args.config]
+    deployed = {s.config: s for s in read_json(Path(args.deployment), Deployment).servers}
+    base, apc, fs = deployed["baseline"], deployed["apc"], deployed[args.config]
     ram_phase, disk_phase = f"warm {args.config}", f"warm {args.config} (after eviction)"
     text = " ".join(topics[k] for k in sorted(topics))
     prompts = [f"[benchmark prompt {i}] " + text[i * args.chars:(i + 1) * args.chars] for i in range(args.prompts)]
-    for port in (base, apc, fs):
-        ttft(port, "warm-up " * 50)
+    for server in (base, apc, fs):
+        ttft(server, "warm-up " * 50)
 
-    def measured(port: int, p: str) -> tuple[float, int]:
+    def measured(server: Manifest, p: str) -> tuple[float, int]:
         time.sleep(args.pause)
-        return ttft(port, p)
+        return ttft(server, p)
 
     phases: dict[str, list[tuple[float, int]]] = {name: [] for name in ("cold baseline", "warm apc", ram_phase)}
     hits = {}
-    before = scrape(f"http://127.0.0.1:{fs}")
+    before = scrape(f"http://{fs.host}:{fs.port}")
     for p in prompts:
         phases["cold baseline"].append(measured(base, p))
         ttft(apc, p)
@@ -93,7 +94,7 @@ def main() -> None:
             phases[ram_phase].append(measured(fs, p))
     hits[ram_phase] = tier_hits(fs, before)  # primes included
     evict_ram(fs, prompts[:4])
-    before = scrape(f"http://127.0.0.1:{fs}")
+    before = scrape(f"http://{fs.host}:{fs.port}")
     phases[disk_phase] = [measured(fs, p) for p in prompts]
     hits[disk_phase] = tier_hits(fs, before)
     rows = {name: [t for t, _ in got] for name, got in phases.items()}

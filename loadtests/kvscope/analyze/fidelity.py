@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvscope.run.records import Record, request_key
+from kvscope.artifacts import Record
+from kvscope.run.continuations import first_divergence
+from kvscope.run.records import request_key
 
 SCORER_VERSION = 2
 # A correct cache may differ from golden by more than the control did on its answers (another batch mix,
@@ -84,13 +86,6 @@ def repetition(tokens: list[int]) -> float:
 
 def is_degenerate(tokens: list[int]) -> bool:
     return len(tokens) >= DEGENERATE_MIN_TOKENS and repetition(tokens) >= DEGENERATE_MIN_SHARE
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def alts(rec: Record, i: int) -> Alts:

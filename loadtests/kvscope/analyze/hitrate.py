@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvscope.run.records import Record
+from kvscope.artifacts import Record
 
 
 def theoretical(records: list[Record], capacity_tokens: int | None, block_size: int) -> float | None:

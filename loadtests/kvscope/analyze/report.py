@@ -16,44 +16,49 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import fidelity, hitrate, verdicts
+from kvscope.artifacts import ArtifactError, Record, RunInfo, StatusRow, Treatment, read_json, read_jsonl, write_json
 from kvscope.config.matrix import ROLE_ORDER
 from kvscope.run import continuations, metrics
-from kvscope.run.records import Record, key_from_server_id, read
+from kvscope.run.records import key_from_server_id, read
 
 
 class RunError(ValueError):
     """A run folder that cannot give a complete report; the message names the file."""
 
 
-def _load(folder: Path) -> tuple[dict, list[dict], dict[tuple[str, str], list[Record]]]:
+def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str], list[Record]]]:
     folder = Path(folder)
     run_file = folder / "run.json"
     if not run_file.exists():
         raise RunError(f"{run_file}: missing; not a kvscope run folder")
-    run = json.loads(run_file.read_text())
+    run = read_json(run_file, RunInfo)
     status_file = folder / "status.jsonl"
-    status = [json.loads(line) for line in status_file.read_text().splitlines()] if status_file.exists() else []
+    status = read_jsonl(status_file, StatusRow) if status_file.exists() else []
     recs = {}
-    for server in run["servers"]:
-        for scenario in run["scenarios"]:
-            path = folder / "records" / f"{server['config']}__{scenario}.jsonl"
+    for server in run.servers:
+        for scenario in run.scenarios:
+            path = folder / "records" / f"{server.config}__{scenario}.jsonl"
             if not path.exists():
-                if server["role"] == "golden":
+                if server.role == "golden":
                     raise RunError(f"{path}: golden records missing; fidelity cannot be scored without them")
-                recs[server["config"], scenario] = []
+                recs[server.config, scenario] = []
                 continue
             try:
-                recs[server["config"], scenario] = read(path)
-            except ValueError as exc:
+                recs[server.config, scenario] = read(path)
+            except ArtifactError as exc:
                 raise RunError(str(exc)) from exc
     return run, status, recs
 
 
 def workload_digest(folder: Path) -> str:
-    """Identity of a run's workload: the hash of its workload files."""
+    """Identity of a run's workload: the hash of its requests (without their schema version, so runs that
+    replayed the same requests before schema versions existed compare equal)."""
     digest = hashlib.sha256()
     for path in sorted((Path(folder) / "workloads").glob("*.jsonl")):
-        digest.update(path.name.encode() + path.read_bytes())
+        digest.update(path.name.encode())
+        for line in path.read_text().splitlines():
+            row = {k: v for k, v in json.loads(line).items() if k != "schema_version"}
+            digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n")
     return digest.hexdigest()[:16]
 
 
@@ -62,41 +67,36 @@ def _pct(values, q) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def served_dtype(server: dict) -> str | None:
-    args = server.get("server_args", [])
+def served_dtype(server: Treatment) -> str | None:
+    args = server.server_args
     return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else None
 
 
-def _golden(run: dict) -> dict:
-    return next(s for s in run["servers"] if s["role"] == "golden")
-
-
-def noise_floor(run: dict, recs: dict, folder: Path) -> dict:
+def noise_floor(run: RunInfo, recs: dict, folder: Path) -> dict:
     """The run's logprob tolerance, from its control and golden's own answers scored again by golden."""
-    golden = _golden(run)["config"]
+    golden = run.golden().config
     by_key = {f"{r.request_id}@{r.phase}": r for (c, _), rs in recs.items() if c == golden for r in rs}
-    control = [r for s in run["servers"] if s["role"] == "control" for sc in run["scenarios"]
-               for r in recs.get((s["config"], sc), [])]
-    calibration = {k: v for sc in run["scenarios"] for k, v in continuations.load(folder, golden, sc).items()}
+    control = [r for s in run.servers if s.role == "control" for sc in run.scenarios
+               for r in recs.get((s.config, sc), [])]
+    calibration = {k: v for sc in run.scenarios for k, v in continuations.load(folder, golden, sc).items()}
     measured = fidelity.noise(by_key, control, calibration)
-    tol, source = fidelity.tolerance(measured, served_dtype(_golden(run)))
+    tol, source = fidelity.tolerance(measured, served_dtype(run.golden()))
     return {"noise_nats": measured, "tolerance_nats": tol, "tie_band_nats": 2 * tol, "source": source,
             "control_answers": len(control), "golden_rescored": len(calibration)}
 
 
-def score_run(run: dict, recs: dict, folder: Path, tol: float) -> pd.DataFrame:
-    golden = _golden(run)["config"]
+def score_run(run: RunInfo, recs: dict, folder: Path, tol: float) -> pd.DataFrame:
+    golden = run.golden().config
     rows = []
     for (config, scenario), records in recs.items():
         rows += fidelity.score_all(recs[golden, scenario], records, tol, continuations.load(folder, config, scenario))
     return pd.DataFrame(rows, columns=[f.name for f in fields(fidelity.Score)])
 
 
-def summarize(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame) -> pd.DataFrame:
-    servers = {s["config"]: s for s in run["servers"]}
-    golden = next(c for c, s in servers.items() if s["role"] == "golden")
-    deltas = {(row["config"], row["scenario"]): (row["phases"].get("measure") or {}).get("metrics_delta")
-              for row in status}
+def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.DataFrame) -> pd.DataFrame:
+    servers = {s.config: s for s in run.servers}
+    golden = run.golden().config
+    deltas = {(row.config, row.scenario): (row.phases.get("measure") or {}).get("metrics_delta") for row in status}
     rows = []
     for (config, scenario), records in recs.items():
         server = servers[config]
@@ -114,7 +114,7 @@ def summarize(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame) -
         delta = deltas.get((config, scenario))
         rates = metrics.hit_rates(delta) if delta else {"local": None, "external": None, "overall": None}
         rows.append({
-            "config": config, "role": server["role"], "scenario": scenario,
+            "config": config, "role": server.role, "scenario": scenario,
             "requests": len(measure), "failed": len(measure) - len(ok),
             "hit_requests": len(hit),
             "ttft_p50_ms_all": _ms(_pct([r.ttft_s for r in ok], 50)),
@@ -132,8 +132,7 @@ def summarize(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame) -
             "hit_rate_counters": rates["overall"],
             "hit_rate_counters_local": rates["local"],
             "hit_rate_counters_external": rates["external"],
-            "hit_rate_theoretical": hitrate.theoretical(measure, server.get("kv_capacity_tokens"),
-                                                        server.get("block_size") or 128),
+            "hit_rate_theoretical": hitrate.theoretical(measure, server.kv_capacity_tokens, server.block_size),
             "identical_hit": cls(hit_sc, "identical"), "benign_hit": cls(hit_sc, "benign"),
             "fail_hit": cls(hit_sc, "FAIL"),
             "identical_miss": cls(miss_sc, "identical"), "benign_miss": cls(miss_sc, "benign"),
@@ -198,18 +197,18 @@ def fault_changes(folder: Path, config: str, scenarios) -> dict[str, int] | None
     return out
 
 
-def config_verdicts(run: dict, status: list[dict], recs: dict, scores: pd.DataFrame, summary: pd.DataFrame,
+def config_verdicts(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.DataFrame, summary: pd.DataFrame,
                     power: pd.DataFrame, folder: Path, min_hits: int, max_failed: float) -> pd.DataFrame:
     """One line per config: its verdict, whether that is what its role expects, why, and its speed-up."""
-    expected = expected_answers(folder, run["scenarios"])
-    reference = {s["config"]: verdicts.cache_off_problems(s, [r.cached_tokens for sc in run["scenarios"]
-                                                               for r in recs.get((s["config"], sc), [])])
-                 for s in run["servers"] if s["role"] in ("golden", "control")}
+    expected = expected_answers(folder, run.scenarios)
+    reference = {s.config: verdicts.cache_off_problems(s, [r.cached_tokens for sc in run.scenarios
+                                                           for r in recs.get((s.config, sc), [])])
+                 for s in run.servers if s.role in ("golden", "control")}
     broken = [f"{config} is not cache-off" for config, problems in reference.items() if problems]
     out = []
-    for server in run["servers"]:
-        config, role = server["config"], server["role"]
-        ran = {row["scenario"] for row in status if row["config"] == config} if status else set(run["scenarios"])
+    for server in run.servers:
+        config, role = server.config, server.role
+        ran = {row.scenario for row in status if row.config == config} if status else set(run.scenarios)
         verdict, why = verdicts.config_verdict(server, scores, expected, ran,
                                                reference.get(config) if role == "golden" else broken,
                                                min_hits, max_failed)
@@ -230,12 +229,12 @@ def config_verdicts(run: dict, status: list[dict], recs: dict, scores: pd.DataFr
     return pd.DataFrame(out)
 
 
-def crashed_verdicts(run: dict) -> pd.DataFrame:
+def crashed_verdicts(run: RunInfo) -> pd.DataFrame:
     """A row for each config that did not start: it has no answers, and that is a result too."""
-    return pd.DataFrame([{"config": c["config"], "role": c.get("role", "candidate"), "verdict": "CRASHED",
-                          "as_expected": False, "why": c.get("why", "did not start"), "fail_requests": 0, "scored": 0,
-                          "verified_hits": 0, "hit_requests": 0, "failed_requests": 0, "max_dev": None,
-                          "speedup_hits_median": None, "speedup_all_median": None} for c in run.get("crashed", [])])
+    return pd.DataFrame([{"config": c.config, "role": c.role, "verdict": "CRASHED", "as_expected": False,
+                          "why": c.why, "fail_requests": 0, "scored": 0, "verified_hits": 0, "hit_requests": 0,
+                          "failed_requests": 0, "max_dev": None, "speedup_hits_median": None,
+                          "speedup_all_median": None} for c in run.crashed])
 
 
 def _median(col: pd.Series) -> float | None:
@@ -332,8 +331,8 @@ def _cell(v) -> str:
 
 
 class Analysis(NamedTuple):
-    run: dict
-    status: list[dict]
+    run: RunInfo
+    status: list[StatusRow]
     recs: dict
     floor: dict
     scores: pd.DataFrame
@@ -350,8 +349,8 @@ def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     floor = noise_floor(run, recs, folder)
     scores = score_run(run, recs, folder, floor["tolerance_nats"])
     summary = summarize(run, status, recs, scores)
-    canaries = [s for s in run["servers"] if s["role"] == "canary"]
-    power = verdicts.power(canaries, scores, {s["config"]: fault_changes(folder, s["config"], run["scenarios"])
+    canaries = [s for s in run.servers if s.role == "canary"]
+    power = verdicts.power(canaries, scores, {s.config: fault_changes(folder, s.config, run.scenarios)
                                               for s in canaries})
     table = config_verdicts(run, status, recs, scores, summary, power, folder, min_hits, max_failed)
     crashed = crashed_verdicts(run)
@@ -372,9 +371,9 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     a.power.to_csv(folder / "power.csv", index=False)
     pngs = plots(folder, a.summary, a.recs)
     (folder / "report.md").write_text(_markdown(a, pngs, folder))
-    run = dict(a.run, scorer={"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
-                              "max_failed_share": max_failed, **a.floor})
-    (folder / "run.json").write_text(json.dumps(run, indent=2, ensure_ascii=False) + "\n")
+    run = a.run.model_copy(update={"scorer": {"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
+                                              "max_failed_share": max_failed, **a.floor}})
+    write_json(folder / "run.json", run)
     return verdicts.gate(a.verdicts)
 
 
@@ -400,9 +399,9 @@ GATE_WORDS = {verdicts.GATE_OK: "every verdict as expected (exit 0)",
 
 def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
     run, summary, scores, floor = a.run, a.summary, a.scores, a.floor
-    m = run["machine"]
-    first = run["servers"][0]
-    lines = [f"# kvscope report: run {run['run_id']}", ""]
+    m = run.machine
+    first = run.servers[0]
+    lines = [f"# kvscope report: run {run.run_id}", ""]
     lines += ["Every figure here is computed from this folder's raw records (`records/*.jsonl`) by "
               f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
               "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "
@@ -414,8 +413,7 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
     cols = ["config", "role", "verdict", "why", "verified_hits", "fail_requests", "scored", "max_dev",
             "speedup_hits_median"]
     lines += [_md_table(v[cols]), ""]
-    crashed = {c["config"]: c for c in run.get("crashed", [])}
-    lines += [f"- `{c}`: **did not start** ({d['why']}): `{d['error']}`" for c, d in crashed.items()]
+    lines += [f"- `{c.config}`: **did not start** ({c.why}): `{c.error}`" for c in run.crashed]
     lines += ["", "## How strong the verdict is", ""]
     measured = "not measured" if floor["noise_nats"] is None else f"{floor['noise_nats']:.3g} nat"
     lines += [f"- Noise floor: the control's answers ({floor['control_answers']}) and golden's own answers scored "
@@ -423,7 +421,7 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
               f"Tolerance: **{floor['tolerance_nats']:.3g} nat** ({floor['source']}); tie band "
               f"{floor['tie_band_nats']:.3g} nat. `max_dev` above: a config's largest difference from golden.",
               f"- A PASS needs every expected answer scored and at least "
-              f"{run.get('scorer', {}).get('min_verified_hits', verdicts.MIN_VERIFIED_HITS)} verified cache hits.", ""]
+              f"{(run.scorer or {}).get('min_verified_hits', verdicts.MIN_VERIFIED_HITS)} verified cache hits.", ""]
     if len(a.power):
         lines += ["Detection power (`power.csv`): each canary treatment serves wrong KV of one fault class; "
                   "`affected_hits` are the cache hits its fault log says it broke, `detected` those that FAILed; "
@@ -434,21 +432,20 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
     lines += ["## Environment", ""]
     lines += [f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['arch']}, "
               f"GPU: {m['gpu'] or 'none'}; {m['os']}",
-              f"- vLLM {first['vllm_version']} ({first['platform']}), model `{Path(first['model_path']).name}` "
-              f"sha256 `{first['model_hash'][:16]}…`, KV capacity {first['kv_capacity_tokens']} tokens, "
-              f"block {first.get('block_size')} tokens",
-              f"- server packages: {_packages(first.get('packages'))}; "
-              f"model shape: {_shape(first.get('model_config'))}",
-              f"- load: {run['load']}; workload digest `{workload_digest(folder)}`",
-              f"- command: `{run['command']}`", ""]
+              f"- vLLM {first.vllm_version} ({first.platform}), model `{Path(first.model_path).name}` "
+              f"(served as `{first.served_model_name}`) sha256 `{first.model_hash[:16]}…`, KV capacity "
+              f"{first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
+              f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}",
+              f"- load: {run.load}; workload digest `{workload_digest(folder)}`",
+              f"- command: `{run.command}`", ""]
     lines += ["| config | role | port | flags | kv-transfer-config |", "|---|---|---|---|---|"]
-    for s in run["servers"]:
-        args = s["server_args"]
+    for s in run.servers:
+        args = s.server_args
         ktc = args[args.index("--kv-transfer-config") + 1] if "--kv-transfer-config" in args else "–"
         skip = {args.index("--model") + 1} | ({args.index("--kv-transfer-config") + 1} if ktc != "–" else set())
         flags = " ".join(a for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))
-        lines.append(f"| {s['config']} | {s['role']} | {s['port']} | `{flags}` | `{ktc}` |")
+        lines.append(f"| {s.config} | {s.role} | {s.port} | `{flags}` | `{ktc}` |")
     lines += ["", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "
               "tokens (warm). Hit rates are token shares: per request (server usage), from /metrics counter "
@@ -469,7 +466,7 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
                 "fail_miss", "unscored", "unverified", "max_dev", "degenerate", "needle_golden", "needle_candidate",
                 "fidelity"]
     lines += [_md_table(summary[fid_cols]), ""]
-    order = {s["config"]: ROLE_ORDER[s["role"]] for s in run["servers"]}
+    order = {s.config: ROLE_ORDER[s.role] for s in run.servers}
     fails = scores[(scores.cls == "FAIL") & (scores.phase == "measure")]
     fails = fails.iloc[fails.config.map(order).argsort(kind="stable")]
     if len(fails):
@@ -483,13 +480,13 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
         for config, part in failed.groupby("config"):
             lines.append(f"- `{config}`: {len(part)} failed; first: {part.reason.iloc[0]}")
         lines.append("")
-    faults = [r for r in a.status for p in r["phases"].values() if p.get("locust_exit") not in (0, 1)
+    faults = [r for r in a.status for p in r.phases.values() if p.get("locust_exit") not in (0, 1)
               or p.get("metrics_error")]
     if faults:
         lines += ["Faults during the run:", ""]
         for r in faults:
-            for name, p in r["phases"].items():
-                lines.append(f"- `{r['config']}` x `{r['scenario']}` {name}: locust exit {p.get('locust_exit')}, "
+            for name, p in r.phases.items():
+                lines.append(f"- `{r.config}` x `{r.scenario}` {name}: locust exit {p.get('locust_exit')}, "
                              f"{p.get('metrics_error') or ''} {' '.join(p.get('locust_stderr_tail') or [])}"
                              + (f" server log: `{p['server_error']}`" if p.get("server_error") else ""))
         lines.append("")
@@ -520,8 +517,8 @@ def compare(folders: list[Path], out: Path | None = None) -> str:
     for f in folders:
         a = analyze(f)
         summary = a.summary.merge(a.verdicts[["config", "verdict"]], on="config", how="left")
-        summary.insert(0, "run", a.run["run_id"])
-        summary.insert(1, "vllm", a.run["servers"][0]["vllm_version"])
+        summary.insert(0, "run", a.run.run_id)
+        summary.insert(1, "vllm", a.run.servers[0].vllm_version)
         frames.append(summary)
     table = pd.concat(frames)
     cols = ["run", "vllm", "config", "scenario", "ttft_p50_ms_miss", "ttft_p50_ms_hit", "speedup_hits",

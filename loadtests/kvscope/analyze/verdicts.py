@@ -23,6 +23,7 @@ import math
 import pandas as pd
 
 from kvscope.analyze import fidelity
+from kvscope.artifacts import Treatment
 
 MIN_VERIFIED_HITS = 20
 MAX_FAILED_SHARE = 0.02
@@ -31,11 +32,11 @@ GATE_OK, GATE_FAIL, GATE_INCONCLUSIVE = 0, 1, 3
 CACHE_ARGS = ("--kv-transfer-config", "--kv-offloading-size", "--enable-prefix-caching")
 
 
-def cache_off_problems(server: dict, cached_tokens: list[int | None]) -> list[str]:
+def cache_off_problems(server: Treatment, cached_tokens: list[int | None]) -> list[str]:
     """Why a golden or control server was not cache-off, from its manifest and its answers ([] if it was)."""
-    args = server.get("server_args", [])
+    args = server.server_args
     problems = []
-    if server.get("prefix_caching"):
+    if server.prefix_caching:
         problems.append("its manifest says prefix caching was on")
     problems += [f"it ran with {flag}" for flag in CACHE_ARGS if flag in args]
     hits = sum(1 for c in cached_tokens if c)
@@ -54,13 +55,13 @@ def wilson_low(k: int, n: int, z: float = 1.96) -> float | None:
     return (centre - spread) / (1 + z * z / n)
 
 
-def power(canaries: list[dict], scores: pd.DataFrame, changed: dict[str, dict[str, int] | None]) -> pd.DataFrame:
+def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, dict[str, int] | None]) -> pd.DataFrame:
     """Detection power per canary treatment: of the scored cache hits the canary broke, how many FAILed.
     `changed[config]`: request key -> blocks the canary changed, from its fault log (None: no log, so every
     hit counts as affected). Hits it left correct ("changed" 0) are counted apart: they must not FAIL."""
     rows = []
     for server in canaries:
-        config = server["config"]
+        config = server.config
         sc = scores[(scores.config == config) & (scores.phase == "measure") & scores.cls.isin(fidelity.SCORED)
                     & (scores.cached_tokens.fillna(0) > 0)]
         log = changed.get(config)
@@ -70,7 +71,7 @@ def power(canaries: list[dict], scores: pd.DataFrame, changed: dict[str, dict[st
         affected, unaffected = sc[hit.astype(bool)], sc[~hit.astype(bool)]
         detected = int((affected.cls == "FAIL").sum())
         n = len(affected)
-        rows.append({"fault": server.get("fault") or config, "config": config, "affected_hits": n,
+        rows.append({"fault": server.fault or config, "config": config, "affected_hits": n,
                      "detected": detected, "rate": round(detected / n, 4) if n else None,
                      "rate_low95": round(wilson_low(detected, n), 4) if n else None,
                      "unaffected_hits": len(unaffected), "unaffected_fail": int((unaffected.cls == "FAIL").sum()),
@@ -97,12 +98,12 @@ def pooled(power_table: pd.DataFrame) -> str:
     return f"{k} of {n} broken hits caught" + (f", 95 % lower bound {wilson_low(k, n):.3f}" if n else "")
 
 
-def config_verdict(server: dict, scores: pd.DataFrame, expected: dict[str, int], ran: set[str],
+def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, int], ran: set[str],
                    reference_problems: list[str], min_hits: int = MIN_VERIFIED_HITS,
                    max_failed: float = MAX_FAILED_SHARE) -> tuple[str, str]:
     """(verdict, why) of one config from its measure-phase scores; `expected`: answers per scenario;
     `ran`: the scenarios with a status row; `reference_problems`: why golden or control was not cache-off."""
-    config, role = server["config"], server["role"]
+    config, role = server.config, server.role
     sc = scores[(scores.config == config) & (scores.phase == "measure")]
     counts = sc.cls.value_counts().to_dict()
     if role == "golden":

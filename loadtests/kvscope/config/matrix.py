@@ -12,9 +12,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from kvscope.artifacts import Role
+
 Platform = Literal["cpu", "cuda"]
 FlagValue = bool | int | float | str
-Role = Literal["golden", "control", "candidate", "canary"]
 ROLE_ORDER = {"golden": 0, "control": 1, "candidate": 2, "canary": 3}  # the order treatments run and reports list
 
 # Flags the renderer owns: a config that sets one would silently fight the deployment.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvscope.artifacts import RenderedServer
 from kvscope.config.matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors
 
 SERVED_MODEL_NAME = "tiny"
@@ -57,9 +58,9 @@ def parse_overrides(text: str) -> dict:
 def render(
     matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str,
     overrides: dict | None = None, port_offset: int = 0,
-) -> dict:
-    """Everything a runtime needs to start `cfg`, as plain JSON-able data; `port_offset` moves its port (a
-    second deployment beside one on the matrix's ports)."""
+) -> RenderedServer:
+    """Everything a runtime needs to start `cfg`; `port_offset` moves its port (a second deployment beside
+    one on the matrix's ports)."""
     defaults = matrix.platforms[platform]
     stores = store_paths(cfg, store_root)
     port = cfg.port + port_offset
@@ -72,14 +73,6 @@ def render(
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]
-    return {
-        "name": cfg.name,
-        "role": cfg.role,
-        "port": port,
-        "platform": platform,
-        "server_args": args,
-        "env": {**defaults.env, **cfg.env},
-        "stores": stores,
-        "store_reset": cfg.store_reset,
-        "faults": list(cfg.faults),
-    }
+    return RenderedServer(config=cfg.name, role=cfg.role, port=port, platform=platform,
+                          served_model_name=SERVED_MODEL_NAME, server_args=args, env={**defaults.env, **cfg.env},
+                          stores=stores, store_reset=cfg.store_reset, faults=list(cfg.faults))

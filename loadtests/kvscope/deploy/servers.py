@@ -18,6 +18,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
+
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
 
@@ -190,37 +192,22 @@ def package_versions(python: str) -> dict[str, str]:
         return {"error": str(exc)}
 
 
-def manifest(name: str, port: int, pid_file: Path, rendered: dict, model_dir: Path, model_hash: str,
-             host: str = "127.0.0.1", packages: dict | None = None, container: str | None = None) -> dict:
+def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_hash: str, host: str = "127.0.0.1",
+             packages: dict | None = None, container: str | None = None) -> Manifest:
     """What a deployed server is, read off the live server."""
-    base = f"http://{host}:{port}"
+    base = f"http://{host}:{rendered.port}"
     labels = cache_config(http_get(f"{base}/metrics").decode())
     models = json.loads(http_get(f"{base}/v1/models"))
     version = json.loads(http_get(f"{base}/version")).get("version")
-    return {
-        "config": name,
-        "role": rendered["role"],
-        "platform": rendered["platform"],
-        "host": host,
-        "port": port,
-        "pid": read_pid(pid_file),
-        "container": container,
-        "vllm_version": version,
-        "packages": packages or {},
-        "kv_capacity_tokens": kv_capacity_tokens(labels),
-        "block_size": int(labels["block_size"]) if labels.get("block_size", "None") != "None" else None,
-        "prefix_caching": labels.get("enable_prefix_caching") == "True",
-        "max_model_len": models["data"][0].get("max_model_len"),
-        "model_path": str(model_dir),
-        "model_hash": model_hash,
-        "model_config": {k: v for k, v in json.loads((model_dir / "config.json").read_text()).items()
-                         if k in MODEL_KEYS},
-        "server_args": rendered["server_args"],
-        "env": redact(rendered["env"]),
-        "stores": rendered["stores"],
-        "store_reset": rendered.get("store_reset", "wipe"),
-        "faults": rendered.get("faults", []),
-    }
+    if labels.get("block_size", "None") == "None":
+        raise ValueError(f"{rendered.config}: the server reports no block size in vllm:cache_config_info")
+    model_config = json.loads((model_dir / "config.json").read_text())
+    return Manifest(**rendered.model_dump(exclude={"schema_version", "env"}), env=redact(rendered.env),
+                    host=host, pid=read_pid(pid_file), container=container, vllm_version=version,
+                    packages=packages or {}, kv_capacity_tokens=kv_capacity_tokens(labels),
+                    block_size=int(labels["block_size"]), prefix_caching=labels.get("enable_prefix_caching") == "True",
+                    max_model_len=models["data"][0].get("max_model_len"), model_path=str(model_dir),
+                    model_hash=model_hash, model_config={k: v for k, v in model_config.items() if k in MODEL_KEYS})
 
 
 ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*")
@@ -241,44 +228,41 @@ def first_error(log_text: str) -> str:
                 "no error line in the log")
 
 
-def rendered_servers(path: Path) -> dict[str, dict]:
+def rendered_servers(path: Path) -> dict[str, RenderedServer]:
     """The rendered server specs of a deploy (rendered.json), by config name."""
-    return {r["name"]: r for r in json.loads(Path(path).read_text())["kvscope_servers"]}
+    return {r.config: r for r in read_json(path, Rendered).kvscope_servers}
 
 
-def record_failure(run_dir: Path, config: str, why: str) -> dict:
+def record_failure(run_dir: Path, config: str, why: str) -> Failure:
     """failed.json beside a server that did not come up: its role, why, and the first error line of its log."""
     folder = Path(run_dir) / config
     log = folder / "server.log"
     rendered = Path(run_dir) / "rendered.json"
-    spec = rendered_servers(rendered).get(config, {}) if rendered.exists() else {}
-    doc = {"config": config, "role": spec.get("role", "candidate"), "why": why,
-           "error": first_error(log.read_text(errors="replace")) if log.exists() else "no server log"}
-    (folder / "failed.json").write_text(json.dumps(doc, indent=2) + "\n")
+    spec = rendered_servers(rendered).get(config) if rendered.exists() else None
+    doc = Failure(config=config, role=spec.role if spec else "candidate", why=why,
+                  error=first_error(log.read_text(errors="replace")) if log.exists() else "no server log")
+    write_json(folder / "failed.json", doc)
     return doc
 
 
-def deployed(run_dir: Path) -> list[dict]:
+def deployed(run_dir: Path) -> list[Manifest]:
     """Manifests of the servers of `run_dir` that run: a process with a pid file (started and not torn down) or
     a container (the container runtime's teardown removes the manifest)."""
-    docs = [(m, json.loads(m.read_text())) for m in sorted(Path(run_dir).glob("*/manifest.json"))]
+    docs = [(m, read_json(m, Manifest)) for m in sorted(Path(run_dir).glob("*/manifest.json"))]
     return [doc for m, doc in docs
-            if ((m.parent / "server.pid").exists() or doc.get("container")) and not (m.parent / "failed.json").exists()]
+            if ((m.parent / "server.pid").exists() or doc.container) and not (m.parent / "failed.json").exists()]
 
 
-def failed(run_dir: Path) -> list[dict]:
+def failed(run_dir: Path) -> list[Failure]:
     """Failure records of servers that did not come up (until teardown removes their pid files)."""
-    return [
-        json.loads(f.read_text())
-        for f in sorted(Path(run_dir).glob("*/failed.json"))
-        if (f.parent / "server.pid").exists()
-    ]
+    return [read_json(f, Failure) for f in sorted(Path(run_dir).glob("*/failed.json"))
+            if (f.parent / "server.pid").exists()]
 
 
 def write_deployment(run_dir: Path) -> Path:
     """deployment.json: one manifest per deployed server and the servers that failed; what `make bench` reads."""
     out = Path(run_dir) / "deployment.json"
-    out.write_text(json.dumps({"servers": deployed(run_dir), "failed": failed(run_dir)}, indent=2) + "\n")
+    write_json(out, Deployment(servers=deployed(run_dir), failed=failed(run_dir)))
     return out
 
 
@@ -286,7 +270,7 @@ def status(run_dir: Path) -> list[dict]:
     rows = []
     for pid_file in sorted(Path(run_dir).glob("*/server.pid")):
         manifest_file = pid_file.parent / "manifest.json"
-        port = json.loads(manifest_file.read_text())["port"] if manifest_file.exists() else None
+        port = read_json(manifest_file, Manifest).port if manifest_file.exists() else None
         code = probe(pid_file, port)[0] if port else (STARTING if alive(read_pid(pid_file) or -1) else NOT_RUNNING)
         state = {HEALTHY: "healthy", STARTING: "running, not healthy", NOT_RUNNING: "dead (stale pid file)",
                  PORT_TAKEN: "dead; its port is held by another process"}[code]

@@ -15,29 +15,20 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvscope import jsonl
-from kvscope.analyze import fidelity
-from kvscope.config.render import SERVED_MODEL_NAME
-from kvscope.run.records import Record, read, request_key
+from kvscope.artifacts import Continuation, Record, Treatment, append_jsonl, read_jsonl
+from kvscope.run.records import read, request_key
 
 TOP = 5
 
 
-@dataclass
-class Continuation:
-    request_id: str
-    phase: str
-    start: int  # the first answer position scored
-    logprobs: list[list[list]]  # per position from start: [[token id, logprob], ...] best first
-
-
-def golden_logprobs(base: str, prompt_ids: list[int], answer_ids: list[int], start: int) -> list[list[list]]:
+def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[int], start: int
+                    ) -> list[list[list]]:
     """Golden's top-5 (and the answer's own token) at each answer position from `start` on."""
-    body = {"model": SERVED_MODEL_NAME, "prompt": prompt_ids + answer_ids, "max_tokens": 1, "temperature": 0,
-            "prompt_logprobs": TOP}
+    base = f"http://{golden.host}:{golden.port}"
+    body = {"model": golden.served_model_name, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": TOP}
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
@@ -46,16 +37,15 @@ def golden_logprobs(base: str, prompt_ids: list[int], answer_ids: list[int], sta
                    key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
 
 
-def collect(folder: Path, golden: dict, configs: list[str], scenarios: list[str]) -> dict[str, int]:
+def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list[str]) -> dict[str, int]:
     """Score every answer that splits from golden's, and golden's own answers, with the golden server;
     returns how many answers each config had scored. An answer golden could not score is left out (the
     fidelity class is then `unverified`, never identical)."""
-    base = f"http://{golden['host']}:{golden['port']}"
     out_dir = Path(folder) / "continuations"
     out_dir.mkdir(exist_ok=True)
     counts: dict[str, int] = {}
     for scenario in scenarios:
-        gold = {request_key(r.request_id, r.phase): r for r in _records(folder, golden["config"], scenario)
+        gold = {request_key(r.request_id, r.phase): r for r in _records(folder, golden.config, scenario)
                 if r.ok and r.prompt_token_ids and r.output_token_ids}
         for config in configs:
             lines = []
@@ -63,19 +53,28 @@ def collect(folder: Path, golden: dict, configs: list[str], scenarios: list[str]
                 g = gold.get(request_key(rec.request_id, rec.phase))
                 if g is None or not rec.ok or rec.prompt_sha != g.prompt_sha or not rec.output_token_ids:
                     continue
-                start = 0 if config == golden["config"] else fidelity.first_divergence(
+                start = 0 if config == golden.config else first_divergence(
                     g.output_token_ids, rec.output_token_ids)
                 if start is None or start >= len(rec.output_token_ids):
                     continue
                 try:
-                    tops = golden_logprobs(base, g.prompt_token_ids, rec.output_token_ids, start)
+                    tops = golden_logprobs(golden, g.prompt_token_ids, rec.output_token_ids, start)
                 except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
                     continue
-                lines.append(Continuation(rec.request_id, rec.phase, start, tops))
-            with open(out_dir / f"{config}__{scenario}.jsonl", "w") as f:
-                f.writelines(json.dumps(asdict(line)) + "\n" for line in lines)
+                lines.append(Continuation(request_id=rec.request_id, phase=rec.phase, start=start, logprobs=tops))
+            path = out_dir / f"{config}__{scenario}.jsonl"
+            path.unlink(missing_ok=True)
+            append_jsonl(path, lines)
             counts[config] = counts.get(config, 0) + len(lines)
     return counts
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two answers' tokens differ; None when they are the same."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _records(folder: Path, config: str, scenario: str) -> list[Record]:
@@ -83,10 +82,10 @@ def _records(folder: Path, config: str, scenario: str) -> list[Record]:
     return read(path) if path.exists() else []
 
 
-def load(folder: Path, config: str, scenario: str) -> dict[str, tuple[int, list[fidelity.Alts]]]:
+def load(folder: Path, config: str, scenario: str) -> dict[str, tuple[int, list[dict]]]:
     """request key -> (start, golden's alternatives per position from start), as collect() wrote them."""
     path = Path(folder) / "continuations" / f"{config}__{scenario}.jsonl"
     if not path.exists():
         return {}
     return {request_key(c.request_id, c.phase): (c.start, [{t: lp for t, lp in pos} for pos in c.logprobs])
-            for c in jsonl.read(path, Continuation, "continuation")}
+            for c in read_jsonl(path, Continuation)}

@@ -9,7 +9,6 @@ one merged file and ends the run once every worker is done.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 import gevent
 import numpy as np
@@ -27,7 +26,8 @@ def _add_options(parser):
     parser.add_argument("--kvscope-workload", default="", help="workload JSONL to replay")
     parser.add_argument("--kvscope-records", default="", help="JSONL file the records are appended to")
     parser.add_argument("--kvscope-config", default="", help="storage config under test (for the records)")
-    parser.add_argument("--kvscope-block-size", type=int, default=128, help="server KV block size in tokens")
+    parser.add_argument("--kvscope-block-size", type=int, help="server KV block size in tokens (its manifest's)")
+    parser.add_argument("--kvscope-model", default="", help="the served model name (the server's manifest's)")
     parser.add_argument("--kvscope-workers", type=int, default=1, help="worker processes sharing the workload")
     parser.add_argument("--kvscope-rate", type=float, default=0.0, help="sessions/s (open loop); 0 = closed loop")
     parser.add_argument("--kvscope-arrivals", choices=["constant", "poisson"], default="poisson")
@@ -149,7 +149,7 @@ class KVScopeUser(FastHttpUser):
         opts = self.environment.parsed_options
         runner = self.environment.runner
         worker = runner.worker_index if isinstance(runner, WorkerRunner) else 0
-        path, body = records.request_body(req, history, fault=opts.kvscope_fault or None)
+        path, body = records.request_body(req, history, opts.kvscope_model, fault=opts.kvscope_fault or None)
         rec = records.new_record(req, opts.kvscope_config, time.time(), worker)
         t0 = time.perf_counter()
         try:
@@ -178,7 +178,7 @@ class KVScopeUser(FastHttpUser):
 
     def _emit(self, rec: records.Record) -> None:
         if isinstance(self.environment.runner, WorkerRunner):
-            FEED.buffer.append(asdict(rec))
+            FEED.buffer.append(rec.model_dump())
         else:
             records.write([rec], self.environment.parsed_options.kvscope_records)
 

@@ -1,7 +1,7 @@
-"""One record per request, and the single place that turns a streamed OpenAI response into one.
+"""The single place that turns a streamed OpenAI response into a Record (artifacts.py), and a workload
+request into an HTTP body.
 
 No Locust here: `parse_stream` takes (arrival time, line) pairs, so tests feed it recorded SSE bytes.
-Units are in the field names; None means "not reported", never 0.
 """
 
 from __future__ import annotations
@@ -9,41 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvscope import jsonl
-from kvscope.run.workload import Request
-
-
-@dataclass
-class Record:
-    config: str
-    scenario: str
-    phase: str
-    request_id: str
-    session_id: str
-    turn: int
-    endpoint: str
-    start_unix_s: float
-    ok: bool = False
-    error: str | None = None
-    http_status: int | None = None
-    ttft_s: float | None = None  # to the first chunk that carries a generated token
-    e2e_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)  # gaps between token-bearing chunks
-    prompt_tokens: int | None = None  # server counts, from the usage chunk
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    finish_reason: str | None = None
-    output_text: str = ""
-    output_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[list[list]] = field(default_factory=list)  # per position: [[token id, logprob], ...] best first
-    prompt_sha: str | None = None  # sha256 of the prompt token ids: the exact input the server saw
-    prompt_block_hashes: list[str] = field(default_factory=list)  # chained, one per full block
-    prompt_token_ids: list[int] | None = None  # kept for the golden config: continuations are scored on it
-    needle: str | None = None
-    worker: int = 0
+from kvscope.artifacts import Record, Request, append_jsonl, read_jsonl
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[str]:
@@ -141,14 +109,14 @@ def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Reco
     return rec
 
 
-def request_body(req: Request, history: list[dict], logprobs: int = 5, fault: str | None = None
+def request_body(req: Request, history: list[dict], model: str, logprobs: int = 5, fault: str | None = None
                  ) -> tuple[str, dict]:
     """The HTTP path and JSON body of a workload request; `history` holds a session's earlier turns.
     Top-5 logprobs, as token ids (token strings are ambiguous: many byte tokens render as ''): at a bf16 tie
     the other side's token can rank third (H200 run), and fidelity needs it. `fault`: a canary treatment's
     fault class, passed to the canary connector in kv_transfer_params."""
     body = {
-        "model": "tiny",
+        "model": model,
         "max_tokens": req.max_tokens,
         "temperature": 0,
         "stream": True,
@@ -182,11 +150,9 @@ def new_record(req: Request, config: str, start_unix_s: float, worker: int = 0) 
 
 
 def write(records: Iterable[Record | dict], path: Path) -> None:
-    with open(path, "a") as f:
-        for r in records:
-            f.write(json.dumps(asdict(r) if isinstance(r, Record) else r, ensure_ascii=False) + "\n")
+    append_jsonl(path, records)
 
 
 def read(path: Path) -> list[Record]:
     """All records of a JSONL file; a truncated or foreign line is an error naming the file and line."""
-    return jsonl.read(path, Record, "record")
+    return read_jsonl(path, Record)

@@ -26,8 +26,18 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from kvscope import HARNESS
+from kvscope.artifacts import (
+    Deployment,
+    Failure,
+    RunInfo,
+    StatusRow,
+    Treatment,
+    append_jsonl,
+    read_json,
+    read_jsonl,
+    write_json,
+)
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
-from kvscope.config.render import SERVED_MODEL_NAME
 from kvscope.deploy import servers
 from kvscope.run import continuations, metrics
 from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
@@ -51,25 +61,25 @@ def _snapshot(base: str) -> dict[str, float] | None:
         return None
 
 
-def reset(server: dict) -> dict:
+def reset(server: Treatment) -> dict:
     """Empty every tier of one server: vLLM's prefix cache, the connector's cache, the config's stores."""
-    base = f"http://{server['host']}:{server['port']}"
+    base = f"http://{server.host}:{server.port}"
     try:
         status = _post(f"{base}/reset_prefix_cache?reset_external=true")
     except (urllib.error.URLError, OSError) as exc:
         status = f"{type(exc).__name__}"
-    wiped = sorted(server.get("stores", {})) if server.get("store_reset", "wipe") == "wipe" else []
+    wiped = sorted(server.stores) if server.store_reset == "wipe" else []
     for name in wiped:
-        for child in Path(server["stores"][name]).glob("*"):
+        for child in Path(server.stores[name]).glob("*"):
             shutil.rmtree(child) if child.is_dir() else child.unlink()
     return {"reset_prefix_cache_http": status, "stores_wiped": wiped}
 
 
-def warm_up(server: dict) -> None:
+def warm_up(server: Treatment) -> None:
     """One throwaway request before the reset, so an idle server's slow first request is not measured."""
-    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
+    body = json.dumps({"model": server.served_model_name, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
                        "temperature": 0})
-    req = urllib.request.Request(f"http://{server['host']}:{server['port']}/v1/completions", data=body.encode(),
+    req = urllib.request.Request(f"http://{server.host}:{server.port}/v1/completions", data=body.encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         urllib.request.urlopen(req, timeout=300).read()
@@ -96,21 +106,22 @@ def gpus() -> str | None:
     return "; ".join(line.strip() for line in out.stdout.splitlines() if line.strip()) or None
 
 
-def run_locust(server: dict, workload: Path, records: Path, users: int, processes: int, rate: float,
+def run_locust(server: Treatment, workload: Path, records: Path, users: int, processes: int, rate: float,
                timeout_s: float, remote: dict | None = None) -> dict:
     """One headless Locust run of a workload file against one server; returns its status row.
 
     remote = {"hosts": [...], "ssh_config": path, "master_host": address}: Locust's distributed mode across
     hosts: this process is the master, one worker per host started over ssh with the same options (the
     repository and venvs at the same paths there); workers send their records to the master."""
-    kvscope_args = ["-f", str(LOCUSTFILE), "--host", f"http://{server['host']}:{server['port']}",
+    kvscope_args = ["-f", str(LOCUSTFILE), "--host", f"http://{server.host}:{server.port}",
                     "--kvscope-workload", str(Path(workload).resolve()),
                     "--kvscope-records", str(Path(records).resolve()),
-                    "--kvscope-config", server["config"], "--kvscope-block-size", str(server.get("block_size") or 128),
+                    "--kvscope-config", server.config, "--kvscope-block-size", str(server.block_size),
+                    "--kvscope-model", server.served_model_name,
                     "--kvscope-rate", str(rate)]
-    if server.get("fault"):
-        kvscope_args += ["--kvscope-fault", server["fault"]]
-    if server["role"] == "golden":
+    if server.fault:
+        kvscope_args += ["--kvscope-fault", server.fault]
+    if server.role == "golden":
         kvscope_args.append("--kvscope-prompt-ids")
     cmd = [sys.executable, "-m", "locust", *kvscope_args, "--headless", "-u", str(users), "-r", str(users),
            "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING"]
@@ -141,15 +152,15 @@ def run_locust(server: dict, workload: Path, records: Path, users: int, processe
             "worker_errors": worker_errors}
 
 
-def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str, opts) -> dict:
-    base = f"http://{server['host']}:{server['port']}"
+def _phase(server: Treatment, workload: Path, reqs: list[Request], folder: Path, stem: str, opts) -> dict:
+    base = f"http://{server.host}:{server.port}"
     before = _snapshot(base)
     row = run_locust(server, workload, folder / "records" / f"{stem}.jsonl", opts["users"], opts["processes"],
                      opts["rate"], opts["timeout_s"], opts["remote"])
     after = _snapshot(base)
     row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
     row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
-    log = Path(server["run_dir"]) / server.get("deployed_as", server["config"]) / "server.log"
+    log = Path(server.run_dir or ".") / (server.deployed_as or server.config) / "server.log"
     if row["metrics_error"] and log.exists():  # the server died mid-run: say why, from its own log
         row["server_error"] = servers.first_error(log.read_text(errors="replace"))
     row["sessions"] = len(sessions(reqs))
@@ -157,32 +168,33 @@ def _phase(server, workload: Path, reqs: list[Request], folder: Path, stem: str,
     return row
 
 
-def load_deployments(paths: list[Path]) -> tuple[list[dict], dict[str, dict]]:
+def load_deployments(paths: list[Path]) -> tuple[list[Treatment], dict[str, Failure]]:
     """Servers and failures of one or more deployments (one per host of a cluster); each server keeps the run
     folder its log is in."""
     found, failed = [], {}
     for path in paths:
-        doc = json.loads(Path(path).read_text())
-        found += [dict(s, run_dir=str(Path(path).parent)) for s in doc["servers"]]
-        failed.update({f["config"]: f for f in doc.get("failed", [])})
+        doc = read_json(Path(path), Deployment)
+        found += [Treatment(**s.model_dump(by_alias=True), run_dir=str(Path(path).parent)) for s in doc.servers]
+        failed.update({f.config: f for f in doc.failed})
     return found, failed
 
 
-def treatments(servers_: list[dict]) -> list[dict]:
+def treatments(servers_: list[Treatment]) -> list[Treatment]:
     """What the bench runs, in order: golden, control, candidates, then one treatment per canary fault
     (config '<canary>-<fault>', on the canary's server)."""
     out = []
-    for s in sorted(servers_, key=lambda s: ROLE_ORDER[s["role"]]):
-        if s["role"] == "canary" and s.get("faults"):
-            out += [dict(s, config=f"{s['config']}-{f}", deployed_as=s["config"], fault=f) for f in s["faults"]]
+    for s in sorted(servers_, key=lambda s: ROLE_ORDER[s.role]):
+        if s.role == "canary" and s.faults:
+            out += [s.model_copy(update={"config": f"{s.config}-{f}", "deployed_as": s.config, "fault": f})
+                    for f in s.faults]
         else:
             out.append(s)
     return out
 
 
-def fault_log(server: dict) -> Path | None:
+def fault_log(server: Treatment) -> Path | None:
     """Where a canary's connector logs what it broke (its kv-transfer-config's fault_log), if anywhere."""
-    args = server.get("server_args", [])
+    args = server.server_args
     if "--kv-transfer-config" not in args[:-1]:
         return None
     extra = json.loads(args[args.index("--kv-transfer-config") + 1]).get("kv_connector_extra_config", {})
@@ -192,14 +204,14 @@ def fault_log(server: dict) -> Path | None:
 def _done(status_path: Path) -> set[tuple[str, str]]:
     if not status_path.exists():
         return set()
-    return {(row["config"], row["scenario"]) for row in map(json.loads, status_path.read_text().splitlines())}
+    return {(row.config, row.scenario) for row in read_jsonl(status_path, StatusRow)}
 
 
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
         command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False) -> Path:
     found, failed = load_deployments(deployments)
-    by_name = {s["config"]: s for s in found}
+    by_name = {s.config: s for s in found}
     if len(by_name) != len(found):
         raise ConfigError("the same config is deployed on more than one host; give each host its own configs")
     missing = [c for c in configs if c not in by_name and c not in failed]
@@ -207,14 +219,14 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         raise ConfigError(f"config(s) {missing} are not deployed (deployed: {sorted(by_name)}); run `make deploy`")
     chosen = [by_name[c] for c in configs if c in by_name] if configs else found
     crashed = [failed[c] for c in (configs or failed) if c in failed]  # a row each in the report, with why
-    if not any(s["role"] == "golden" for s in chosen):
+    if not any(s.role == "golden" for s in chosen):
         raise ConfigError("no golden config (role 'golden', e.g. baseline) among the configs: fidelity needs it")
     chosen = treatments(chosen)
     all_scenarios = load_scenarios(scenarios_file)
     unknown = [n for n in scenario_names if n not in all_scenarios]
     if unknown:
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {sorted(all_scenarios)}")
-    hashes = {s["model_hash"] for s in chosen}
+    hashes = {s.model_hash for s in chosen}
     if len(hashes) != 1:
         raise ConfigError(f"deployed servers serve different models ({sorted(hashes)}); outputs are not comparable")
 
@@ -226,8 +238,8 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if resume and not (folder / "run.json").exists():
         raise ConfigError(f"--resume: {folder} has no run.json; nothing to continue")
     (folder / "records").mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer.from_file(str(Path(chosen[0]["model_path"]) / "tokenizer.json"))
-    capacity = min(s["kv_capacity_tokens"] or 0 for s in chosen) or None
+    tokenizer = Tokenizer.from_file(str(Path(chosen[0].model_path) / "tokenizer.json"))
+    capacity = min(s.kv_capacity_tokens or 0 for s in chosen) or None
     workloads = {n: generate(all_scenarios[n], tokenizer, capacity) for n in scenario_names}
     phase_files = {}
     for name, reqs in workloads.items():
@@ -237,13 +249,12 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                 phase_files[name, phase] = (folder / "workloads" / f"{name}.{phase}.jsonl", part)
                 write_jsonl(part, phase_files[name, phase][0])
     if not resume:
-        (folder / "run.json").write_text(json.dumps({
-            "run_id": run_id, "command": command, "machine": machine(), "servers": chosen, "crashed": crashed,
-            "scenarios": {n: all_scenarios[n].model_dump() for n in scenario_names},
-            "load": {"users": users, "processes": processes, "rate_sessions_per_s": rate,
-                     "locust_worker_hosts": (remote or {}).get("hosts", [])},
-            "kv_capacity_tokens_for_sizing": capacity,
-        }, indent=2, ensure_ascii=False) + "\n")
+        write_json(folder / "run.json", RunInfo(
+            run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed,
+            scenarios={n: all_scenarios[n].model_dump() for n in scenario_names},
+            load={"users": users, "processes": processes, "rate_sessions_per_s": rate,
+                  "locust_worker_hosts": (remote or {}).get("hosts", [])},
+            kv_capacity_tokens_for_sizing=capacity))
 
     opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
     status_path = folder / "status.jsonl"
@@ -252,32 +263,31 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     for scenario in scenario_names:
         for server in chosen:
             step += 1
-            stem = f"{server['config']}__{scenario}"
-            if (server["config"], scenario) in done:
-                print(f"[{step}/{total}] {server['config']} x {scenario}: done earlier (--resume)", flush=True)
+            stem = f"{server.config}__{scenario}"
+            if (server.config, scenario) in done:
+                print(f"[{step}/{total}] {server.config} x {scenario}: done earlier (--resume)", flush=True)
                 continue
             (folder / "records" / f"{stem}.jsonl").unlink(missing_ok=True)  # a treatment cut short is run again
-            print(f"[{step}/{total}] {server['config']} x {scenario}: warm-up, reset", end="", flush=True)
+            print(f"[{step}/{total}] {server.config} x {scenario}: warm-up, reset", end="", flush=True)
             warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
-            row = {"config": server["config"], "scenario": scenario, "reset": reset(server), "phases": {}}
+            row = StatusRow(config=server.config, scenario=scenario, reset=reset(server))
             for phase in ("prime", "measure"):
                 if (scenario, phase) in phase_files:
                     workload, part = phase_files[scenario, phase]
                     print(f", {phase} {len(part)} requests", end="", flush=True)
-                    row["phases"][phase] = _phase(server, workload, part, folder, stem, opts)
-            if server.get("fault"):
-                row["fault_log"] = _keep_fault_log(server, folder / "faults" / f"{stem}.jsonl")
-            print(f" ({sum(p['seconds'] for p in row['phases'].values()):.1f} s)", flush=True)
-            with open(status_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-    golden = next(s for s in chosen if s["role"] == "golden")
+                    row.phases[phase] = _phase(server, workload, part, folder, stem, opts)
+            if server.fault:
+                row.fault_log = _keep_fault_log(server, folder / "faults" / f"{stem}.jsonl")
+            print(f" ({sum(p['seconds'] for p in row.phases.values()):.1f} s)", flush=True)
+            append_jsonl(status_path, [row])
+    golden = next(s for s in chosen if s.role == "golden")
     print("golden scores the answers that split from its own ...", end="", flush=True)
-    counts = continuations.collect(folder, golden, [s["config"] for s in chosen], scenario_names)
+    counts = continuations.collect(folder, golden, [s.config for s in chosen], scenario_names)
     print(" " + ", ".join(f"{c} {n}" for c, n in counts.items() if n), flush=True)
     return folder
 
 
-def _keep_fault_log(server: dict, dest: Path) -> str:
+def _keep_fault_log(server: Treatment, dest: Path) -> str:
     """Copy the canary's fault log of this treatment beside the records; say what happened."""
     src = fault_log(server)
     if src is None or not src.exists():

@@ -6,10 +6,9 @@ exactly the same requests. Document lengths are measured in tokens of the served
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +16,8 @@ import numpy as np
 import yaml
 from pydantic import Field, ValidationError
 
-from kvscope import jsonl
+from kvscope import artifacts
+from kvscope.artifacts import Request, append_jsonl
 from kvscope.config.matrix import ConfigError, Strict
 
 SEED_SYSTEM = "你是一个简洁、专业的中文助手"
@@ -61,24 +61,6 @@ class Document:
     text: str
     tokens: int
     needle: str
-
-
-@dataclass
-class Request:
-    """One request of a workload; a session's requests run in order on one user."""
-
-    request_id: str
-    scenario: str
-    phase: Literal["prime", "measure"]
-    session_id: str
-    turn: int
-    endpoint: Literal["chat", "completions"]
-    max_tokens: int
-    messages: list[dict] | None = None  # chat: this turn's new messages (earlier turns are added at run time)
-    prompt: str | None = None  # completions
-    doc_ids: list[int] = field(default_factory=list)
-    needle: str | None = None  # the string a correct answer contains
-    with_history: bool = False  # chat: prepend the session's earlier turns, with the answers actually given
 
 
 def load_scenarios(path: Path) -> dict[str, Scenario]:
@@ -172,11 +154,15 @@ def _rag_request(sc, rid, session, turn, system, docs, target) -> Request:
     question = _question(target)
     if sc.endpoint == "chat":
         messages = [{"role": "system", "content": system}, {"role": "user", "content": f"{context}\n\n{question}"}]
-        return Request(rid, sc.name, "measure", session, turn, "chat", sc.max_tokens, messages=messages,
-                       doc_ids=[d.doc_id for d in docs], needle=target.needle)
-    return Request(rid, sc.name, "measure", session, turn, "completions", sc.max_tokens,
-                   prompt=f"{system}\n\n{context}\n\n{question}", doc_ids=[d.doc_id for d in docs],
-                   needle=target.needle)
+        return _request(rid, sc, session, turn, "chat", messages=messages, doc_ids=[d.doc_id for d in docs],
+                        needle=target.needle)
+    return _request(rid, sc, session, turn, "completions", prompt=f"{system}\n\n{context}\n\n{question}",
+                    doc_ids=[d.doc_id for d in docs], needle=target.needle)
+
+
+def _request(rid: str, sc: Scenario, session: str, turn: int, endpoint: str, **fields) -> Request:
+    return Request(request_id=rid, scenario=sc.name, phase="measure", session_id=session, turn=turn,
+                   endpoint=endpoint, max_tokens=sc.max_tokens, **fields)
 
 
 def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None) -> list[Request]:
@@ -206,13 +192,13 @@ def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None) -> 
         if sc.kind == "multiturn":
             for turn in range(1, sc.turns):
                 follow = pool[int(popularity[rng.choice(num_docs, p=weights)])]
-                requests.append(Request(
-                    f"{session}-t{turn}", sc.name, "measure", session, turn, "chat", sc.max_tokens,
+                requests.append(_request(
+                    f"{session}-t{turn}", sc, session, turn, "chat",
                     messages=[{"role": "user", "content": f"{follow.text}\n\n{_question(follow)}"}],
                     doc_ids=[follow.doc_id], needle=follow.needle, with_history=True))
     if sc.prime == "replay":
-        requests = [Request(**{**asdict(r), "request_id": "prime-" + r.request_id, "phase": "prime",
-                               "session_id": "prime-" + r.session_id}) for r in requests] + requests
+        requests = [r.model_copy(update={"request_id": "prime-" + r.request_id, "phase": "prime",
+                                         "session_id": "prime-" + r.session_id}) for r in requests] + requests
     return requests
 
 
@@ -220,22 +206,20 @@ def _repeat(sc: Scenario) -> list[Request]:
     """The upstream bug's scenario: the same greedy chat request sent `repeats` times in a row."""
     messages = [{"role": "system", "content": SEED_SYSTEM}, {"role": "user", "content": SEED_USER}]
     return [
-        Request(f"{sc.name}-r{i}", sc.name, "measure", sc.name, i, sc.endpoint, sc.max_tokens,
-                messages=messages if sc.endpoint == "chat" else None,
-                prompt=None if sc.endpoint == "chat" else f"{SEED_SYSTEM}\n{SEED_USER}")
+        _request(f"{sc.name}-r{i}", sc, sc.name, i, sc.endpoint, messages=messages if sc.endpoint == "chat" else None,
+                 prompt=None if sc.endpoint == "chat" else f"{SEED_SYSTEM}\n{SEED_USER}")
         for i in range(sc.repeats)
     ]
 
 
 def write_jsonl(requests: list[Request], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for r in requests:
-            f.write(json.dumps(asdict(r), ensure_ascii=False, sort_keys=True) + "\n")
+    path.unlink(missing_ok=True)
+    append_jsonl(path, requests)
 
 
 def read_jsonl(path: Path) -> list[Request]:
-    return jsonl.read(path, Request, "workload request")
+    return artifacts.read_jsonl(path, Request)
 
 
 def sessions(requests: list[Request]) -> list[list[Request]]:

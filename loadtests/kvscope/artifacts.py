@@ -1,0 +1,242 @@
+"""What travels between kvscope's stages, typed and versioned: every file one stage writes for another is
+one of these models, and is read and written only here.
+
+    rendered.json    Rendered        config -> deploy: what each server is started with
+    manifest.json    Manifest        deploy -> run: a live server, read off it (block size, model, versions)
+    failed.json      Failure         deploy -> run: a server that did not come up, and why
+    deployment.json  Deployment      deploy -> run: the manifests and failures of one host
+    workloads/*.jsonl  Request       run: the requests every config replays
+    records/*.jsonl    Record        run -> analyze: one answer, measured
+    continuations/*.jsonl Continuation run -> analyze: golden's logprobs of an answer
+    status.jsonl     StatusRow       run -> analyze: one treatment's resets, Locust exit, counter deltas
+    run.json         RunInfo         run -> analyze: the machine, the treatments, the scenarios, the scorer
+
+Every model carries `schema_version`; a file written before versions existed reads as version 0 and is
+brought up to date on reading (legacy()). Unknown keys are errors: a renamed field must not read as absent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+Role = Literal["golden", "control", "candidate", "canary"]
+A = TypeVar("A", bound="Artifact")
+
+
+class ArtifactError(ValueError):
+    """A file that is not the artifact it should be; the message names the file (and line)."""
+
+
+class Artifact(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    schema_version: int = SCHEMA_VERSION
+
+
+# config -> deploy
+
+
+class RenderedServer(Artifact):
+    """A storage config rendered for one platform: everything a runtime starts it with."""
+
+    config: str
+    role: Role
+    port: int
+    platform: str
+    served_model_name: str
+    server_args: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+    stores: dict[str, str] = Field(default_factory=dict)
+    store_reset: Literal["wipe", "keep"] = "wipe"
+    faults: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def legacy(cls, data: Any) -> Any:
+        """Version 0 (runs recorded before 2026-12): the served model name lives only in the arguments."""
+        if isinstance(data, dict) and "served_model_name" not in data and "--served-model-name" in data.get(
+                "server_args", [])[:-1]:
+            args = data["server_args"]
+            data = {**data, "served_model_name": args[args.index("--served-model-name") + 1]}
+        return data
+
+
+class Rendered(Artifact):
+    kvscope_servers: list[RenderedServer]  # the key is the variable name the Ansible role loads it as
+
+
+# deploy -> run
+
+
+class Manifest(RenderedServer):
+    """A deployed server, read off the live server."""
+
+    host: str = "127.0.0.1"
+    pid: int | None = None
+    container: str | None = None
+    vllm_version: str | None
+    packages: dict[str, Any] = Field(default_factory=dict)
+    kv_capacity_tokens: int | None
+    block_size: int
+    prefix_caching: bool
+    max_model_len: int | None = None
+    model_path: str
+    model_hash: str
+    model_config_: dict[str, Any] | None = Field(default=None, alias="model_config")
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+
+class Failure(Artifact):
+    config: str
+    role: Role = "candidate"
+    why: str
+    error: str
+
+
+class Deployment(Artifact):
+    servers: list[Manifest] = Field(default_factory=list)
+    failed: list[Failure] = Field(default_factory=list)
+
+
+# run
+
+
+class Request(Artifact):
+    """One request of a workload; a session's requests run in order on one user."""
+
+    request_id: str
+    scenario: str
+    phase: Literal["prime", "measure"]
+    session_id: str
+    turn: int
+    endpoint: Literal["chat", "completions"]
+    max_tokens: int
+    messages: list[dict] | None = None  # chat: this turn's new messages (earlier turns are added at run time)
+    prompt: str | None = None  # completions
+    doc_ids: list[int] = Field(default_factory=list)
+    needle: str | None = None  # the string a correct answer contains
+    with_history: bool = False  # chat: prepend the session's earlier turns, with the answers actually given
+
+
+class Record(Artifact):
+    """One answer, measured. Units are in the field names; None means "not reported", never 0."""
+
+    config: str
+    scenario: str
+    phase: str
+    request_id: str
+    session_id: str
+    turn: int
+    endpoint: str
+    start_unix_s: float
+    ok: bool = False
+    error: str | None = None
+    http_status: int | None = None
+    ttft_s: float | None = None  # to the first chunk that carries a generated token
+    e2e_s: float | None = None
+    itl_s: list[float] = Field(default_factory=list)  # gaps between token-bearing chunks
+    prompt_tokens: int | None = None  # server counts, from the usage chunk
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    output_text: str = ""
+    output_token_ids: list[int] = Field(default_factory=list)
+    # per position: [[token, logprob], ...] best first; the token is an id (a string in version 0 records)
+    top_logprobs: list[list[tuple[int | str, float]]] = Field(default_factory=list)
+    prompt_sha: str | None = None  # sha256 of the prompt token ids: the exact input the server saw
+    prompt_block_hashes: list[str] = Field(default_factory=list)  # chained, one per full block
+    prompt_token_ids: list[int] | None = None  # kept for the golden config: continuations are scored on it
+    needle: str | None = None
+    worker: int = 0
+
+
+class Continuation(Artifact):
+    """Golden's logprobs of an answer, position by position from `start`: [[token id, logprob], ...]."""
+
+    request_id: str
+    phase: str
+    start: int
+    logprobs: list[list[tuple[int, float]]]
+
+
+class StatusRow(Artifact):
+    """One treatment: how its tiers were reset, and each phase's Locust exit, counters and faults."""
+
+    config: str
+    scenario: str
+    reset: dict[str, Any] = Field(default_factory=dict)
+    phases: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    fault_log: str | None = None
+
+
+class Treatment(Manifest):
+    """A server as the bench ran it: a deployed config, or one fault class of a canary server."""
+
+    run_dir: str | None = None  # the deployment folder its log is in
+    deployed_as: str | None = None  # a canary treatment: the config the server was deployed as
+    fault: str | None = None
+
+
+class RunInfo(Artifact):
+    run_id: str
+    command: str
+    machine: dict[str, Any]
+    servers: list[Treatment]
+    crashed: list[Failure] = Field(default_factory=list)
+    scenarios: dict[str, dict[str, Any]]
+    load: dict[str, Any]
+    kv_capacity_tokens_for_sizing: int | None = None
+    scorer: dict[str, Any] | None = None
+
+    def golden(self) -> Treatment:
+        return next(s for s in self.servers if s.role == "golden")
+
+
+# reading and writing
+
+
+def dumps(model: Artifact) -> str:
+    return json.dumps(model.model_dump(by_alias=True), ensure_ascii=False, sort_keys=True)
+
+
+def read_json(path: Path, cls: type[A]) -> A:
+    try:
+        return cls.model_validate(_versioned(json.loads(Path(path).read_text())))
+    except (OSError, json.JSONDecodeError, ValidationError) as exc:
+        raise ArtifactError(f"{path}: not a kvscope {cls.__name__}: {exc}") from exc
+
+
+def write_json(path: Path, model: Artifact) -> None:
+    Path(path).write_text(json.dumps(model.model_dump(by_alias=True), indent=2, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path, cls: type[A]) -> list[A]:
+    """Every row of a JSONL file; a truncated or foreign line is an error naming the file and line."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                out.append(cls.model_validate(_versioned(json.loads(line))))
+            except (json.JSONDecodeError, ValidationError) as exc:
+                raise ArtifactError(f"{path}:{n}: truncated or not a kvscope {cls.__name__}: {exc}") from exc
+    return out
+
+
+def append_jsonl(path: Path, rows) -> None:
+    """Append rows (models, or their dicts from another process) to a JSONL file."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write((dumps(row) if isinstance(row, Artifact) else json.dumps(row, ensure_ascii=False)) + "\n")
+
+
+def _versioned(data: Any) -> Any:
+    """Version 0 files carry no schema_version: they read as version 0 and are brought up to date by each
+    model's legacy() hook."""
+    if isinstance(data, dict) and "schema_version" not in data:
+        return {**data, "schema_version": 0}
+    return data

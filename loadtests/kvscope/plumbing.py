@@ -1,0 +1,131 @@
+"""kvscope's plumbing: the verbs the Ansible roles call on each host (`python -m kvscope.plumbing VERB`).
+
+Users call `kvscope` (cli.py) or `make`; these verbs read and write the deployment's artifacts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvscope import artifacts
+from kvscope.cli import DEFAULT_MATRIX, names, run_cli
+from kvscope.config import matrix as matrix_mod
+from kvscope.config.render import parse_overrides, render
+from kvscope.deploy import servers
+
+
+def cmd_render(args) -> int:
+    m = matrix_mod.load(args.matrix)
+    chosen = matrix_mod.select(m, names(args.configs), args.platform)
+    model = Path(args.model).resolve()
+    if not (model / "config.json").is_file():
+        raise matrix_mod.ConfigError(f"model folder {model} has no config.json: run `make model` first")
+    store_root = Path(args.run_dir).resolve() / "stores"
+    overrides = parse_overrides(args.overrides)
+    rendered = artifacts.Rendered(kvscope_servers=[
+        render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset) for c in chosen])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    artifacts.write_json(out, rendered)
+    print(f"rendered {', '.join(r.config for r in rendered.kvscope_servers)} for {args.platform} into {out}")
+    return 0
+
+
+def cmd_probe(args) -> int:
+    code, message = servers.probe(Path(args.pid_file), args.port, args.host)
+    print(message)
+    return code
+
+
+def cmd_stop(args) -> int:
+    pid_file = Path(args.pid_file)
+    print(f"{pid_file}: {servers.stop(pid_file, args.grace_s)}")
+    servers.write_deployment(pid_file.parent.parent)
+    return 0
+
+
+def cmd_manifest(args) -> int:
+    from kvscope.deploy.model import model_hash
+
+    run_dir = Path(args.run_dir)
+    rendered = servers.rendered_servers(Path(args.rendered))[args.config]
+    model = Path(args.model)
+    doc = servers.manifest(run_dir / args.config / "server.pid", rendered, model, model_hash(model), args.host,
+                           servers.package_versions(args.server_python) if args.server_python else None,
+                           args.container)
+    artifacts.write_json(run_dir / args.config / "manifest.json", doc)
+    (run_dir / args.config / "failed.json").unlink(missing_ok=True)
+    servers.write_deployment(run_dir)
+    print(f"{args.config}: port {doc.port} pid {doc.pid} vLLM {doc.vllm_version} KV {doc.kv_capacity_tokens} tokens")
+    return 0
+
+
+def cmd_failed(args) -> int:
+    doc = servers.record_failure(Path(args.run_dir), args.config, args.why)
+    servers.write_deployment(Path(args.run_dir))
+    print(f"{args.config}: {doc.why}: {doc.error}")
+    return 0
+
+
+def cmd_image_info(args) -> int:
+    from kvscope.deploy.images import info
+
+    print(json.dumps(info(args.image)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvscope.plumbing", description=__doc__)
+    p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, help="storage-config matrix YAML")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("render", help="validate, then render selected configs into rendered.json")
+    s.add_argument("--configs", required=True)
+    s.add_argument("--platform", choices=["cpu", "cuda"], required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--out", required=True)
+    s.add_argument("--overrides", default="{}", metavar="JSON",
+                   help='server flags over every config\'s, e.g. \'{"dtype": "bfloat16"}\'')
+    s.add_argument("--port-offset", type=int, default=0, help="added to every config's port")
+    s.set_defaults(func=cmd_render)
+
+    s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running, 4 port held by another process")
+    s.add_argument("--pid-file", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.set_defaults(func=cmd_probe)
+
+    s = sub.add_parser("stop", help="stop the process group recorded in a pid file")
+    s.add_argument("--pid-file", required=True)
+    s.add_argument("--grace-s", type=float, default=30.0)
+    s.set_defaults(func=cmd_stop)
+
+    s = sub.add_parser("manifest", help="write a live server's manifest into the run folder")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--config", required=True)
+    s.add_argument("--rendered", required=True)
+    s.add_argument("--model", required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--server-python", default=None, help="record the package versions of this interpreter")
+    s.add_argument("--container", default=None, help="the server runs in this container (container runtime)")
+    s.set_defaults(func=cmd_manifest)
+
+    s = sub.add_parser("failed", help="record that a server did not come up, with its log's first error line")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--config", required=True)
+    s.add_argument("--why", required=True)
+    s.set_defaults(func=cmd_failed)
+
+    s = sub.add_parser("image-info", help="build arguments, labels and content tag of an image (JSON)")
+    s.add_argument("--image", choices=["gb10", "cpu"], required=True)
+    s.set_defaults(func=cmd_image_info)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(build_parser(), sys.argv[1:]))
