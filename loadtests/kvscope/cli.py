@@ -37,7 +37,7 @@ def cmd_validate(args) -> int:
 def cmd_build_model(args) -> int:
     from kvscope.deploy.model import build
 
-    digest = build(Path(args.out), seed=args.seed, shape=args.shape)
+    digest = build(Path(args.out), seed=args.seed, shape_name=args.shape)
     print(f"built {args.out} sha256={digest}")
     return 0
 

@@ -132,7 +132,7 @@ def _chosen(rec: Record, i: int):
     tok = rec.output_token_ids[i] if i < len(rec.output_token_ids) else None
     if tok in a or not a:
         return tok
-    return max(a, key=a.get)
+    return max(a, key=lambda t: a[t])
 
 
 def score(golden: Record | None, cand: Record, tol: float,
@@ -213,7 +213,7 @@ def noise(golden: dict[str, Record], others: list[Record],
     golden (the prompt_logprobs path that continuations use); keyed by records.request_key. None when the
     run measured neither. A broken control inflates it: the canaries' detection power then drops, and the
     gate fails on them (verdicts.py)."""
-    found = []
+    found: list[float | None] = []
     for rec in others:
         gold = golden.get(request_key(rec.request_id, rec.phase))
         if gold is None or not (rec.ok and gold.ok) or rec.prompt_sha != gold.prompt_sha:
@@ -225,8 +225,8 @@ def noise(golden: dict[str, Record], others: list[Record],
         gold = golden.get(key)
         if gold is not None:
             found.append(max_deviation((start + p, alts(gold, start + p), a) for p, a in enumerate(tf))[0])
-    found = [d for d in found if d is not None]
-    return max(found) if found else None
+    measured = [d for d in found if d is not None]
+    return max(measured) if measured else None
 
 
 def tolerance(measured: float | None, dtype: str | None) -> tuple[float, str]:

@@ -22,6 +22,7 @@ def theoretical(records: list[Record], capacity_tokens: int | None, block_size: 
     lru: OrderedDict[str, None] = OrderedDict()
     hit_tokens = prompt_tokens = 0
     for r in trace:
+        assert r.prompt_tokens  # the trace holds only records with prompt tokens
         usable = r.prompt_block_hashes[: max(0, (r.prompt_tokens - 1) // block_size)]
         hits = 0
         for h in usable:
@@ -40,5 +41,6 @@ def theoretical(records: list[Record], capacity_tokens: int | None, block_size: 
 
 def per_request(records: list[Record]) -> float | None:
     """Server-reported cached tokens over prompt tokens, over the requests that reported both."""
-    rows = [r for r in records if r.ok and r.cached_tokens is not None and r.prompt_tokens]
-    return sum(r.cached_tokens for r in rows) / sum(r.prompt_tokens for r in rows) if rows else None
+    rows = [(r.cached_tokens, r.prompt_tokens) for r in records
+            if r.ok and r.cached_tokens is not None and r.prompt_tokens]
+    return sum(c for c, _ in rows) / sum(p for _, p in rows) if rows else None

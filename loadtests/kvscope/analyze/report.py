@@ -34,7 +34,7 @@ def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str],
     run = read_json(run_file, RunInfo)
     status_file = folder / "status.jsonl"
     status = read_jsonl(status_file, StatusRow) if status_file.exists() else []
-    recs = {}
+    recs: dict[tuple[str, str], list[Record]] = {}
     for server in run.servers:
         for scenario in run.scenarios:
             path = folder / "records" / f"{server.config}__{scenario}.jsonl"
@@ -210,7 +210,7 @@ def config_verdicts(run: RunInfo, status: list[StatusRow], recs: dict, scores: p
         config, role = server.config, server.role
         ran = {row.scenario for row in status if row.config == config} if status else set(run.scenarios)
         verdict, why = verdicts.config_verdict(server, scores, expected, ran,
-                                               reference.get(config) if role == "golden" else broken,
+                                               reference.get(config, []) if role == "golden" else broken,
                                                min_hits, max_failed)
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == "FAIL" and (
@@ -267,7 +267,8 @@ def plots(folder: Path, summary: pd.DataFrame, recs: dict) -> list[str]:
         pts = [((r.cached_tokens or 0) / r.prompt_tokens, r.ttft_s * 1000) for (c, _), rs in recs.items()
                if c == config for r in rs if r.ok and r.prompt_tokens and r.phase == "measure"]
         if pts:
-            ax.scatter(*zip(*pts), s=12, alpha=0.7, label=config)
+            share, ms = zip(*pts)
+            ax.scatter(share, ms, s=12, alpha=0.7, label=config)
     ax.set(xlabel="cached share of prompt tokens", ylabel="TTFT (ms)", title="TTFT vs cached-token share")
     ax.legend(fontsize=8)
     made.append(_save(fig, folder / "ttft_vs_cached.png"))

@@ -73,7 +73,7 @@ def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, di
         n = len(affected)
         rows.append({"fault": server.fault or config, "config": config, "affected_hits": n,
                      "detected": detected, "rate": round(detected / n, 4) if n else None,
-                     "rate_low95": round(wilson_low(detected, n), 4) if n else None,
+                     "rate_low95": round(wilson_low(detected, n) or 0.0, 4) if n else None,
                      "unaffected_hits": len(unaffected), "unaffected_fail": int((unaffected.cls == "FAIL").sum()),
                      "fault_log": "kept" if log is not None else "missing: every hit counted as affected"})
     return pd.DataFrame(rows, columns=["fault", "config", "affected_hits", "detected", "rate", "rate_low95",

@@ -174,7 +174,7 @@ def load(path: Path) -> Matrix:
     for key in set(raw) - {"platforms", "configs"}:
         errors.append(f"{path}: field '{key}': unknown key")
     errors.extend(_cross_config_errors(configs))
-    if errors:
+    if errors or matrix is None:
         raise ConfigError("\n".join(errors))
     if sum(c.role == "golden" for c in matrix.configs) != 1:
         raise ConfigError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
@@ -184,7 +184,9 @@ def load(path: Path) -> Matrix:
 
 
 def _cross_config_errors(configs: list[StorageConfig]) -> list[str]:
-    errors, names, ports = [], {}, {}
+    errors: list[str] = []
+    names: dict[str, StorageConfig] = {}
+    ports: dict[int, str] = {}
     for cfg in configs:
         if cfg.name in names:
             errors.append(f"config '{cfg.name}': field 'name': duplicate of another config")

@@ -15,7 +15,7 @@ import yaml
 from kvscope import REPO
 
 CONTEXT = {"gb10": ["docker/gb10/Dockerfile", "docker/verify_image.py", "connector"],
-           "cpu": ["docker/cpu/Dockerfile", "connector", "loadtests"]}
+           "cpu": ["docker/cpu/Dockerfile", "docker/cpu/constraints.txt", "connector", "loadtests"]}
 _ARG = re.compile(r"^ARG\s+([A-Z0-9_]+)=(.*)$", re.M)
 
 

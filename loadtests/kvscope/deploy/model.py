@@ -145,11 +145,11 @@ def model_hash(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def build(out: Path, seed: int = 0, std: float = 0.1, shape: str = "tiny") -> str:
+def build(out: Path, seed: int = 0, std: float = 0.1, shape_name: str = "tiny") -> str:
     """Write the model into `out` (replacing what was there) and return its hash."""
     from safetensors.numpy import save_file
 
-    shape = dict(SHAPES[shape])
+    shape = dict(SHAPES[shape_name])
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.iterdir():
         if stale.is_file():

@@ -24,7 +24,7 @@ TOP = 5
 
 
 def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[int], start: int
-                    ) -> list[list[list]]:
+                    ) -> list[list[tuple[int, float]]]:
     """Golden's top-5 (and the answer's own token) at each answer position from `start` on."""
     base = f"http://{golden.host}:{golden.port}"
     body = {"model": golden.served_model_name, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
@@ -33,7 +33,7 @@ def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[i
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         positions = json.loads(resp.read())["choices"][0]["prompt_logprobs"]
-    return [sorted(([int(tok), alt["logprob"]] for tok, alt in positions[len(prompt_ids) + j].items()),
+    return [sorted(((int(tok), alt["logprob"]) for tok, alt in positions[len(prompt_ids) + j].items()),
                    key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
 
 
@@ -58,7 +58,7 @@ def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list
                 if start is None or start >= len(rec.output_token_ids):
                     continue
                 try:
-                    tops = golden_logprobs(golden, g.prompt_token_ids, rec.output_token_ids, start)
+                    tops = golden_logprobs(golden, g.prompt_token_ids or [], rec.output_token_ids, start)
                 except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
                     continue
                 lines.append(Continuation(request_id=rec.request_id, phase=rec.phase, start=start, logprobs=tops))

@@ -35,13 +35,13 @@ def token_id(token: str) -> int | str:
     return int(token[9:]) if token.startswith("token_id:") else token
 
 
-def _top(entry: dict | None, endpoint: str) -> list[list]:
+def _top(entry: dict | None, endpoint: str) -> list[tuple[int | str, float]]:
     """Alternatives at one position, best first, from a chat or a completions logprobs entry."""
     if not entry:
         return []
     if endpoint == "chat":
-        return [[token_id(alt["token"]), alt["logprob"]] for alt in entry.get("top_logprobs", [])]
-    return sorted(([token_id(tok), lp] for tok, lp in entry.items()), key=lambda x: -x[1])
+        return [(token_id(alt["token"]), alt["logprob"]) for alt in entry.get("top_logprobs", [])]
+    return sorted(((token_id(tok), lp) for tok, lp in entry.items()), key=lambda x: -x[1])
 
 
 def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Record, block_size: int,

@@ -64,10 +64,11 @@ def _snapshot(base: str) -> dict[str, float] | None:
 def reset(server: Treatment) -> dict:
     """Empty every tier of one server: vLLM's prefix cache, the connector's cache, the config's stores."""
     base = f"http://{server.host}:{server.port}"
+    status: int | str
     try:
         status = _post(f"{base}/reset_prefix_cache?reset_external=true")
     except (urllib.error.URLError, OSError) as exc:
-        status = f"{type(exc).__name__}"
+        status = type(exc).__name__
     wiped = sorted(server.stores) if server.store_reset == "wipe" else []
     for name in wiped:
         for child in Path(server.stores[name]).glob("*"):

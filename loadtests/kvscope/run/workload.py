@@ -107,7 +107,8 @@ def build_pool(sc: Scenario, num_docs: int, tokenizer) -> list[Document]:
         topic = paras[start][0]
         code = _code(rng)
         needle = f"The audit code for doc {doc_id:04d} is {code}."
-        body, i = [], start
+        body: list[str] = []
+        i = start
         while len(tokenizer.encode(" ".join(body)).ids) < target:
             body.append(paras[i % len(paras)][1])
             i += 1
@@ -160,7 +161,8 @@ def _rag_request(sc, rid, session, turn, system, docs, target) -> Request:
                     doc_ids=[d.doc_id for d in docs], needle=target.needle)
 
 
-def _request(rid: str, sc: Scenario, session: str, turn: int, endpoint: str, **fields) -> Request:
+def _request(rid: str, sc: Scenario, session: str, turn: int, endpoint: Literal["chat", "completions"],
+             **fields) -> Request:
     return Request(request_id=rid, scenario=sc.name, phase="measure", session_id=session, turn=turn,
                    endpoint=endpoint, max_tokens=sc.max_tokens, **fields)
 

@@ -9,7 +9,7 @@ KV cache (WorkerSide.inject: stack into pinned memory, one host-to-device copy, 
 numpy row copies on the CPU). Prints ms and GB/s per step: what to make faster next. Checks that the
 injected blocks equal the extracted ones.
 
-    python connector/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
+    python loadtests/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ ratio measures what verification and injection cost on top of the read; with --c
 dropped from the page cache (posix_fadvise DONTNEED) before each read, so both read the disk.
 Goal (issue 5): >= 0.7.
 
-    .venv-vllm/bin/python connector/benchmarks/load_throughput.py [--dir /path/on/the/fs/under/test]
+    .venv-vllm/bin/python loadtests/benchmarks/load_throughput.py [--dir /path/on/the/fs/under/test]
 """
 
 from __future__ import annotations
