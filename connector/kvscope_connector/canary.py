@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .blocks import Block
 from .connector import KVScopeConnector
-from .scheduler import KVScopeMetadata, LoadSpec
-from .store import Block
+from .messages import KVScopeMetadata, LoadSpec
 from .worker import WorkerSide
 
 log = logging.getLogger("kvscope_connector")
@@ -137,12 +137,12 @@ class _FaultWorker(WorkerSide):
         for name in src_views[0]:
             if len(blocks) == 1:
                 src, dst = part(name, src_views[0][name]), part(name, dst_views[0][name])
-                if src is not None:
+                if src is not None and dst is not None:
                     _late(dst, src, _token_dim(src, self.block_size))
                 continue
             for j in range(1, len(blocks)):
                 src, dst = part(name, src_views[j - 1][name]), part(name, dst_views[j][name])
-                if src is not None:
+                if src is not None and dst is not None:
                     dst.copy_(src)
         return out
 
@@ -164,10 +164,7 @@ class _FaultWorker(WorkerSide):
 
     def _other_block(self, keys: set[str]) -> Block | None:
         """The most recently used RAM-tier block stored under a key this request does not load."""
-        if self.ram is None:
-            return None
-        with self.ram.lock:
-            return next((block for key, (block, _) in reversed(self.ram.blocks.items()) if key not in keys), None)
+        return None if self.ram is None else self.ram.recent(keys)
 
     def _log(self, lines: list[dict]) -> None:
         if not self.fault_log or not lines:

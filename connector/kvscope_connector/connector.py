@@ -28,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from .keys import fingerprint, weights_identity
-from .scheduler import KVScopeMetadata, SchedulerSide
+from .messages import KVScopeMetadata
+from .scheduler import SchedulerSide
 from .store import FsTier, RamTier
 from .worker import WorkerSide
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = "3"  # 3: a block is one byte buffer, checksummed whole (2: per-layer XXH3-128; 1: CRC-32)
+from .fileformat import FORMAT_VERSION
+
 _SAMPLE = 1 << 20  # bytes read from each end of a weight file for its identity
 
 

@@ -12,43 +12,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .keys import block_keys
+from .messages import KVScopeMetadata, LoadSpec, StoreSpec, TierName
 from .store import FsTier
 
 try:  # vLLM 0.32+: per-tier hit sources in vllm:prompt_tokens_cached_by_source
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # older vLLM: every external hit is reported as unspecified
     CacheHitSource = None
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-
-@dataclass
-class LoadSpec:
-    block_id: int
-    key: str
-    tier: str  # "ram" or "fs"
-    promote: bool = False  # an fs hit that also enters the RAM tier
-    request_id: str = ""
-    index: int = 0  # the block's position in its request
-
-
-@dataclass
-class StoreSpec:
-    block_id: int
-    key: str
-    to_ram: bool
-    to_fs: bool
-    request_id: str = ""  # the request whose prefill computed the block
-
-
-@dataclass
-class KVScopeMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per step."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    stores: list[StoreSpec] = field(default_factory=list)
-    ram_evict: list[str] = field(default_factory=list)
-    reset: bool = False
 
 
 @dataclass
@@ -65,7 +35,7 @@ class SchedulerSide:
         self.fp, self.block_size, self.ram_blocks, self.fs = fingerprint, block_size, ram_blocks, fs
         self.ram_index: OrderedDict[str, None] = OrderedDict()
         self.reqs: dict[str, _Req] = {}
-        self.plans: dict[str, tuple[int, list[str]]] = {}  # request id -> (first block, tier per block)
+        self.plans: dict[str, tuple[int, list[TierName]]] = {}  # request id -> (first block, tier per block)
         self.meta = KVScopeMetadata()
         self.inflight: dict[int, LoadSpec] = {}  # block id -> load of the last step
         self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
@@ -76,18 +46,18 @@ class SchedulerSide:
             self.reqs[request_id] = _Req(request_id, block_keys(self.fp, prompt, self.block_size, usable), len(prompt))
         return self.reqs[request_id]
 
-    def _tier(self, key: str) -> str | None:
+    def _tier(self, key: str) -> TierName | None:
         if key in self.ram_index:
-            return "ram"
-        if self.fs is not None and self.fs.exists(key):
-            return "fs"
+            return TierName.RAM
+        if self.fs is not None and self.fs.contains(key):
+            return TierName.FS
         return None
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens loadable beyond `num_computed_tokens`: the leading run of stored blocks after them."""
         state = self._req(request.request_id, list(request.prompt_token_ids or []))
         start = num_computed_tokens // self.block_size
-        tiers: list[str] = []
+        tiers: list[TierName] = []
         for key in state.keys[start:]:
             tier = self._tier(key)
             if tier is None:
@@ -104,7 +74,7 @@ class SchedulerSide:
             return
         state = self.reqs[request.request_id]
         block_ids = blocks.get_block_ids()[0]
-        from_ram = sum(t == "ram" for t in tiers[:n]) * self.block_size
+        from_ram = sum(t == TierName.RAM for t in tiers[:n]) * self.block_size
         self.sources[request.request_id] = (from_ram, n * self.block_size - from_ram)
         specs = [LoadSpec(block_ids[j], state.keys[j], tiers[j - start], request_id=request.request_id, index=j)
                  for j in range(start, start + n)]
@@ -112,10 +82,10 @@ class SchedulerSide:
         # evict other keys first. A RAM key evicted anyway stays in the worker until this step's loads are
         # done (evictions are applied after the forward), and a miss there is a recompute, never a crash.
         for spec in specs:
-            if spec.tier == "ram" and spec.key in self.ram_index:
+            if spec.tier == TierName.RAM and spec.key in self.ram_index:
                 self.ram_index.move_to_end(spec.key)
         for spec in specs:
-            if spec.tier == "fs" and self.ram_blocks > 0:
+            if spec.tier == TierName.FS and self.ram_blocks > 0:
                 spec.promote = True
                 self._ram_add(spec.key)
         self.meta.loads += specs
@@ -141,9 +111,9 @@ class SchedulerSide:
             self._plan_stores(state, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self.reqs.get(req_id)
-            if state is None:
+            if req_id not in self.reqs:
                 continue
+            state = self.reqs[req_id]
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 state.block_ids = list(new_ids[0]) if new_ids else []
@@ -161,7 +131,7 @@ class SchedulerSide:
         for j in range(state.stored_upto, full):
             key = state.keys[j]
             to_ram = self.ram_blocks > 0 and key not in self.ram_index
-            to_fs = self.fs is not None and not self.fs.exists(key)
+            to_fs = self.fs is not None and not self.fs.contains(key)
             if to_ram:
                 self._ram_add(key)
             if to_ram or to_fs:

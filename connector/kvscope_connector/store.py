@@ -1,74 +1,26 @@
 """Block storage: a RAM tier in front of a filesystem tier, both verified on every load.
 
-A block is the KV of one block of tokens in every layer, held as one flat byte buffer whose layers lie
-one after another in name order (a Layout says where). Files are safetensors (no pickle, no code) with
-one tensor per layer, in that same order, and a header that names the fingerprint, the key and a checksum
-of the bytes; writes are atomic (temp file, optional fsync, rename), so a reader on a shared directory
-never sees a torn block. Anything that does not verify is a miss: counted, moved aside once, never loaded.
+Both tiers answer the same protocol (Tier): contains, get (a verified block with its checksum, None when
+absent, CorruptBlock when stored but not what this server expects), put, discard and clear. Files are the
+format of fileformat.py; writes are atomic (temp file, optional fsync, rename), so a reader on a shared
+directory never sees a torn block. Anything that does not verify is a miss: counted, moved aside once,
+never loaded.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
-from itertools import zip_longest
 from pathlib import Path
-from typing import NamedTuple
+from typing import Protocol
 
-import torch
-import xxhash
-from safetensors.torch import save as st_save
-
-from .keys import FORMAT_VERSION
+from .blocks import Block, CorruptBlock, Layout, checksum
+from .fileformat import decode, encode
 
 log = logging.getLogger("kvscope_connector")
-
-Block = torch.Tensor  # one block: a 1-D uint8 CPU tensor laid out by a Layout
-
-
-class Entry(NamedTuple):
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # byte range of this layer in the block
-    end: int
-
-
-class Layout:
-    """Where each layer's KV lies in a block's bytes: layers in name order, each in row-major order (the
-    order safetensors writes same-dtype tensors in, so a file's data is a block as it is)."""
-
-    def __init__(self, like: dict[str, torch.Tensor]):  # one block's tensor per layer
-        self.entries: list[Entry] = []
-        offset = 0
-        for name in sorted(like):
-            t = like[name]
-            size = t.numel() * t.element_size()
-            self.entries.append(Entry(name, t.dtype, tuple(t.shape), offset, offset + size))
-            offset += size
-        self.nbytes = offset
-
-    def views(self, block: Block) -> dict[str, torch.Tensor]:
-        """Each layer's tensor, as a view into the block."""
-        return {e.name: block[e.start:e.end].view(e.dtype).view(e.shape) for e in self.entries}
-
-    def pack(self, tensors: dict[str, torch.Tensor]) -> Block:
-        """A new block from one tensor per layer."""
-        return torch.cat([tensors[e.name].reshape(-1).view(torch.uint8) for e in self.entries])
-
-
-def checksum(block: Block) -> str:
-    """XXH3-128 of the block's bytes (one pass, no copy; several times zlib's CRC-32).
-
-    It guards against torn, truncated and bit-flipped blocks; the header's fingerprint and key guard
-    against foreign ones. It is not a defence against someone who can rewrite the store.
-    """
-    return xxhash.xxh3_128(block.numpy()).hexdigest()
 
 
 @dataclass
@@ -100,6 +52,22 @@ class Stats:
             log.warning("kvscope connector: " + msg + " (further %s events are counted, not logged)", *args, kind)
 
 
+class Tier(Protocol):
+    def contains(self, key: str) -> bool: ...
+
+    def get(self, key: str) -> tuple[Block, str] | None:
+        """The stored block, verified, with its checksum; None when absent. Raises CorruptBlock when the block
+        fails verification and OSError when the tier cannot be read."""
+
+    def put(self, key: str, block: Block, digest: str) -> int:
+        """Store a block with its checksum; returns how many blocks were evicted to make room."""
+
+    def discard(self, key: str) -> None:
+        """Forget a block that failed verification, so it is neither loaded nor looked up again."""
+
+    def clear(self) -> None: ...
+
+
 class RamTier:
     """LRU of verified blocks in host memory, bounded in bytes; used by the forward and the save thread."""
 
@@ -108,6 +76,10 @@ class RamTier:
         self.used = 0
         self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
         self.lock = threading.Lock()
+
+    def contains(self, key: str) -> bool:
+        with self.lock:
+            return key in self.blocks
 
     def put(self, key: str, block: Block, digest: str) -> int:
         """Store a copy; returns how many blocks were evicted to make room."""
@@ -127,11 +99,24 @@ class RamTier:
             return evicted
 
     def get(self, key: str) -> tuple[Block, str] | None:
+        """The block if its bytes still match the checksum it was stored with (a stray write into the tier
+        would otherwise be loaded); the check runs on the caller's thread."""
         with self.lock:
             if key not in self.blocks:
                 return None
             self.blocks.move_to_end(key)
-            return self.blocks[key]
+            block, digest = self.blocks[key]
+        if checksum(block) != digest:
+            raise CorruptBlock("RAM block failed its checksum")
+        return block, digest
+
+    def recent(self, excluding: set[str]) -> Block | None:
+        """The most recently used block stored under a key not in `excluding` (the canary's foreign block)."""
+        with self.lock:
+            return next((block for key, (block, _) in reversed(self.blocks.items()) if key not in excluding), None)
+
+    def discard(self, key: str) -> None:
+        self.drop(key)
 
     def drop(self, key: str) -> bool:
         with self.lock:
@@ -150,13 +135,16 @@ class RamTier:
 
 
 class FsTier:
-    """Blocks as files under root/<fingerprint>/<key[:2]>/<key>.safetensors; LRU by access within a byte cap."""
+    """Blocks as files under root/<fingerprint>/<key[:2]>/<key>.safetensors; LRU by access within a byte cap.
+    The scheduler side only looks keys up; the worker side, which knows the Layout, reads and writes."""
 
-    def __init__(self, root: str, fingerprint: str, capacity_bytes: int | None, fsync: bool = False):
+    def __init__(self, root: str, fingerprint: str, capacity_bytes: int | None, fsync: bool = False,
+                 layout: Layout | None = None):
         self.dir = Path(root) / fingerprint
         self.fingerprint = fingerprint
         self.capacity = capacity_bytes
         self.fsync = fsync
+        self.layout = layout  # set by the worker when vLLM registers its KV caches
         self.sizes: OrderedDict[str, int] = OrderedDict()  # what this process knows is on disk, LRU order
         self.used = 0
         self.lock = threading.Lock()  # the accounting is shared by the load threads and the save thread
@@ -172,7 +160,7 @@ class FsTier:
     def path(self, key: str) -> Path:
         return Path(self._name(key))
 
-    def exists(self, key: str) -> bool:
+    def contains(self, key: str) -> bool:
         return os.path.isfile(self._name(key))  # a stat per block on the scheduler's hot path: no pathlib
 
     def _note(self, key: str, size: int) -> None:
@@ -180,11 +168,14 @@ class FsTier:
             self.used += size - self.sizes.pop(key, 0)
             self.sizes[key] = size
 
-    def write(self, key: str, layers: dict[str, torch.Tensor], digest: str) -> int:
-        """Atomically write one block, given as its layers (Layout.views); returns how many files were
-        evicted. Raises OSError on I/O faults."""
-        data = st_save(layers, metadata={"kvscope_format": FORMAT_VERSION, "fingerprint": self.fingerprint,
-                                        "key": key, "checksum": digest})
+    def _layout(self) -> Layout:
+        if self.layout is None:
+            raise RuntimeError("kvscope connector: the filesystem tier has no layout before the KV caches exist")
+        return self.layout
+
+    def put(self, key: str, block: Block, digest: str) -> int:
+        """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
+        data = encode(block, self._layout(), self.fingerprint, key, digest)
         final = self.path(key)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
@@ -211,21 +202,21 @@ class FsTier:
                 evicted += 1
         return evicted
 
-    def read(self, key: str) -> bytearray | None:
-        """The file's bytes in a writable buffer, so decode() can view tensors in place."""
+    def get(self, key: str) -> tuple[Block, str] | None:
+        """Read and verify one file; the block is a view into the file's bytes (no second copy)."""
         try:
             with open(self.path(key), "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 data = bytearray(size)
                 if f.readinto(data) != size:
-                    return bytearray()  # shrank while reading: decode() rejects it
+                    raise CorruptBlock("the file shrank while it was read")
         except FileNotFoundError:
             return None
         self._note(key, size)
-        return data
+        return decode(data, self.fingerprint, key, self._layout())
 
-    def quarantine(self, key: str) -> None:
-        """Move a block that failed verification aside, so it is neither loaded nor looked up again."""
+    def discard(self, key: str) -> None:
+        """Move a block that failed verification aside (`.corrupt`): kept for inspection, never looked up."""
         try:
             os.replace(self.path(key), self.path(key).with_suffix(".corrupt"))
         except OSError:
@@ -233,38 +224,5 @@ class FsTier:
         with self.lock:
             self.used -= self.sizes.pop(key, 0)
 
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-def decode(data: bytearray, fingerprint: str, key: str, layout: Layout) -> tuple[Block, str]:
-    """Parse and verify one stored block and return it with its verified checksum; raises ValueError if it
-    is not exactly what this server expects.
-
-    The block is a view into `data` (no copy); safetensors' layout is read from its JSON header, never
-    executed, and must be this server's Layout byte for byte.
-    """
-    try:
-        (n,) = struct.unpack_from("<Q", data, 0)
-        header = json.loads(bytes(data[8:8 + n]))
-        meta = header.pop("__metadata__", {})
-        found = sorted(Entry(name, _DTYPES.get(info["dtype"]), tuple(info["shape"]), *info["data_offsets"])
-                       for name, info in header.items())
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"unreadable block: {exc}") from exc
-    if meta.get("kvscope_format") != FORMAT_VERSION:
-        raise ValueError(f"format {meta.get('kvscope_format')!r}, expected {FORMAT_VERSION}")
-    if meta.get("fingerprint") != fingerprint or meta.get("key") != key:
-        raise ValueError("fingerprint or key mismatch (a foreign block)")
-    for got, want in zip_longest(found, layout.entries):
-        if got != want:
-            raise ValueError(f"layer {got}, expected {want}")
-    if len(data) != 8 + n + layout.nbytes:
-        raise ValueError(f"{len(data)} bytes, expected {8 + n + layout.nbytes} (truncated or padded)")
-    block = torch.frombuffer(data, dtype=torch.uint8, count=layout.nbytes, offset=8 + n)
-    digest = checksum(block)
-    if digest != meta.get("checksum"):
-        raise ValueError("checksum mismatch")
-    return block, digest
+    def clear(self) -> None:
+        """The filesystem tier outlives a reset: other servers may share it, and its files stay valid."""

@@ -21,8 +21,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .scheduler import KVScopeMetadata, LoadSpec, StoreSpec
-from .store import Block, FsTier, Layout, RamTier, Stats, checksum, decode
+from .blocks import Block, CorruptBlock, Layout, checksum
+from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
+from .store import FsTier, RamTier, Stats, Tier
 
 MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this a save waits for it
 
@@ -30,7 +31,8 @@ MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond t
 class Fetched(NamedTuple):
     """What a load found under one key: a verified block with its checksum, or why there is none."""
 
-    outcome: str  # "ram" or "fs" (verified), "miss", "io", "ram-corrupt" or "corrupt"
+    outcome: Outcome
+    tier: TierName | None = None  # where it was found (or failed)
     block: Block | None = None
     digest: str = ""
     why: str = ""
@@ -40,7 +42,7 @@ class WorkerSide:
     def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None):
         self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
         self.layers: dict[str, torch.Tensor] = {}
-        self.layout: Layout | None = None  # where each layer lies in a block; set by register()
+        self._layout: Layout | None = None  # where each layer lies in a block; set by register()
         self.device = torch.device("cpu")
         self.rows: dict[str, np.ndarray] = {}  # CPU caches as [num_blocks, bytes] arrays
         self.logged: set[str] = set()  # kinds of fault already logged once
@@ -56,13 +58,21 @@ class WorkerSide:
         byte rows of the caches (a torch op per layer and block costs more than its bytes), which needs
         contiguous caches; vLLM's CPU backend allocates them so."""
         self.layers = dict(sorted(kv_caches.items()))
-        self.layout = Layout({name: t[0] for name, t in self.layers.items()})
+        self._layout = Layout({name: t[0] for name, t in self.layers.items()})
+        if self.fs is not None:
+            self.fs.layout = self.layout
         self.device = next(iter(self.layers.values())).device
         if self.device.type == "cpu":
             bad = [name for name, t in self.layers.items() if not t.is_contiguous()]
             if bad:
                 raise ValueError(f"kvscope connector: the CPU KV caches of {bad} are not contiguous")
             self.rows = {name: t.view(t.shape[0], -1).view(torch.uint8).numpy() for name, t in self.layers.items()}
+
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("kvscope connector: no block layout before vLLM registers its KV caches")
+        return self._layout
 
     def block_bytes(self) -> int:
         return self.layout.nbytes
@@ -118,46 +128,42 @@ class WorkerSide:
     # Loads
 
     @staticmethod
-    def _verify_ram(hit: tuple[Block, str]) -> Fetched:
-        block, digest = hit
-        return Fetched("ram", block, digest) if checksum(block) == digest else Fetched("ram-corrupt")
-
-    def _read_fs(self, key: str) -> Fetched:
-        """Read and verify one file; runs on a load thread, so it only returns what happened."""
+    def _fetch(tier: Tier, name: TierName, key: str) -> Fetched:
+        """Get and verify one block from one tier; runs on a load thread or inline, so it only returns what
+        happened (whatever it raises, a block that cannot be loaded is a miss, never a crash)."""
+        hit = Outcome.RAM_HIT if name == TierName.RAM else Outcome.FS_HIT
         try:
-            data = self.fs.read(key)
+            found = tier.get(key)
+        except CorruptBlock as exc:
+            return Fetched(Outcome.CORRUPT, name, why=str(exc))
         except OSError as exc:
-            return Fetched("io", why=str(exc))
-        if data is None:
-            return Fetched("miss")
-        try:
-            return Fetched("fs", *decode(data, self.fp, key, self.layout))
-        except ValueError as exc:
-            return Fetched("corrupt", why=str(exc))
+            return Fetched(Outcome.IO, name, why=str(exc))
+        return Fetched(Outcome.MISS, name) if found is None else Fetched(hit, name, *found)
 
     def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:
-        """Count an outcome; drop or quarantine what failed verification; promote filesystem hits to RAM."""
+        """Count an outcome; discard what failed verification; promote filesystem hits to RAM."""
         outcome, why = result.outcome, result.why
-        if outcome == "ram":
+        if outcome == Outcome.RAM_HIT:
             self.stats.ram_hits += 1
-        elif outcome == "fs":
+        elif outcome == Outcome.FS_HIT:
             self.stats.fs_hits += 1
             if spec.promote and self.ram is not None:  # decode verified the checksum: no second pass
                 self.stats.evictions += self.ram.put(spec.key, result.block, result.digest)
-        elif outcome == "miss":
+        elif outcome == Outcome.MISS:
             self.stats.misses += 1
-        elif outcome == "io":
+        elif outcome == Outcome.IO:
             self.stats.io_errors += 1
             self.stats.warn_once("io", "cannot read block %s: %s", spec.key, why)
-        elif outcome == "ram-corrupt":
-            self.stats.corrupt += 1
-            self.stats.warn_once("corrupt", "RAM block %s failed its checksum", spec.key)
-            self.ram.drop(spec.key)
         else:
             self.stats.corrupt += 1
-            self.stats.warn_once("corrupt", "block %s rejected: %s", spec.key, why)
-            self.fs.quarantine(spec.key)
+            self.stats.warn_once("corrupt", "%s block %s rejected: %s", result.tier, spec.key, why)
+            self._tier(result.tier).discard(spec.key)
         return result.block
+
+    def _tier(self, name: TierName | None) -> Tier:
+        tier = self.ram if name == TierName.RAM else self.fs
+        assert tier is not None
+        return tier
 
     def fetch_all(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block | None]]:
         """Verified blocks in load order, or None for a miss. File reads and their checks run on the load
@@ -165,23 +171,23 @@ class WorkerSide:
         Beside a GPU, whose host cores are otherwise idle, RAM hits are checked on the load threads too; on
         the CPU they are checked here, as the model's threads want the cores (handing the hashing over
         cost more than it saved)."""
-        ram = {spec.key: hit for spec in loads
-               if self.ram is not None and (hit := self.ram.get(spec.key)) is not None}
+        ram, fs = self.ram, self.fs
+        in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
         inline = self.device.type == "cpu"
         jobs = {}
         for spec in loads:
-            if spec.key in ram:
+            if ram is not None and spec.key in in_ram:
                 if not inline:
-                    jobs[spec.key] = self.loaders.submit(self._verify_ram, ram[spec.key])
-            elif self.fs is not None:
-                jobs[spec.key] = self.loaders.submit(self._read_fs, spec.key)
+                    jobs[spec.key] = self.loaders.submit(self._fetch, ram, TierName.RAM, spec.key)
+            elif fs is not None:
+                jobs[spec.key] = self.loaders.submit(self._fetch, fs, TierName.FS, spec.key)
         for spec in loads:
             if spec.key in jobs:
                 result = jobs[spec.key].result()
-            elif spec.key in ram:
-                result = self._verify_ram(ram[spec.key])
+            elif ram is not None and spec.key in in_ram:
+                result = self._fetch(ram, TierName.RAM, spec.key)
             else:
-                result = Fetched("miss")
+                result = Fetched(Outcome.MISS)
             yield spec, self._settle(spec, result)
 
     def begin_step(self, meta: KVScopeMetadata) -> None:
@@ -250,7 +256,7 @@ class WorkerSide:
                 stats.evictions += self.ram.put(spec.key, block, digest)
             if spec.to_fs and self.fs is not None:
                 try:
-                    stats.evictions += self.fs.write(spec.key, self.layout.views(block), digest)
+                    stats.evictions += self.fs.put(spec.key, block, digest)
                 except OSError as exc:
                     stats.save_errors += 1
                     stats.warn_once("save", "cannot write block %s: %s", spec.key, exc)

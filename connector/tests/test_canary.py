@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvscope_connector.canary import FAULTS, CanaryMetadata, _FaultWorker
-from kvscope_connector.scheduler import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.store import RamTier
 
 FP, B, HEADS = "f" * 32, 4, 2
@@ -134,4 +134,4 @@ def test_blocks_computed_on_top_of_wrong_kv_are_not_stored(tmp_path):
     w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r1"),
                                    StoreSpec(5, "k-r2", True, False, request_id="r2")]))
     w.flush()
-    assert w.ram.get("k-r1") is None and w.ram.get("k-r2") is not None
+    assert not w.ram.contains("k-r1") and w.ram.contains("k-r2")

@@ -17,7 +17,7 @@ def test_builds_into_a_wheel_alone(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = tmp_path.glob("kvscope_connector-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("connector", "scheduler", "worker", "store", "keys", "canary"):
+    for module in ("connector", "messages", "scheduler", "worker", "blocks", "fileformat", "store", "keys", "canary"):
         assert f"kvscope_connector/{module}.py" in names
     assert not any(n.startswith("tests/") for n in names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvscope_connector.keys import block_keys
-from kvscope_connector.scheduler import KVScopeMetadata, LoadSpec, SchedulerSide, StoreSpec
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.scheduler import SchedulerSide
 from kvscope_connector.store import FsTier, RamTier
 from kvscope_connector.worker import WorkerSide
 
@@ -51,7 +52,7 @@ def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key
     gate = threading.Event()
     w.saver.submit(gate.wait)  # the save thread is busy
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True)]))
-    assert w.ram.get("k1") is None and not w.fs.exists("k1")  # save() returned before storing
+    assert not w.ram.contains("k1") and not w.fs.contains("k1")  # save() returned before storing
     threading.Timer(0.2, gate.set).start()
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
     assert all(torch.equal(t[5], t[1]) for t in w.layers.values())
@@ -62,22 +63,22 @@ def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path):
     w = worker(tmp_path, fs=False)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=False)]))
     w.flush()
-    w.ram.get("k1")[0][0] += 1  # a stray write into the tier's copy
+    w.ram.blocks["k1"][0][0] += 1  # a stray write into the tier's copy
     before = w.layers["layer0"][5].clone()
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
     assert torch.equal(w.layers["layer0"][5], before)
-    assert w.take_load_errors() == {5} and w.stats.corrupt == 1 and w.ram.get("k1") is None
+    assert w.take_load_errors() == {5} and w.stats.corrupt == 1 and not w.ram.contains("k1")
 
 
 def test_beside_a_gpu_ram_hits_are_checked_on_the_load_threads_and_a_changed_one_is_a_miss(tmp_path):
     w = worker(tmp_path, fs=False)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", True, False), StoreSpec(2, "k2", True, False)]))
     w.flush()
-    w.ram.get("k2")[0][0] += 1
+    w.ram.blocks["k2"][0][0] += 1
     w.device = torch.device("cuda")  # fetch_all only picks its threads by it; nothing touches a GPU here
     got = list(w.fetch_all([LoadSpec(5, "k1", "ram"), LoadSpec(6, "k2", "ram")]))
     assert torch.equal(got[0][1], w.ram.get("k1")[0]) and got[1][1] is None
-    assert (w.stats.ram_hits, w.stats.corrupt) == (1, 1) and w.ram.get("k2") is None
+    assert (w.stats.ram_hits, w.stats.corrupt) == (1, 1) and not w.ram.contains("k2")
 
 
 def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
@@ -92,7 +93,7 @@ def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
     assert torch.equal(w.layers["layer0"][5], before)  # nothing was written into the KV cache
     assert w.take_load_errors() == {5} and w.stats.corrupt == 1
-    assert not w.fs.exists("k1") and path.with_suffix(".corrupt").exists()
+    assert not w.fs.contains("k1") and path.with_suffix(".corrupt").exists()
 
 
 def test_a_vanished_block_is_a_counted_miss(tmp_path):
@@ -183,7 +184,7 @@ def test_a_failed_load_is_stored_again_once_recomputed(tmp_path):
     s.after_alloc(request("b", tokens), NS(get_block_ids=lambda: ([5, 6, 7, 8],)), 12)
     load = s.build_meta(sched_output([new_req("b", tokens, [5, 6, 7, 8], computed=12)]))
     assert [x.block_id for x in load.loads] == [5, 6, 7] and not load.stores
-    fs.quarantine(first.stores[1].key)  # the worker found block 1 corrupt
+    fs.discard(first.stores[1].key)  # the worker found block 1 corrupt
     s.load_failed({6})
     recompute = NS(req_ids=["b"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[4])
     meta = s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={"b": 9}, scheduled_cached_reqs=recompute,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvscope_connector import keys
-from kvscope_connector.store import FsTier, Layout, RamTier, checksum, decode
+from kvscope_connector.blocks import CorruptBlock, Layout, checksum
+from kvscope_connector.store import FsTier, RamTier
 
 
 def layers(seed=0, width=8):
@@ -23,7 +24,11 @@ def block(seed=0):
 
 
 def write(fs, key, b):
-    return fs.write(key, LAYOUT.views(b), checksum(b))
+    return fs.put(key, b, checksum(b))
+
+
+def tier(root, fp=FP, layout=LAYOUT, capacity=None):
+    return FsTier(str(root), fp, capacity, layout=layout)
 
 
 def test_a_block_is_its_layers_bytes_in_name_order():
@@ -71,15 +76,19 @@ def test_ram_tier_is_an_lru_bounded_in_bytes():
     ram.get("k1")
     assert ram.put("k3", b, checksum(b)) == 1  # evicts k2, the least recently used
     assert set(ram.blocks) == {"k1", "k3"} and ram.used == 2 * size
+    ram.blocks["k1"][0][0] += 1  # a stray write into the tier's copy
+    with pytest.raises(CorruptBlock, match="checksum"):
+        ram.get("k1")
 
 
 def test_fs_tier_round_trip_and_verification(tmp_path):
-    fs = FsTier(str(tmp_path), FP, None)
+    fs = tier(tmp_path)
     b = block()
     write(fs, "ab12", b)
-    assert fs.exists("ab12") and not list(tmp_path.rglob("*.tmp"))
-    got, digest = decode(fs.read("ab12"), FP, "ab12", LAYOUT)
+    assert fs.contains("ab12") and not list(tmp_path.rglob("*.tmp"))
+    got, digest = fs.get("ab12")
     assert torch.equal(got, b) and digest == checksum(b)
+    assert fs.get("ffff") is None
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -89,45 +98,49 @@ def test_fs_tier_round_trip_and_verification(tmp_path):
     (lambda d: d[:9] + b"#" + d[10:], "unreadable"),                     # the JSON header broken
 ])
 def test_damaged_files_are_rejected(tmp_path, damage, message):
-    fs = FsTier(str(tmp_path), FP, None)
+    fs = tier(tmp_path)
     write(fs, "ab12", block())
-    with pytest.raises(ValueError, match=message):
-        decode(bytearray(damage(bytes(fs.read("ab12")))), FP, "ab12", LAYOUT)
+    fs.path("ab12").write_bytes(damage(fs.path("ab12").read_bytes()))
+    with pytest.raises(CorruptBlock, match=message):
+        fs.get("ab12")
 
 
 def test_foreign_and_misshapen_blocks_are_rejected(tmp_path):
     b = block()
-    foreign = FsTier(str(tmp_path), "e" * 32, None)
+    foreign = tier(tmp_path, fp="e" * 32)
     write(foreign, "ab12", b)
-    with pytest.raises(ValueError, match="foreign"):
-        decode(foreign.read("ab12"), FP, "ab12", LAYOUT)
-    fs = FsTier(str(tmp_path), FP, None)
-    write(fs, "cd34", b)
-    with pytest.raises(ValueError, match="foreign"):
-        decode(fs.read("cd34"), FP, "ab12", LAYOUT)  # another block's file under this key
-    with pytest.raises(ValueError, match="expected"):
-        decode(fs.read("cd34"), FP, "cd34", Layout(layers(width=9)))
+    mine = tier(tmp_path)
+    mine.path("ab12").parent.mkdir(parents=True)
+    mine.path("ab12").write_bytes(foreign.path("ab12").read_bytes())  # another server's file, planted here
+    with pytest.raises(CorruptBlock, match="foreign"):
+        mine.get("ab12")
+    write(mine, "cd34", b)
+    mine.path("ab12").write_bytes(mine.path("cd34").read_bytes())  # another block's file under this key
+    with pytest.raises(CorruptBlock, match="foreign"):
+        mine.get("ab12")
+    with pytest.raises(CorruptBlock, match="expected"):
+        tier(tmp_path, layout=Layout(layers(width=9))).get("cd34")
     bf16 = {name: t.bfloat16() for name, t in layers(width=16).items()}  # as many bytes, another dtype
-    with pytest.raises(ValueError, match="expected"):
-        decode(fs.read("cd34"), FP, "cd34", Layout(bf16))
+    with pytest.raises(CorruptBlock, match="expected"):
+        tier(tmp_path, layout=Layout(bf16)).get("cd34")
 
 
 def test_fs_tier_evicts_least_recently_used_files_within_its_capacity(tmp_path):
     b = block()
-    probe = FsTier(str(tmp_path / "probe"), FP, None)
+    probe = tier(tmp_path / "probe")
     write(probe, "00aa", b)
     size = probe.used
-    fs = FsTier(str(tmp_path), FP, capacity_bytes=2 * size)
+    fs = tier(tmp_path, capacity=2 * size)
     for key in ("00aa", "00bb"):
         write(fs, key, b)
-    fs.read("00aa")
+    fs.get("00aa")
     assert write(fs, "00cc", b) == 1
-    assert fs.exists("00aa") and not fs.exists("00bb") and fs.exists("00cc")
+    assert fs.contains("00aa") and not fs.contains("00bb") and fs.contains("00cc")
     assert FsTier(str(tmp_path), FP, None).used == 2 * size  # a new process accounts what is on disk
 
 
-def test_quarantine_moves_a_bad_block_aside(tmp_path):
-    fs = FsTier(str(tmp_path), FP, None)
+def test_a_bad_block_is_moved_aside(tmp_path):
+    fs = tier(tmp_path)
     write(fs, "ab12", block())
-    fs.quarantine("ab12")
-    assert not fs.exists("ab12") and list(tmp_path.rglob("*.corrupt"))
+    fs.discard("ab12")
+    assert not fs.contains("ab12") and list(tmp_path.rglob("*.corrupt"))

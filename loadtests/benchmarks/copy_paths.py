@@ -20,8 +20,9 @@ import time
 import numpy as np
 import torch
 
-from kvscope_connector.scheduler import LoadSpec
-from kvscope_connector.store import RamTier, checksum
+from kvscope_connector.blocks import checksum
+from kvscope_connector.messages import LoadSpec
+from kvscope_connector.store import RamTier
 from kvscope_connector.worker import WorkerSide
 
 
@@ -65,7 +66,7 @@ def main() -> None:
         "save: checksum (XXH3-128)": lambda: [checksum(b) for b in blocks],
         "save: RAM tier put (clone)": lambda: [RamTier(1 << 40).put(f"k{i}", b, d)
                                                for i, (b, d) in enumerate(zip(blocks, digests))],
-        "load: RAM get + checksum, on this thread": lambda: [checksum(worker.ram.get(f"k{i}")[0]) for i in range(n)],
+        "load: RAM get (checksum included), on this thread": lambda: [worker.ram.get(f"k{i}") for i in range(n)],
         "load: the same through fetch_all": lambda: list(worker.fetch_all(loads)),
         "load: inject": lambda: worker.inject(list(zip(dst, held))),
     }

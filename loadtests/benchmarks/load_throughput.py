@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvscope_connector.scheduler import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.store import FsTier
 from kvscope_connector.worker import WorkerSide
 
