@@ -18,8 +18,8 @@ RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 
-# How deploy and bench use the inventory; an inventory folder may override these in its bench.mk
-# (ansible/inventories/netns/bench.mk: hosts in network namespaces, Locust workers on them).
+# How deploy and bench use the inventory; ansible/bench/<inventory>.mk may override these (netns.mk: hosts
+# in network namespaces, Locust workers on them; gb10.mk: the example cluster).
 PRE_DEPLOY  :=
 DEPLOY_ARGS  = -e vllm_configs=$(CONFIGS)
 DEPLOYMENTS := runs/local/deployment.json
@@ -27,7 +27,7 @@ BENCH_ARGS   = --configs $(CONFIGS)
 PRE_BENCH   :=
 POST_BENCH  :=
 comma       := ,
--include $(INVENTORY)/bench.mk
+-include ansible/bench/$(notdir $(INVENTORY)).mk
 
 ##@ Set-up
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (idempotent)

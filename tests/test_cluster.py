@@ -15,6 +15,7 @@ from conftest import PLAYBOOK, REPO
 from kvscope.run.records import read
 
 NETNS = REPO / "ansible" / "inventories" / "netns"
+HOSTS_SH = REPO / "ansible" / "scripts" / "netns-hosts.sh"
 SSH_CONFIG = REPO / "runs" / "netns" / "ssh" / "config"
 SMALL = """scenarios:
   - name: rag-small
@@ -34,11 +35,11 @@ def playbook(name: str, run_root, *extra: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def hosts():
-    up = subprocess.run(["bash", str(NETNS / "hosts.sh"), "up"], capture_output=True, text=True)
+    up = subprocess.run(["bash", str(HOSTS_SH), "up"], capture_output=True, text=True)
     if up.returncode != 0:
         pytest.fail(f"namespace hosts did not come up (root and openssh-server needed):\n{up.stderr}")
     yield
-    subprocess.run(["bash", str(NETNS / "hosts.sh"), "down"], capture_output=True)
+    subprocess.run(["bash", str(HOSTS_SH), "down"], capture_output=True)
 
 
 def test_deploy_bench_with_distributed_locust_collect_and_teardown_across_hosts(hosts, tmp_path, model_dir):

@@ -2,9 +2,9 @@
 # Test hosts on this one machine: network namespaces kvh1..kvhN on a bridge (10.77.0.0/24, this machine is
 # 10.77.0.1), each running its own sshd. They share the filesystem, so the repository, venvs and model are
 # where Ansible expects them; traffic stays on these addresses and loopback. Needs root and openssh-server.
-#   ansible/inventories/netns/hosts.sh up [N=2] | down
+#   ansible/scripts/netns-hosts.sh up [N=2] | down
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); state="$here/../../../runs/netns/ssh"
+here=$(cd "$(dirname "$0")" && pwd); state="$here/../../runs/netns/ssh"
 n=${2:-2}
 case "${1:-}" in
 up)

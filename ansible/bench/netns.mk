@@ -1,7 +1,7 @@
 # `make deploy|bench|teardown INVENTORY=ansible/inventories/netns`: namespace hosts (made here), per-host
 # configs from host_vars, Locust workers on both hosts with this machine (10.77.0.1) as the master, and each
 # host's manifests and logs collected into the run folder.
-PRE_DEPLOY  := bash ansible/inventories/netns/hosts.sh up
+PRE_DEPLOY  := bash ansible/scripts/netns-hosts.sh up
 DEPLOY_ARGS  =
 DEPLOYMENTS := runs/netns/kvh1/deployment.json,runs/netns/kvh2/deployment.json
 BENCH_ARGS   = --worker-hosts kvh1,kvh2 --ssh-config runs/netns/ssh/config --master-host 10.77.0.1
