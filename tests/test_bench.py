@@ -14,6 +14,8 @@ from kvscope.config.matrix import CANARY_FAULTS as FAULTS
 from kvscope.run.records import read
 from kvscope.run.treatments import reset
 
+pytestmark = pytest.mark.server
+
 SMALL = """scenarios:
   - name: rag-small
     kind: rag

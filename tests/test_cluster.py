@@ -14,6 +14,8 @@ from conftest import PLAYBOOK, REPO
 
 from kvscope.run.records import read
 
+pytestmark = pytest.mark.server
+
 NETNS = REPO / "ansible" / "inventories" / "netns"
 HOSTS_SH = REPO / "ansible" / "scripts" / "netns-hosts.sh"
 SSH_CONFIG = REPO / "runs" / "netns" / "ssh" / "config"

@@ -19,8 +19,10 @@ from tokenizers import Tokenizer
 from kvscope.deploy import servers
 from kvscope.run import metrics
 
-PORTS = {"kvscope-fs": 8191, "kvscope-fsonly": 8192, "kvscope-shared": 8193, "kvscope-shared-b": 8194,
-         "kvscope-apc-tight": 8188}
+pytestmark = pytest.mark.server
+
+PORTS = {"baseline": 8199, "kvscope-fs": 8191, "kvscope-fsonly": 8192, "kvscope-shared": 8193,
+         "kvscope-shared-b": 8194, "kvscope-apc-tight": 8188}
 
 
 def prompts(tag: str, n: int = 3) -> list[str]:
@@ -44,13 +46,13 @@ def scrape(port: int) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def golden(deployment):
-    port = servers_of(deployment)["baseline"]["port"]
-    return lambda prompt, max_tokens=16: complete(port, prompt, max_tokens)[0]
+def golden(connector_run):
+    return lambda prompt, max_tokens=16: complete(PORTS["baseline"], prompt, max_tokens)[0]
 
 
 @pytest.fixture(scope="module")
-def connector_run(tmp_path_factory, model_dir, deployment):
+def connector_run(tmp_path_factory, model_dir):
+    """The module's own servers, golden included (apart from the session's, so fewer run at once)."""
     doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
     by_name = {c["name"]: c for c in doc["configs"]}
     fsonly = json.loads(json.dumps(by_name["kvscope-fs"]))
@@ -63,9 +65,8 @@ def connector_run(tmp_path_factory, model_dir, deployment):
                       "--kv-cache-memory-bytes": 2048 * 4096}  # 4 KiB of KV per token in the tiny model
     configs = [by_name["baseline"], by_name["kvscope-fs"], fsonly, by_name["kvscope-shared"],
                by_name["kvscope-shared-b"], tight]
-    for c in configs[1:]:
+    for c in configs:
         c["port"] = PORTS[c["name"]]
-    configs[0]["port"] = 8199  # not deployed; the matrix must still hold its golden config
     doc["configs"] = configs
     own = tmp_path_factory.mktemp("matrix") / "matrix.yaml"
     own.write_text(yaml.safe_dump(doc))

@@ -8,10 +8,13 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
 import yaml
 from conftest import REPO, SESSION_CONFIGS, SESSION_DEPLOY, ansible, servers_of
 
 from kvscope.deploy import servers
+
+pytestmark = pytest.mark.server
 
 
 def get(url: str) -> bytes:

@@ -58,7 +58,7 @@ def test_ansible_lint_production_profile_passes():
 
 def render_cuda(tmp_path, matrix_file, configs) -> str:
     out = tmp_path / "rendered.json"
-    res = run(sys.executable, "-m", "kvscope.cli", "--matrix", matrix_file, "render", "--configs", ",".join(configs),
+    res = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", matrix_file, "render", "--configs", ",".join(configs),
               "--platform", "cuda", "--model", REPO / "models" / "tiny-qwen3", "--run-dir", tmp_path, "--out", out)
     assert res.returncode == 0, res.stderr
     return str(out)
@@ -70,7 +70,7 @@ def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
     assert out.returncode == 0, out.stdout + out.stderr
     for name in GPU_CONFIGS:
         assert f"{name}: ok" in out.stdout
-    env = {s["name"]: s["env"] for s in json.loads(open(rendered).read())["kvscope_servers"]}
+    env = {s["config"]: s["env"] for s in json.loads(open(rendered).read())["kvscope_servers"]}
     assert env["ucm-blend"]["ENABLE_UCM_PATCH"] == "1" and env["ucm-pipeline"]["ENABLE_UCM_PATCH"] == "1"
 
 
