@@ -47,7 +47,7 @@ $(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
 
 model: $(MODEL_DIR)/model.safetensors ## build the tiny offline Qwen3 model (deterministic)
 
-$(MODEL_DIR)/model.safetensors: loadtests/kvscope/model_builder.py | $(VENV)/.installed
+$(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(VENV)/.installed
 	$(KVSCOPE) build-model --out $(MODEL_DIR)
 
 ##@ Deployment
