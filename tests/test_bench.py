@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from conftest import REPO
 
+from kvscope.artifacts import Treatment
 from kvscope.config.matrix import CANARY_FAULTS as FAULTS
 from kvscope.run.records import read
 from kvscope.run.treatments import reset
@@ -156,7 +157,8 @@ def test_reset_keeps_the_stores_of_a_connector_that_owns_their_layout(tmp_path, 
     # UCM keeps GC heartbeats and shard dirs in its store; wiping them under the live server broke it (H200)
     (tmp_path / "ucm").mkdir()
     (tmp_path / "ucm" / "gc-heartbeat").write_text("x")
-    server = {"host": "127.0.0.1", "port": 9, "stores": {"ucm": str(tmp_path / "ucm")}, "store_reset": policy}
+    server = Treatment.model_construct(host="127.0.0.1", port=9, stores={"ucm": str(tmp_path / "ucm")},
+                                       store_reset=policy)  # only what reset reads
     row = reset(server)
     assert sorted(p.name for p in (tmp_path / "ucm").iterdir()) == left
     assert row["stores_wiped"] == ([] if policy == "keep" else ["ucm"])
