@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from conftest import REPO
 
+from kvscope import artifacts
 from kvscope.artifacts import Treatment
 from kvscope.config.matrix import CANARY_FAULTS as FAULTS
 from kvscope.run.records import read
@@ -108,6 +109,19 @@ def test_every_canary_fault_is_caught_and_every_other_config_passes(short_run):
     shifted = scores[(scores.config == "canary-shift") & (scores.cls == "FAIL")]
     assert (shifted.cached_tokens > 0).all()  # the canary fails exactly where it served from cache
     assert (run / "continuations" / "baseline__rag-small.jsonl").stat().st_size > 0  # golden rescored
+
+
+def test_every_file_of_the_run_folder_is_a_typed_artifact(short_run):
+    _, run = short_run
+    models = {"records": artifacts.Record, "workloads": artifacts.Request, "continuations": artifacts.Continuation,
+              "faults": artifacts.FaultEvent}
+    assert artifacts.read_json(run / "run.json", artifacts.RunInfo).scorer["version"] == 2
+    assert len(artifacts.read_jsonl(run / "status.jsonl", artifacts.StatusRow)) == 28
+    for folder, model in models.items():
+        files = sorted((run / folder).glob("*.jsonl"))
+        assert files, folder
+        for path in files:
+            artifacts.read_jsonl(path, model)  # raises, naming the file and line, on anything else
 
 
 def test_a_run_folder_is_never_reused_and_resume_runs_only_what_is_missing(short_run, deployment, tmp_path):

@@ -8,6 +8,7 @@ one of these models, and is read and written only here.
     workloads/*.jsonl  Request       run: the requests every config replays
     records/*.jsonl    Record        run -> analyze: one answer, measured
     continuations/*.jsonl Continuation run -> analyze: golden's logprobs of an answer
+    faults/*.jsonl   FaultEvent      the canary connector -> analyze: what a request's loads really got
     status.jsonl     StatusRow       run -> analyze: one treatment's resets, Locust exit, counter deltas
     run.json         RunInfo         run -> analyze: the machine, the treatments, the scenarios, the scorer
 
@@ -162,6 +163,15 @@ class Continuation(Artifact):
     phase: str
     start: int
     logprobs: list[list[tuple[int, float]]]
+
+
+class FaultEvent(Artifact):
+    """One line of a canary's fault log (written by kvscope_connector.canary, which carries no version)."""
+
+    request: str  # vLLM's request id: '<prefix>-<records.request_key>-<8 chars>'
+    fault: str
+    loaded: int
+    changed: int  # blocks whose written bytes differ from the verified block
 
 
 class StatusRow(Artifact):

@@ -16,7 +16,17 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import fidelity, hitrate, verdicts
-from kvscope.artifacts import ArtifactError, Record, RunInfo, StatusRow, Treatment, read_json, read_jsonl, write_json
+from kvscope.artifacts import (
+    ArtifactError,
+    FaultEvent,
+    Record,
+    RunInfo,
+    StatusRow,
+    Treatment,
+    read_json,
+    read_jsonl,
+    write_json,
+)
 from kvscope.config.matrix import ROLE_ORDER
 from kvscope.run import continuations, metrics
 from kvscope.run.records import key_from_server_id, read
@@ -190,10 +200,9 @@ def fault_changes(folder: Path, config: str, scenarios) -> dict[str, int] | None
         return None
     out: dict[str, int] = {}
     for path in (p for p in paths if p.exists()):
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            key = key_from_server_id(entry["request"])
-            out[key] = out.get(key, 0) + entry["changed"]
+        for event in read_jsonl(path, FaultEvent):
+            key = key_from_server_id(event.request)
+            out[key] = out.get(key, 0) + event.changed
     return out
 
 
