@@ -118,8 +118,9 @@ def test_config_for_another_platform_is_refused(tmp_path):
 def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
     doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
     # apart from the session's servers; apc asks for more context than the model has, so vLLM refuses to start
-    doc["configs"] = [dict(doc["configs"][0], port=8190),
-                      dict(doc["configs"][1], port=8189, flags={"--max-model-len": 100000})]
+    by_name = {c["name"]: c for c in doc["configs"]}
+    doc["configs"] = [dict(by_name["baseline"], port=8190),
+                      dict(by_name["apc"], port=8189, flags={"--max-model-len": 100000})]
     own = tmp_path / "matrix.yaml"
     own.write_text(yaml.safe_dump(doc))
     run_dir = tmp_path / "run"
