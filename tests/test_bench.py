@@ -169,10 +169,25 @@ def test_a_dead_server_gives_failed_records_and_the_run_goes_on(deployment, tmp_
 @pytest.mark.parametrize("policy,left", [("wipe", []), ("keep", ["gc-heartbeat"])])
 def test_reset_keeps_the_stores_of_a_connector_that_owns_their_layout(tmp_path, policy, left):
     # UCM keeps GC heartbeats and shard dirs in its store; wiping them under the live server broke it (H200)
-    (tmp_path / "ucm").mkdir()
-    (tmp_path / "ucm" / "gc-heartbeat").write_text("x")
-    server = Treatment.model_construct(host="127.0.0.1", port=9, stores={"ucm": str(tmp_path / "ucm")},
-                                       store_reset=policy)  # only what reset reads
+    store = tmp_path / "stores" / "ucm-nfs" / "ucm"
+    store.mkdir(parents=True)
+    (store / "gc-heartbeat").write_text("x")
+    server = Treatment.model_construct(host="127.0.0.1", port=9, stores={"ucm": str(store)}, store_reset=policy,
+                                       run_dir=str(tmp_path))  # only what reset reads
     row = reset(server)
-    assert sorted(p.name for p in (tmp_path / "ucm").iterdir()) == left
+    assert sorted(p.name for p in store.iterdir()) == left
     assert row["stores_wiped"] == ([] if policy == "keep" else ["ucm"])
+
+
+def test_reset_wipes_nothing_outside_the_deployments_stores_folder(tmp_path):
+    outside = tmp_path / "home"
+    outside.mkdir()
+    (outside / "thesis.tex").write_text("x")
+    (tmp_path / "run" / "stores").mkdir(parents=True)
+    stores = {"abs": str(outside), "dots": str(tmp_path / "run" / "stores" / ".." / ".." / "home"),
+              "root": str(tmp_path / "run" / "stores")}
+    server = Treatment.model_construct(host="127.0.0.1", port=9, stores=stores, store_reset="wipe",
+                                       run_dir=str(tmp_path / "run"))
+    row = reset(server)
+    assert (outside / "thesis.tex").exists()
+    assert row["stores_wiped"] == [] and row["stores_refused"] == ["abs", "dots", "root"]

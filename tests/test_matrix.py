@@ -59,6 +59,14 @@ def test_shipped_matrix_has_the_three_first_configs():
         (lambda d: cfg(d, "apc").update(faults=["shift"]), "config 'apc': field '(top level)': Value error, only a canary config lists faults"),
         (lambda d: cfg(d, "canary").update(faults=["shiftt"]),
          "config 'canary': field 'faults.0'"),
+        (lambda d: cfg(d, "example-fs").update(stores=["kv", "../.."]), "config 'example-fs': field 'stores.1'"),
+        (lambda d: cfg(d, "example-fs").update(stores=["kv", "/home"]), "config 'example-fs': field 'stores.1'"),
+        (lambda d: cfg(d, "kvscope-shared").update(shared_stores=["shared-blocks", ".."]),
+         "config 'kvscope-shared': field 'shared_stores.1'"),
+        (lambda d: cfg(d, "apc").update(env={"X=1; touch /tmp/pwned; Y": "1"}), "config 'apc': field 'env.X=1; touch"),
+        (lambda d: d["platforms"]["cpu"].update(env={"A B": "1"}), "platform 'cpu': field 'env.A B"),
+        (lambda d: cfg(d, "apc")["flags"].update({"--api-key": "sk-1"}), "'--api-key' is set by kvscope itself"),
+        (lambda d: d.update(platforms=["cpu"]), "field 'platforms' must be a mapping of platform to server defaults"),
     ],
 )
 def test_mistakes_name_the_config_and_the_field(tmp_path, doc, mutate, expected):
@@ -106,7 +114,7 @@ def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
     args = render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
                   parse_overrides('{"dtype": "bfloat16", "enforce-eager": false}')).server_args
     assert args[args.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in args
-    for bad in ("dtype=bfloat16", "[1]"):
+    for bad in ("dtype=bfloat16", "[1]", '{"api-key": "sk-1"}', '{"port": 1}'):
         with pytest.raises(matrix.ConfigError, match="flag overrides"):
             parse_overrides(bad)
 

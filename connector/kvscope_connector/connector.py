@@ -14,20 +14,23 @@ kv_connector_extra_config keys:
 - fs_path (str, optional): filesystem tier directory (local, or NFS shared by several servers).
 - fs_bytes (int, optional): filesystem tier capacity; unbounded when absent.
 - fsync (bool, default false): fsync each block before its atomic rename.
-- model_id (str, optional): weights identity to use instead of sampling the model's files.
+- model_id (str, optional): weights identity to use instead of hashing the model's files.
+The store secret comes from the environment only ($KVSCOPE_STORE_KEY or $KVSCOPE_STORE_KEY_FILE, see
+keys.store_secret): with it every file is signed and a file that is not is never loaded.
 Use it with "kv_load_failure_policy": "recompute", so blocks that fail verification are recomputed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from .keys import fingerprint, weights_identity
+from .keys import fingerprint, secret_id, store_secret, weights_identity
 from .messages import KVScopeMetadata
 from .scheduler import SchedulerSide
 from .store import FsTier, RamTier
@@ -90,6 +93,21 @@ def _layout() -> str:
         return "unknown"
 
 
+def _stack(vllm_config: VllmConfig) -> dict:
+    """What besides the model changes KV bytes: vLLM's version, the platform and the attention backend."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None) or os.environ.get("VLLM_ATTENTION_BACKEND") or "auto"
+    try:
+        capability = current_platform.get_device_capability()
+    except Exception:  # not every platform reports one
+        capability = None
+    return {"vllm": vllm.__version__, "platform": current_platform.device_type, "device_capability": capability,
+            "attention_backend": str(backend)}
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -108,14 +126,17 @@ class KVScopeConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        secret = store_secret()
         self.fp = fingerprint(
             model_config=json.loads(json.dumps(model.hf_config.to_dict(), sort_keys=True, default=str)),
             weights=extra("model_id", None) or weights_identity(model.model),
             dtype=str(model.dtype), kv_dtype=str(vllm_config.cache_config.cache_dtype), block_size=self.block_size,
-            layout=_layout(), tp_rank=rank, tp_size=vllm_config.parallel_config.tensor_parallel_size)
+            layout=_layout(), tp_rank=rank, tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            stack=_stack(vllm_config), signer=secret_id(secret))
         self.ram_bytes = int(extra("ram_bytes", 256 * 2**20))
         fs_path = extra("fs_path", None)
-        fs = FsTier(fs_path, self.fp, extra("fs_bytes", None), bool(extra("fsync", False))) if fs_path else None
+        fs = (FsTier(fs_path, self.fp, extra("fs_bytes", None), bool(extra("fsync", False)), secret=secret)
+              if fs_path else None)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -2,15 +2,19 @@
 
 Both tiers answer the same protocol (Tier): contains, get (a verified block with its checksum, None when
 absent, CorruptBlock when stored but not what this server expects), put, discard and clear. Files are the
-format of fileformat.py; writes are atomic (temp file, optional fsync, rename), so a reader on a shared
-directory never sees a torn block. Anything that does not verify is a miss: counted, moved aside once,
-never loaded.
+format of fileformat.py; writes are atomic (a temp file created exclusively under a random name, optional
+fsync, rename), so a reader on a shared directory never sees a torn block and a planted link is never
+followed. Directories are 0700 and files 0600. Anything that does not verify is a miss: counted, moved
+aside once, never loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import secrets
+import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .blocks import Block, CorruptBlock, Layout, checksum
-from .fileformat import decode, encode
+from .fileformat import MAX_HEADER, decode, encode
 
 log = logging.getLogger("kvscope_connector")
 
@@ -139,9 +143,10 @@ class FsTier:
     The scheduler side only looks keys up; the worker side, which knows the Layout, reads and writes."""
 
     def __init__(self, root: str, fingerprint: str, capacity_bytes: int | None, fsync: bool = False,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, secret: bytes | None = None):
         self.dir = Path(root) / fingerprint
         self.fingerprint = fingerprint
+        self.secret = secret  # signs and verifies every file (fileformat.mac) when set
         self.capacity = capacity_bytes
         self.fsync = fsync
         self.layout = layout  # set by the worker when vLLM registers its KV caches
@@ -175,12 +180,18 @@ class FsTier:
 
     def put(self, key: str, block: Block, digest: str) -> int:
         """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
-        data = encode(block, self._layout(), self.fingerprint, key, digest)
+        data = encode(block, self._layout(), self.fingerprint, key, digest, self.secret)
         final = self.path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+        except FileNotFoundError:
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            for d in (self.dir, final.parent):
+                d.mkdir(mode=0o700, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(8)}.tmp")  # unique across hosts sharing a store
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with open(fd, "wb") as f:
                 f.write(data)
                 if self.fsync:
                     f.flush()
@@ -203,17 +214,29 @@ class FsTier:
         return evicted
 
     def get(self, key: str) -> tuple[Block, str] | None:
-        """Read and verify one file; the block is a view into the file's bytes (no second copy)."""
+        """Read and verify one file; the block is a view into the file's bytes (no second copy). The size is
+        checked against the layout before anything is allocated, and a link is not followed."""
+        layout = self._layout()
         try:
-            with open(self.path(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                data = bytearray(size)
-                if f.readinto(data) != size:
-                    raise CorruptBlock("the file shrank while it was read")
+            fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptBlock("a symbolic link, not a block file") from exc
+            raise
+        with open(fd, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            size = os.fstat(f.fileno()).st_size
+            if not 0 <= n <= MAX_HEADER or size != 8 + n + layout.nbytes:
+                raise CorruptBlock(f"{size} bytes, expected {8 + max(n, 0) + layout.nbytes} (truncated or padded)")
+            data = bytearray(size)
+            data[:8] = head
+            if f.readinto(memoryview(data)[8:]) != size - 8:
+                raise CorruptBlock("the file shrank while it was read")
         self._note(key, size)
-        return decode(data, self.fingerprint, key, self._layout())
+        return decode(data, self.fingerprint, key, layout, self.secret)
 
     def discard(self, key: str) -> None:
         """Move a block that failed verification aside (`.corrupt`): kept for inspection, never looked up."""

@@ -134,10 +134,11 @@ class WorkerSide:
         hit = Outcome.RAM_HIT if name == TierName.RAM else Outcome.FS_HIT
         try:
             found = tier.get(key)
-        except CorruptBlock as exc:
-            return Fetched(Outcome.CORRUPT, name, why=str(exc))
         except OSError as exc:
             return Fetched(Outcome.IO, name, why=str(exc))
+        except Exception as exc:  # CorruptBlock, or anything an unforeseen file makes the parser raise
+            why = str(exc) if isinstance(exc, CorruptBlock) else f"{type(exc).__name__}: {exc}"
+            return Fetched(Outcome.CORRUPT, name, why=why)
         return Fetched(Outcome.MISS, name) if found is None else Fetched(hit, name, *found)
 
     def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:

@@ -96,6 +96,31 @@ def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
     assert not w.fs.contains("k1") and path.with_suffix(".corrupt").exists()
 
 
+@pytest.mark.parametrize("header", [b"7", b'{"__metadata__": ["x"]}', b'{"a": "b"}', b'{"__metadata__": {"k": 1}}'])
+def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_path, header):
+    w = worker(tmp_path, ram=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
+    path = w.fs.path("k1")
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    padded = header.ljust(n)  # the file keeps its size, so only the header is wrong
+    path.write_bytes(n.to_bytes(8, "little") + padded + path.read_bytes()[8 + n:])
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
+    assert w.take_load_errors() == {5} and w.stats.corrupt == 1
+    assert path.with_suffix(".corrupt").exists()
+
+
+def test_whatever_a_tier_raises_on_a_load_is_a_counted_miss(tmp_path):
+    w = worker(tmp_path, ram=False)
+
+    def broken(key):
+        raise AttributeError("'list' object has no attribute 'get'")
+
+    w.fs.get = broken
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
+    assert w.take_load_errors() == {5} and w.stats.corrupt == 1
+
+
 def test_a_vanished_block_is_a_counted_miss(tmp_path):
     w = worker(tmp_path, ram=False)
     w.load(KVScopeMetadata(loads=[LoadSpec(3, "never-stored", "fs")]))

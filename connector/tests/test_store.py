@@ -1,6 +1,8 @@
 """Keys, tiers and block verification, on real tensors and files (no server)."""
 
 import os
+import stat
+import tracemalloc
 
 import pytest
 import torch
@@ -49,12 +51,44 @@ def test_keys_chain_on_every_earlier_token_and_the_fingerprint():
 
 
 def test_fingerprint_covers_everything_that_changes_kv_bytes():
+    stack = {"vllm": "0.32.0", "platform": "cpu", "device_capability": None, "attention_backend": "auto"}
     base = dict(model_config={"hidden_size": 256}, weights="w", dtype="float32", kv_dtype="auto", block_size=64,
-                layout="LBHNC", tp_rank=0, tp_size=1)
+                layout="LBHNC", tp_rank=0, tp_size=1, stack=stack, signer="")
     fp = keys.fingerprint(**base)
     for field, other in (("model_config", {"hidden_size": 512}), ("weights", "w2"), ("dtype", "bfloat16"),
-                         ("kv_dtype", "fp8"), ("block_size", 32), ("layout", "NHD"), ("tp_rank", 1), ("tp_size", 2)):
+                         ("kv_dtype", "fp8"), ("block_size", 32), ("layout", "NHD"), ("tp_rank", 1), ("tp_size", 2),
+                         ("stack", {**stack, "vllm": "0.33.0"}), ("stack", {**stack, "attention_backend": "FLASH"}),
+                         ("signer", keys.secret_id(b"s" * 16))):
         assert keys.fingerprint(**{**base, field: other}) != fp, field
+
+
+def test_weights_identity_sees_a_change_in_the_middle_of_a_weight_file(tmp_path):
+    model, cache = tmp_path / "model", tmp_path / "cache"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = bytearray(os.urandom(4 << 20))
+    (model / "model.safetensors").write_bytes(weights)
+    before = keys.weights_identity(str(model), str(cache))
+    assert list(cache.rglob("*.sha256"))  # the full hash is cached by size and mtime
+    assert keys.weights_identity(str(model), str(cache)) == before
+    weights[2 << 20] ^= 1  # an in-place update that keeps the size and both ends
+    (model / "model.safetensors").write_bytes(weights)
+    assert keys.weights_identity(str(model), str(cache)) != before
+
+
+def test_the_store_secret_comes_from_env_or_a_file_and_is_not_weak(tmp_path, monkeypatch):
+    monkeypatch.delenv(keys.SECRET_ENV, raising=False)
+    monkeypatch.delenv(keys.SECRET_FILE_ENV, raising=False)
+    assert keys.store_secret() is None
+    monkeypatch.setenv(keys.SECRET_ENV, "k" * 32)
+    assert keys.store_secret() == b"k" * 32
+    (tmp_path / "key").write_text("f" * 20 + "\n")
+    monkeypatch.setenv(keys.SECRET_FILE_ENV, str(tmp_path / "key"))
+    assert keys.store_secret() == b"f" * 20
+    monkeypatch.setenv(keys.SECRET_FILE_ENV, "")
+    monkeypatch.setenv(keys.SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="at least 16"):
+        keys.store_secret()
 
 
 def test_weights_identity_differs_between_seeds(tmp_path):
@@ -137,6 +171,53 @@ def test_fs_tier_evicts_least_recently_used_files_within_its_capacity(tmp_path):
     assert write(fs, "00cc", b) == 1
     assert fs.contains("00aa") and not fs.contains("00bb") and fs.contains("00cc")
     assert FsTier(str(tmp_path), FP, None).used == 2 * size  # a new process accounts what is on disk
+
+
+def test_a_file_of_the_wrong_size_is_refused_before_it_is_read(tmp_path):
+    fs = tier(tmp_path)
+    write(fs, "ab12", block())
+    with open(fs.path("ab12"), "r+b") as f:
+        f.truncate(256 << 20)  # sparse: costs no disk, would cost 256 MiB of memory to read
+    tracemalloc.start()
+    with pytest.raises(CorruptBlock, match="padded"):
+        fs.get("ab12")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+def test_saves_never_follow_a_planted_link_and_keep_the_store_private(tmp_path):
+    fs = tier(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    write(fs, "cd34", block())
+    final = fs.path("ab12")
+    final.parent.mkdir()
+    for pid in range(os.getpid() - 50, os.getpid() + 50):  # the temp names a predictable writer would use
+        (final.parent / f".{final.name}.{pid}.tmp").symlink_to(victim)
+    final.symlink_to(victim)
+    with pytest.raises(CorruptBlock, match="symbolic link"):
+        fs.get("ab12")  # a planted block file that is a link is never followed on a read
+    write(fs, "ab12", block())
+    assert victim.read_text() == "precious" and not final.is_symlink()
+    assert torch.equal(fs.get("ab12")[0], block())
+    assert stat.S_IMODE(final.stat().st_mode) == 0o600
+    assert stat.S_IMODE(fs.dir.stat().st_mode) == 0o700 and stat.S_IMODE(fs.path("cd34").parent.stat().st_mode) == 0o700
+
+
+def test_with_a_secret_only_signed_blocks_load(tmp_path):
+    secret = b"s" * 32
+    signed = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=secret)
+    write(signed, "ab12", block())
+    assert torch.equal(signed.get("ab12")[0], block())
+    unsigned = tier(tmp_path)
+    write(unsigned, "cd34", block(1))  # a host without the secret: a valid block, checksum and all
+    with pytest.raises(CorruptBlock, match="signed"):
+        signed.get("cd34")
+    other = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=b"t" * 32)
+    write(other, "ef56", block(2))
+    with pytest.raises(CorruptBlock, match="signed"):
+        signed.get("ef56")
 
 
 def test_a_bad_block_is_moved_aside(tmp_path):

@@ -7,7 +7,7 @@ else restates it. Validation runs before anything is deployed, and every error n
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -16,10 +16,15 @@ from kvscope.artifacts import Role
 
 Platform = Literal["cpu", "cuda"]
 FlagValue = bool | int | float | str
+NAME = r"^[a-z0-9][a-z0-9-]*$"  # config and store names: a path component, never a path
+StoreName = Annotated[str, Field(pattern=NAME)]
+# A plain variable name: keys reach a shell's environment prefix and Docker's env unquoted.
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 ROLE_ORDER = {"golden": 0, "control": 1, "candidate": 2, "canary": 3}  # the order treatments run and reports list
 
 # Flags the renderer owns: a config that sets one would silently fight the deployment.
-RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config"}
+# The API key is one too: it comes from the environment (KVSCOPE_API_KEY), never from a file that is recorded.
+RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config", "--api-key"}
 # The fault classes of kvscope_connector.canary.FAULTS (the harness does not import the connector; a test
 # keeps the two lists equal).
 CANARY_FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign")
@@ -45,18 +50,26 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _check_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
+def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
+    """Why these flags may not be given to a server ([] when they may)."""
+    errors = []
     for flag in flags:
         if not flag.startswith("--"):
-            raise ValueError(f"flag '{flag}' must start with '--'")
-        if flag in RESERVED_FLAGS:
-            raise ValueError(f"flag '{flag}' is set by kvscope itself and may not appear in a config")
+            errors.append(f"flag '{flag}' must start with '--'")
+        elif flag.split("=", 1)[0] in RESERVED_FLAGS:
+            errors.append(f"flag '{flag}' is set by kvscope itself and may not appear in a config or override")
+    return errors
+
+
+def _check_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
+    if errors := flag_errors(flags):
+        raise ValueError("; ".join(errors))
     return flags
 
 
 class PlatformDefaults(Strict):
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags every config gets")
-    env: dict[str, str] = Field(default_factory=dict, description="environment every server gets")
+    env: dict[EnvName, str] = Field(default_factory=dict, description="environment every server gets")
 
     _flags = field_validator("flags")(_check_flags)
 
@@ -72,7 +85,7 @@ class KVTransferConfig(Strict):
 
 
 class StorageConfig(Strict):
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="unique config name")
+    name: str = Field(pattern=NAME, description="unique config name")
     description: str = Field(min_length=1, description="what this tier is, in a sentence")
     platforms: list[Platform] = Field(min_length=1, description="where it can run")
     port: int = Field(ge=1024, le=65535, description="server port, unique in the matrix")
@@ -82,12 +95,12 @@ class StorageConfig(Strict):
     faults: list[Literal[CANARY_FAULTS]] = Field(  # type: ignore[valid-type]
         default_factory=list, description="canary: the fault classes to run, one treatment each")
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags over the platform's")
-    env: dict[str, str] = Field(default_factory=dict, description="environment over the platform's")
+    env: dict[EnvName, str] = Field(default_factory=dict, description="environment over the platform's")
     kv_transfer_config: KVTransferConfig | None = None
-    shared_stores: list[str] = Field(
+    shared_stores: list[StoreName] = Field(
         default_factory=list, description="store dirs shared with every config that names them, wiped on reset"
     )
-    stores: list[str] = Field(default_factory=list, description="store dirs it owns, wiped on reset")
+    stores: list[StoreName] = Field(default_factory=list, description="store dirs it owns, wiped on reset")
     store_reset: Literal["wipe", "keep"] = Field(
         "wipe", description="keep: never wipe the stores under the live server (a connector that keeps its own "
         "state in them); the server's own reset endpoint is still called")
@@ -166,8 +179,18 @@ def load(path: Path) -> Matrix:
             configs.append(StorageConfig.model_validate(item))
         except ValidationError as exc:
             errors.append(_describe(exc, f"config '{name}'"))
+    raw_platforms = raw.get("platforms") or {}
+    if not isinstance(raw_platforms, dict):
+        raise ConfigError(f"{path}: field 'platforms' must be a mapping of platform to server defaults "
+                          f"(cpu: {{flags: ..., env: ...}}), not a {type(raw_platforms).__name__}")
+    platforms = {}
+    for key, value in raw_platforms.items():
+        try:
+            platforms[key] = PlatformDefaults.model_validate(value)
+        except ValidationError as exc:
+            errors.append(_describe(exc, f"{path}: platform '{key}'"))
+    matrix = None
     try:
-        platforms = {k: PlatformDefaults.model_validate(v) for k, v in (raw.get("platforms") or {}).items()}
         matrix = Matrix(platforms=platforms, configs=configs) if not errors else None
     except ValidationError as exc:
         errors.append(_describe(exc, str(path)))

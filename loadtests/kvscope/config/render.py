@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from kvscope.artifacts import RenderedServer
-from kvscope.config.matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors
+from kvscope.config.matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors, flag_errors
 
 SERVED_MODEL_NAME = "tiny"
 
@@ -52,7 +52,10 @@ def parse_overrides(text: str) -> dict:
         raise ConfigError(f"flag overrides {text!r}: not JSON ({exc})") from exc
     if not isinstance(items, dict):
         raise ConfigError(f"flag overrides {text!r}: expected a JSON object such as {{\"dtype\": \"bfloat16\"}}")
-    return {"--" + str(k).lstrip("-"): v for k, v in items.items()}
+    flags = {"--" + str(k).lstrip("-"): v for k, v in items.items()}
+    if errors := flag_errors(flags):
+        raise ConfigError(f"flag overrides: {'; '.join(errors)}")
+    return flags
 
 
 def render(

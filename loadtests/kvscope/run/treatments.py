@@ -69,11 +69,17 @@ def reset(server: Treatment) -> dict:
         status = _post(f"{base}/reset_prefix_cache?reset_external=true")
     except (urllib.error.URLError, OSError) as exc:
         status = type(exc).__name__
-    wiped = sorted(server.stores) if server.store_reset == "wipe" else []
-    for name in wiped:
-        for child in Path(server.stores[name]).glob("*"):
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-    return {"reset_prefix_cache_http": status, "stores_wiped": wiped}
+    wiped, refused = [], []
+    root = Path(server.run_dir).resolve() / "stores" if server.run_dir else None
+    for name in sorted(server.stores) if server.store_reset == "wipe" else []:
+        path = Path(server.stores[name]).resolve()
+        if root is None or path == root or not path.is_relative_to(root):
+            refused.append(name)  # a manifest pointing outside the run's stores folder: wipe nothing there
+            continue
+        for child in path.glob("*"):
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        wiped.append(name)
+    return {"reset_prefix_cache_http": status, "stores_wiped": wiped, **({"stores_refused": refused} if refused else {})}
 
 
 def warm_up(server: Treatment) -> None:
