@@ -56,7 +56,7 @@ validate: $(VENV)/.installed ## validate the storage-config matrix
 
 deploy: setup model ## start one vLLM server per config in CONFIGS on INVENTORY's hosts
 	$(PRE_DEPLOY)
-	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS)
+	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(ON_CRASH)
 
 status: $(VENV)/.installed ## list the deployed servers and whether they are healthy
 	$(KVSCOPE) status --run-dir runs/local
@@ -79,6 +79,7 @@ lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansi
 	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml
 
 ##@ Benchmark
+bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up is reported as CRASHED
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
 	$(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \

@@ -129,6 +129,10 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
         result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
                          "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}')
         assert result.returncode != 0 and "These configs failed to deploy: apc" in result.stdout
+        # the bench's deploy records the crash and goes on, so the report has the config's CRASHED row
+        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
+                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}', "-e", "vllm_fail_on_crash=false")
+        assert result.returncode == 0 and "These configs failed to deploy: apc" in result.stdout
         failed = json.loads((run_dir / "deployment.json").read_text())["failed"]
         assert [f["config"] for f in failed] == ["apc"] and "max_model_len" in failed[0]["error"].lower()
         assert failed[0]["role"] == "candidate"

@@ -1,7 +1,10 @@
 """The process runtime's helpers for Ansible: probe a server, stop it by pid, write its manifest.
 
 Each server runs in a session of its own (started with `setsid`), so its pid is also its process-group id and
-stopping the group stops vLLM's engine-core children too, and nothing that kvscope did not start.
+stopping the group stops vLLM's engine-core children too, and nothing that kvscope did not start. Its pid file
+holds "PID START BOOT_ID" (the process's start time in clock ticks and the kernel's boot id): a pid file that
+outlived its process (a reboot, a crash) names a pid the kernel may have given to anyone, and is never
+signalled.
 """
 
 from __future__ import annotations
@@ -23,20 +26,74 @@ from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedS
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
 
+SERVER_COMMAND = "vllm.entrypoints.openai.api_server"
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat from field 3 (state) on; the command name before it may hold spaces."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def stamp(pid: int) -> str:
+    """What a pid file holds: 'PID START BOOT_ID'."""
+    fields = _stat(pid)
+    return f"{pid} {fields[19] if len(fields) > 19 else '?'} {boot_id()}"
+
+
 def read_pid(pid_file: Path) -> int | None:
     try:
-        return int(Path(pid_file).read_text().strip())
-    except (OSError, ValueError):
+        return int(Path(pid_file).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
 
 
 def alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"
+
+
+def _cmdline(pid: int) -> str:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _started_at(fields: list[str]) -> float:
+    """A process's start time, in seconds since the epoch."""
+    btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                 if line.startswith("btime "))
+    return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def started(pid_file: Path, require_server: bool = False) -> int | None:
+    """The pid of the process `pid_file` recorded if that very process still runs (same boot, same start
+    time; with `require_server`, a vLLM server's command line too), else None: a stale file. A file of an
+    older kvscope holds only the pid: its process must be a vLLM server started before the file was written."""
+    try:
+        stamp_ = Path(pid_file).read_text().split()
+        pid = int(stamp_[0])
+        written = Path(pid_file).stat().st_mtime
+    except (OSError, ValueError, IndexError):
+        return None
+    fields = _stat(pid)
+    if not fields or fields[0] == "Z":
+        return None
+    if len(stamp_) == 1:
+        ours = SERVER_COMMAND in _cmdline(pid) and _started_at(fields) <= written + 1
+    else:
+        ours = stamp_[1:] == [fields[19], boot_id()]
+    if ours and require_server and SERVER_COMMAND not in _cmdline(pid):
+        return None
+    return pid if ours else None
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:
@@ -80,20 +137,16 @@ def describe(pid: int) -> str:
     """'pid N (command line)' for messages about a process kvscope did not start."""
     if pid < 0:
         return "a process of another user"
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        cmdline = "?"
-    return f"pid {pid} ({cmdline[:160]})"
+    return f"pid {pid} ({(_cmdline(pid) or '?')[:160]})"
 
 
 def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> tuple[int, str]:
     """(code, message): HEALTHY when our process lives, holds the port and /health answers; STARTING while
     it lives; NOT_RUNNING when it does not and the port is free; PORT_TAKEN when another process holds the
     port (a server from another deployment, say): /health there would answer for a server we did not start."""
-    pid = read_pid(pid_file)
+    pid = started(pid_file)
     holder = listener(port)
-    if pid is None or not alive(pid):
+    if pid is None:
         if holder is None:
             return NOT_RUNNING, "not running"
         return PORT_TAKEN, f"port {port} is held by {describe(holder)}, not by a server this deployment started"
@@ -107,11 +160,16 @@ def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> tuple[int, str]
 
 
 def stop(pid_file: Path, grace_s: float = 30.0) -> str:
-    """Stop the process group started under `pid_file`: SIGTERM, then SIGKILL after `grace_s`."""
-    pid = read_pid(pid_file)
-    if pid is None:
+    """Stop the process group started under `pid_file`: SIGTERM, then SIGKILL after `grace_s`. A stale pid
+    file (its process gone, its pid reused) is removed without signalling anyone."""
+    recorded = read_pid(pid_file)
+    if recorded is None:
         return "no pid file"
-    if alive(pid):
+    pid = started(pid_file, require_server=True)
+    if pid is None:
+        outcome = f"{recorded} was not running" if not alive(recorded) else \
+            f"pid {recorded} is not the server this file recorded (stale pid file): not signalled"
+    else:
         if os.getpgid(pid) != pid:
             raise RuntimeError(f"pid {pid} from {pid_file} is not a session leader; refusing to signal its group")
         os.killpg(pid, signal.SIGTERM)
@@ -125,8 +183,6 @@ def stop(pid_file: Path, grace_s: float = 30.0) -> str:
             outcome = f"killed {pid}"
         else:
             outcome = f"stopped {pid}"
-    else:
-        outcome = f"{pid} was not running"
     Path(pid_file).unlink()
     return outcome
 
@@ -271,7 +327,7 @@ def status(run_dir: Path) -> list[dict]:
     for pid_file in sorted(Path(run_dir).glob("*/server.pid")):
         manifest_file = pid_file.parent / "manifest.json"
         port = read_json(manifest_file, Manifest).port if manifest_file.exists() else None
-        code = probe(pid_file, port)[0] if port else (STARTING if alive(read_pid(pid_file) or -1) else NOT_RUNNING)
+        code = probe(pid_file, port)[0] if port else (STARTING if started(pid_file) else NOT_RUNNING)
         state = {HEALTHY: "healthy", STARTING: "running, not healthy", NOT_RUNNING: "dead (stale pid file)",
                  PORT_TAKEN: "dead; its port is held by another process"}[code]
         rows.append({"config": pid_file.parent.name, "port": port, "pid": read_pid(pid_file), "state": state})

@@ -79,7 +79,8 @@ def reset(server: Treatment) -> dict:
         for child in path.glob("*"):
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
         wiped.append(name)
-    return {"reset_prefix_cache_http": status, "stores_wiped": wiped, **({"stores_refused": refused} if refused else {})}
+    row = {"reset_prefix_cache_http": status, "stores_wiped": wiped}
+    return {**row, "stores_refused": refused} if refused else row
 
 
 def warm_up(server: Treatment) -> None:
