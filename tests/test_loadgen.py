@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,3 +54,11 @@ def test_closed_loop_sends_back_to_back(sse_server, tmp_path):
     assert len(recs) == 20 and all(r.ok and len(r.output_token_ids) == 16 for r in recs)
     starts = sorted(r.start_unix_s for r in recs)
     assert starts[-1] - starts[0] < 1.0  # no pacing: 20 short streams back to back
+
+
+def test_records_that_cannot_be_written_are_counted_and_the_run_still_ends(sse_server, tmp_path):
+    write_jsonl(requests(6), tmp_path / "w.jsonl")
+    row = run_locust(sse_server, tmp_path / "w.jsonl", Path("/dev/full"), users=2, processes=1, rate=0.0,
+                     timeout_s=120)  # every write fails with ENOSPC, as on a full disk
+    assert row["seconds"] < 60, row  # not the timeout: each lost session still counts as done
+    assert row["sessions_lost"] == 6 and "No space left on device" in row["sessions_lost_tail"][-1]

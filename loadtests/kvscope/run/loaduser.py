@@ -8,6 +8,7 @@ one merged file and ends the run once every worker is done.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import gevent
@@ -19,6 +20,9 @@ from locust.runners import MasterRunner, WorkerRunner
 from kvscope.run import records
 from kvscope.run.records import request_key
 from kvscope.run.workload import Request, read_jsonl, sessions
+
+log = logging.getLogger("kvscope")
+LOST = records.SESSION_LOST
 
 
 @events.init_command_line_parser.add_listener
@@ -116,7 +120,10 @@ def _on_init(environment, **_kw):
             records.write(data["kvscope_records"], path)
 
     def _worker_done(environment, msg, **_kw):
-        records.write(msg.data["records"], path)
+        try:
+            records.write(msg.data["records"], path)
+        except OSError as exc:  # a full disk: those records are lost, counted, and the run still ends
+            log.error("%s: %d records of worker %s not written: %s", LOST, len(msg.data["records"]), msg.node_id, exc)
         done.add(msg.node_id)
         if len(done) >= environment.parsed_options.kvscope_workers:
             gevent.spawn_later(0.1, runner.quit)
@@ -139,11 +146,17 @@ class KVScopeUser(FastHttpUser):
             gevent.sleep(0.5)
             return
         history: list[dict] = []
-        for req in session:
-            rec = self._send(req, history if req.with_history else [])
-            if req.endpoint == "chat":
-                history += (req.messages or []) + [{"role": "assistant", "content": rec.output_text}]
-        FEED.done_one(self.environment)
+        try:
+            for req in session:
+                rec = self._send(req, history if req.with_history else [])
+                if req.endpoint == "chat":
+                    history += (req.messages or []) + [{"role": "assistant", "content": rec.output_text}]
+        except Exception as exc:  # records that cannot be written (a full disk): counted, and the run still ends
+            log.error("%s: %s: %s: %s", LOST, session[0].session_id, type(exc).__name__, exc)
+            self.environment.events.request.fire(request_type="SESSION", name=session[0].scenario, response_time=0,
+                                                 response_length=0, exception=exc, context={})
+        finally:
+            FEED.done_one(self.environment)
 
     def _send(self, req: Request, history: list[dict]) -> records.Record:
         opts = self.environment.parsed_options

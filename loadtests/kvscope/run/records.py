@@ -149,6 +149,9 @@ def new_record(req: Request, config: str, start_unix_s: float, worker: int = 0) 
                   needle=req.needle, worker=worker)
 
 
+SESSION_LOST = "kvscope: session lost"  # Locust's log line for a session whose records could not be written
+
+
 def write(records: Iterable[Record | dict], path: Path) -> None:
     append_jsonl(path, records)
 

@@ -40,6 +40,7 @@ from kvscope.artifacts import (
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
 from kvscope.deploy import servers
 from kvscope.run import continuations, metrics
+from kvscope.run.records import SESSION_LOST
 from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
 
 LOCUSTFILE = HARNESS / "locustfile.py"
@@ -155,9 +156,10 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
             _, err = w.communicate()
         if w.returncode not in (0, 1):
             worker_errors += err.strip().splitlines()[-3:]
+    lost = [line for line in proc.stderr.splitlines() if SESSION_LOST in line]
     return {"locust_exit": proc.returncode, "seconds": round(time.monotonic() - started, 1),
             "locust_stderr_tail": proc.stderr.strip().splitlines()[-5:] if proc.returncode not in (0, 1) else [],
-            "worker_errors": worker_errors}
+            "worker_errors": worker_errors, "sessions_lost": len(lost), "sessions_lost_tail": lost[-3:]}
 
 
 def _phase(server: Treatment, workload: Path, reqs: list[Request], folder: Path, stem: str, opts) -> dict:
