@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -191,3 +194,31 @@ def test_reset_wipes_nothing_outside_the_deployments_stores_folder(tmp_path):
     row = reset(server)
     assert (outside / "thesis.tex").exists()
     assert row["stores_wiped"] == [] and row["stores_refused"] == ["abs", "dots", "root"]
+
+
+def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishes_it(deployment, tmp_path):
+    scenarios = tmp_path / "scenarios.yaml"
+    scenarios.write_text(SMALL)
+    cmd = [sys.executable, "-m", "kvscope.cli", "bench", "--deployment", str(deployment / "deployment.json"),
+           "--results", str(tmp_path), "--scenarios-file", str(scenarios), "--configs", "baseline,apc",
+           "--scenarios", "repeat-867,rag-small", "--run-id", "cut", "--report", "--min-hits", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    status = tmp_path / "cut" / "status.jsonl"
+    deadline = time.monotonic() + 300
+    while not (status.exists() and status.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # into the third treatment: rag-small's Locust is running
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    run = json.loads((tmp_path / "cut" / "run.json").read_text())
+    assert run["interrupted"].startswith("KeyboardInterrupt during ") and "make bench RESUME=1 RUN_ID=cut" in err
+    assert "incomplete" in (tmp_path / "cut" / "report.md").read_text()
+    left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert left == [], "Locust processes were left behind"
+    kept = [json.loads(line) for line in status.read_text().splitlines()]
+    assert len(kept) >= 2 and all(r["phases"]["measure"]["locust_exit"] == 0 for r in kept)
+    out = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert "done earlier (--resume)" in out.stdout and out.returncode in (0, 3), out.stdout[-2000:] + out.stderr[-2000:]
+    assert json.loads((tmp_path / "cut" / "run.json").read_text())["interrupted"] is None

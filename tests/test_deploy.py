@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -22,11 +25,12 @@ def get(url: str) -> bytes:
         return resp.read()
 
 
-def complete(port: int, prompt: str, max_tokens: int = 12) -> dict:
+def complete(port: int, prompt: str, max_tokens: int = 12, key: str | None = None) -> dict:
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())
 
@@ -161,3 +165,31 @@ def test_first_error_line_of_a_server_log():
     assert servers.first_error("INFO a\nWARNING b\n(APIServer) ERROR 11-29 [factory.py] Connector X refused\n") \
         == "(APIServer) ERROR 11-29 [factory.py] Connector X refused"
     assert servers.first_error("INFO fine\n") == "no error line in the log"
+
+
+def test_an_api_key_guards_the_servers_every_kvscope_client_sends_it_and_it_is_never_written_down(
+        tmp_path, model_dir, monkeypatch):
+    key = "sk-kvscope-" + secrets.token_hex(12)
+    monkeypatch.setenv("KVSCOPE_API_KEY", key)  # how a user hands it over (or KVSCOPE_API_KEY_FILE, or the vault)
+    run_dir, results = tmp_path / "run", tmp_path / "results"
+    try:
+        deploy = ansible("deploy.yml", run_dir, "-e", "vllm_configs=baseline", "-e", "vllm_port_offset=80")
+        assert deploy.returncode == 0, deploy.stdout[-3000:]
+        port = servers_of(run_dir)["baseline"]["port"]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            complete(port, "The for statement")
+        assert refused.value.code == 401
+        assert complete(port, "The for statement", key=key)["usage"]["completion_tokens"] == 12
+        bench = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--deployment",
+                                str(run_dir / "deployment.json"), "--results", str(results), "--configs", "baseline",
+                                "--scenarios", "repeat-867", "--run-id", "keyed", "--report"],
+                               cwd=REPO, capture_output=True, text=True, timeout=600)
+        recs = [json.loads(line) for line in (results / "keyed" / "records" / "baseline__repeat-867.jsonl")
+                .read_text().splitlines()]
+        assert recs and all(r["ok"] for r in recs), bench.stdout[-2000:] + bench.stderr[-2000:]
+        written = [p for p in [*run_dir.rglob("*"), *results.rglob("*")] if p.is_file()]
+        assert any(p.name == "server.log" for p in written)
+        assert [p for p in written if key.encode() in p.read_bytes()] == []
+        assert key not in deploy.stdout + bench.stdout + bench.stderr
+    finally:
+        ansible("teardown.yml", run_dir)

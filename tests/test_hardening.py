@@ -44,3 +44,32 @@ def test_a_stale_pid_file_never_signals_the_process_that_now_has_its_pid(tmp_pat
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_secrets_in_server_arguments_and_environments_are_redacted_before_anything_is_written():
+    from kvscope import auth
+
+    args = ["--model", "m", "--hf-token", "hf_abc", "--max-num-batched-tokens", "512", "--enable-auth", "--seed", "0",
+            "--kv-transfer-config", '{"kv_connector_extra_config": {"s3_secret_key": "zz", "url": '
+            '"redis://kv:hunter2@cache:6379", "nested": [{"password": "p"}], "ram_bytes": 1}}',
+            "--custom-histogram-buckets", '{"ttft": [0.1, 0.2]}']
+    out = auth.redact_args(args)
+    assert out[3] == auth.REDACTED and out[5] == "512" and out[7:9] == ["--seed", "0"]
+    assert not any(s in " ".join(out) for s in ("hf_abc", "zz", "hunter2", '"p"'))
+    assert '"ram_bytes": 1' in out[10] and out[12] == '{"ttft": [0.1, 0.2]}'  # the rest as it was
+    env = auth.redact_env({"HF_TOKEN": "x", "VLLM_API_KEY": "k", "MYAPIKEY": "k", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert env == {"HF_TOKEN": auth.REDACTED, "VLLM_API_KEY": auth.REDACTED, "MYAPIKEY": auth.REDACTED,
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def test_the_api_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    from kvscope import auth
+
+    monkeypatch.delenv(auth.KEY_ENV, raising=False)
+    monkeypatch.delenv(auth.KEY_FILE_ENV, raising=False)
+    assert auth.api_key() is None and "Authorization" not in auth.headers()
+    monkeypatch.setenv(auth.KEY_ENV, "sk-env")
+    assert auth.headers()["Authorization"] == "Bearer sk-env"
+    (tmp_path / "key").write_text("sk-file\n")
+    monkeypatch.setenv(auth.KEY_FILE_ENV, str(tmp_path / "key"))
+    assert auth.api_key() == "sk-file"

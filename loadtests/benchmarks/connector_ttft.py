@@ -24,6 +24,7 @@ from pydoc_data.topics import topics
 
 import numpy as np
 
+from kvscope import auth
 from kvscope.artifacts import Deployment, Manifest, Request, read_json
 from kvscope.run.metrics import delta, scrape
 from kvscope.run.records import new_record, parse_stream, request_body
@@ -34,7 +35,7 @@ def ttft(server: Manifest, prompt: str) -> tuple[float, int]:
                   endpoint="completions", max_tokens=4, prompt=prompt)
     path, body = request_body(req, [], server.served_model_name)
     http = urllib.request.Request(f"http://{server.host}:{server.port}{path}", data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})
+                                  headers=auth.headers())
     rec = new_record(req, "bench", time.time())
     t0 = time.perf_counter()
     with urllib.request.urlopen(http, timeout=300) as resp:

@@ -202,6 +202,7 @@ class RunInfo(Artifact):
     load: dict[str, Any]
     kv_capacity_tokens_for_sizing: int | None = None
     scorer: dict[str, Any] | None = None
+    interrupted: str | None = None  # why the bench stopped early; the treatments in status.jsonl are intact
 
     def golden(self) -> Treatment:
         return next(s for s in self.servers if s.role == "golden")

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 from kvscope import HARNESS, __version__
@@ -17,7 +19,9 @@ EXIT_CODES = """exit codes of bench --report and report (the gate):
   0  every verdict is what its role expects (candidates and control PASS, canaries FAIL)
   1  the gate fails: a FAIL where PASS was expected, a canary kvscope missed too often, a crash
   2  bad input: the matrix, a selection, a scenario or a run folder (nothing was deployed or scored)
-  3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID"""
+  3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID
+  130, 143, 1: bench stopped by Ctrl-C, by SIGTERM, or by a crash; run.json says why, the finished
+     treatments are kept (scored when --report), and --resume continues the run"""
 DEFAULT_MATRIX = HARNESS / "matrix.yaml"
 DEFAULT_SCENARIOS = "rag-zipf,rag-relevance,multiturn,repeat-867"
 
@@ -59,12 +63,26 @@ def cmd_bench(args) -> int:
         if not args.master_host:
             raise matrix_mod.ConfigError("--worker-hosts needs --master-host: the address workers reach this host at")
         remote = {"hosts": names(args.worker_hosts), "ssh_config": args.ssh_config, "master_host": args.master_host}
-    folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
-                            names(args.configs), names(args.scenarios_list), users=args.users,
-                            processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
-                            command=" ".join(sys.argv), run_id=args.run_id, remote=remote, resume=args.resume)
+    signal.signal(signal.SIGTERM, _terminated)  # a stopped bench says so in its run folder, as after Ctrl-C
+    try:
+        folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
+                                names(args.configs), names(args.scenarios_list), users=args.users,
+                                processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
+                                command=" ".join(sys.argv), run_id=args.run_id, remote=remote, resume=args.resume)
+    except treatments.Interrupted as exc:
+        if exc.exit_code == 1:
+            traceback.print_exception(exc.__cause__)
+        print(f"\n{exc}\nThe servers still run: `make status` lists them, `make teardown` stops them.",
+              file=sys.stderr)
+        if args.report:  # what finished, scored; every config cut short reads INCOMPLETE
+            _report(exc.folder, args)
+        return exc.exit_code
     print(f"records written to {folder}")
     return _report(folder, args) if args.report else 0
+
+
+def _terminated(signum, frame):
+    raise SystemExit(143)
 
 
 def _report(folder: Path, args) -> int:

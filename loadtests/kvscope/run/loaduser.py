@@ -17,11 +17,13 @@ from gevent.queue import Empty, Queue
 from locust import FastHttpUser, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
+from kvscope import auth
 from kvscope.run import records
 from kvscope.run.records import request_key
 from kvscope.run.workload import Request, read_jsonl, sessions
 
 log = logging.getLogger("kvscope")
+AUTH = {k: v for k, v in auth.headers().items() if k == "Authorization"}  # the API key, when there is one
 LOST = records.SESSION_LOST
 
 
@@ -167,7 +169,7 @@ class KVScopeUser(FastHttpUser):
         t0 = time.perf_counter()
         try:
             with self.client.post(path, json=body, stream=True, catch_response=True, name=req.scenario,
-                                  headers={"X-Request-Id": request_key(req.request_id, req.phase)}) as resp:
+                                  headers={**AUTH, "X-Request-Id": request_key(req.request_id, req.phase)}) as resp:
                 rec.http_status = resp.status_code or None
                 if resp.status_code != 200:
                     rec.error = f"HTTP {resp.status_code}: {(getattr(resp, 'error', None) or resp.text or '')!s:.200}"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from kvscope import HARNESS
+from kvscope import HARNESS, auth
 from kvscope.artifacts import (
     Deployment,
     Failure,
@@ -89,7 +89,7 @@ def warm_up(server: Treatment) -> None:
     body = json.dumps({"model": server.served_model_name, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
                        "temperature": 0})
     req = urllib.request.Request(f"http://{server.host}:{server.port}/v1/completions", data=body.encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=auth.headers())
     try:
         urllib.request.urlopen(req, timeout=300).read()
     except (urllib.error.URLError, OSError):
@@ -141,12 +141,19 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
                 "--expect-workers-max-wait", "120", "--kvscope-workers", str(len(hosts))]
         worker = [sys.executable, "-m", "locust", *kvscope_args, "--worker", "--master-host", remote["master_host"],
                   "--kvscope-workers", str(len(hosts)), "--loglevel", "WARNING"]
+        if os.environ.get(auth.KEY_FILE_ENV):  # the key file at the same path on every host; never the key
+            worker = ["env", f"{auth.KEY_FILE_ENV}={os.environ[auth.KEY_FILE_ENV]}", *worker]
         workers = [subprocess.Popen(["ssh", "-F", str(remote["ssh_config"]), host, shlex.join(worker)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for host in hosts]
     elif processes > 1:
         cmd += ["--processes", str(processes), "--kvscope-workers", str(processes)]
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 180)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 180)  # kills it on Ctrl-C
+    except BaseException:
+        for w in workers:
+            w.kill()
+        raise
     worker_errors = []
     for w in workers:
         try:
@@ -220,6 +227,9 @@ def _done(status_path: Path) -> set[tuple[str, str]]:
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
         command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False) -> Path:
+    if remote and auth.api_key() and not os.environ.get(auth.KEY_FILE_ENV):
+        raise ConfigError(f"Locust workers on other hosts read the API key from a file: set {auth.KEY_FILE_ENV} (the "
+                          f"same path on every host) instead of {auth.KEY_ENV}; a key never goes on a command line")
     found, failed = load_deployments(deployments)
     by_name = {s.config: s for s in found}
     if len(by_name) != len(found):
@@ -269,32 +279,67 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
     status_path = folder / "status.jsonl"
     done = _done(status_path)
-    total, step = len(chosen) * len(scenario_names), 0
-    for scenario in scenario_names:
-        for server in chosen:
-            step += 1
-            stem = f"{server.config}__{scenario}"
-            if (server.config, scenario) in done:
-                print(f"[{step}/{total}] {server.config} x {scenario}: done earlier (--resume)", flush=True)
-                continue
-            (folder / "records" / f"{stem}.jsonl").unlink(missing_ok=True)  # a treatment cut short is run again
-            print(f"[{step}/{total}] {server.config} x {scenario}: warm-up, reset", end="", flush=True)
-            warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
-            row = StatusRow(config=server.config, scenario=scenario, reset=reset(server))
-            for phase in ("prime", "measure"):
-                if (scenario, phase) in phase_files:
-                    workload, part = phase_files[scenario, phase]
-                    print(f", {phase} {len(part)} requests", end="", flush=True)
-                    row.phases[phase] = _phase(server, workload, part, folder, stem, opts)
-            if server.fault:
-                row.fault_log = _keep_fault_log(server, folder / "faults" / f"{stem}.jsonl")
-            print(f" ({sum(p['seconds'] for p in row.phases.values()):.1f} s)", flush=True)
-            append_jsonl(status_path, [row])
-    golden = next(s for s in chosen if s.role == "golden")
-    print("golden scores the answers that split from its own ...", end="", flush=True)
-    counts = continuations.collect(folder, golden, [s.config for s in chosen], scenario_names)
-    print(" " + ", ".join(f"{c} {n}" for c, n in counts.items() if n), flush=True)
+    total, step, where = len(chosen) * len(scenario_names), 0, "the first treatment"
+    try:
+        for scenario in scenario_names:
+            for server in chosen:
+                step += 1
+                where = f"{server.config} x {scenario}"
+                if (server.config, scenario) in done:
+                    print(f"[{step}/{total}] {where}: done earlier (--resume)", flush=True)
+                    continue
+                _treatment(server, scenario, folder, phase_files, opts, status_path, f"[{step}/{total}] {where}")
+        golden = next(s for s in chosen if s.role == "golden")
+        where = "golden's continuations"
+        print("golden scores the answers that split from its own ...", end="", flush=True)
+        counts = continuations.collect(folder, golden, [s.config for s in chosen], scenario_names)
+        print(" " + ", ".join(f"{c} {n}" for c, n in counts.items() if n), flush=True)
+    except BaseException as exc:  # Ctrl-C, or a crash: the folder says so; finished treatments stay intact
+        why = f"{type(exc).__name__} during {where}" + (f": {exc}" if str(exc) else "")
+        _set_interrupted(folder, why)
+        raise Interrupted(folder, why, len(_done(status_path)), total) from exc
+    _set_interrupted(folder, None)
     return folder
+
+
+class Interrupted(Exception):
+    """The bench stopped before its last treatment; the run folder says why and keeps what finished."""
+
+    def __init__(self, folder: Path, why: str, finished: int, total: int):
+        super().__init__(f"run interrupted ({why}); {finished} of {total} treatments finished and are kept in "
+                         f"{folder}; continue it with --resume (make bench RESUME=1 RUN_ID={folder.name})")
+        self.folder = folder
+
+    @property
+    def exit_code(self) -> int:
+        """130 after Ctrl-C, 143 after SIGTERM (the shell's codes), 1 after a crash."""
+        codes: dict[type, int] = {KeyboardInterrupt: 130, SystemExit: 143}
+        return codes.get(type(self.__cause__), 1)
+
+
+def _set_interrupted(folder: Path, why: str | None) -> None:
+    info = read_json(folder / "run.json", RunInfo)
+    if info.interrupted != why:
+        write_json(folder / "run.json", info.model_copy(update={"interrupted": why}))
+
+
+def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict, opts: dict, status_path: Path,
+               progress: str) -> None:
+    """Reset one server, run a scenario's phases on it, and append its status row."""
+    stem = f"{server.config}__{scenario}"
+    (folder / "records" / f"{stem}.jsonl").unlink(missing_ok=True)  # a treatment cut short is run again
+    print(f"{progress}: warm-up, reset", end="", flush=True)
+    warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
+    row = StatusRow(config=server.config, scenario=scenario, reset=reset(server))
+    for phase in ("prime", "measure"):
+        if (scenario, phase) in phase_files:
+            workload, part = phase_files[scenario, phase]
+            print(f", {phase} {len(part)} requests", end="", flush=True)
+            row.phases[phase] = _phase(server, workload, part, folder, stem, opts)
+    if server.fault:
+        row.fault_log = _keep_fault_log(server, folder / "faults" / f"{stem}.jsonl")
+    print(f" ({sum(p['seconds'] for p in row.phases.values()):.1f} s)", flush=True)
+    append_jsonl(status_path, [row])
 
 
 def _keep_fault_log(server: Treatment, dest: Path) -> str:
