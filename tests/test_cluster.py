@@ -7,8 +7,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import PLAYBOOK, REPO
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.server
 
 NETNS = REPO / "ansible" / "inventories" / "netns"
 HOSTS_SH = REPO / "ansible" / "scripts" / "netns-hosts.sh"
-SSH_CONFIG = REPO / "runs" / "netns" / "ssh" / "config"
+SSH_CONFIG = Path("/var/lib/kvscope/netns/config")
 SMALL = """scenarios:
   - name: rag-small
     kind: rag
@@ -43,6 +45,19 @@ def hosts():
         pytest.fail(f"namespace hosts did not come up (root and openssh-server needed):\n{up.stderr}")
     yield
     subprocess.run(["bash", str(HOSTS_SH), "down"], capture_output=True)
+
+
+def test_the_test_hosts_keep_keys_root_owned_outside_the_work_tree_and_check_host_keys(hosts):
+    state = SSH_CONFIG.parent
+    assert not state.is_relative_to(REPO) and not (REPO / "runs" / "netns" / "ssh").exists()
+    mode = state.stat()
+    assert mode.st_uid == 0 and stat.S_IMODE(mode.st_mode) == 0o700
+    assert not any("StrictModes no" in p.read_text() for p in state.glob("sshd_*.conf"))
+    assert "StrictHostKeyChecking yes" in SSH_CONFIG.read_text() and "/dev/null" not in SSH_CONFIG.read_text()
+    known = (state / "known_hosts").read_text()
+    assert "kvh1,10.77.0.11 ssh-ed25519 " in known and "kvh2,10.77.0.12 ssh-ed25519 " in known
+    ok = subprocess.run(["ssh", "-F", str(SSH_CONFIG), "kvh1", "true"], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_deploy_bench_with_distributed_locust_collect_and_teardown_across_hosts(hosts, tmp_path, model_dir):

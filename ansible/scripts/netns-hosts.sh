@@ -2,15 +2,19 @@
 # Test hosts on this one machine: network namespaces kvh1..kvhN on a bridge (10.77.0.0/24, this machine is
 # 10.77.0.1), each running its own sshd. They share the filesystem, so the repository, venvs and model are
 # where Ansible expects them; traffic stays on these addresses and loopback. Needs root and openssh-server.
+# Keys, sshd state and known_hosts live root-owned (0700) in /var/lib/kvscope/netns, outside the work tree;
+# sshd checks their modes (StrictModes) and clients check the host key.
 #   ansible/scripts/netns-hosts.sh up [N=2] | down
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); state="$here/../../runs/netns/ssh"
+state=/var/lib/kvscope/netns
 n=${2:-2}
 case "${1:-}" in
 up)
-  mkdir -p "$state" && chmod 700 "$state"
+  install -d -m 0755 -o root -g root /var/lib/kvscope
+  install -d -m 0700 -o root -g root "$state"
   [ -f "$state/id_ed25519" ] || ssh-keygen -q -t ed25519 -N "" -f "$state/id_ed25519"
   [ -f "$state/host_ed25519" ] || ssh-keygen -q -t ed25519 -N "" -f "$state/host_ed25519"
+  : > "$state/known_hosts"
   ip link show kvbr0 >/dev/null 2>&1 || { ip link add kvbr0 type bridge; ip addr add 10.77.0.1/24 dev kvbr0; }
   ip link set kvbr0 up
   mkdir -p /run/sshd
@@ -31,17 +35,17 @@ AuthorizedKeysFile $state/id_ed25519.pub
 PidFile $state/sshd_$h.pid
 PermitRootLogin prohibit-password
 PasswordAuthentication no
-StrictModes no
 UsePAM no
 Subsystem sftp /usr/lib/openssh/sftp-server
 CONF
     [ -f "$state/sshd_$h.pid" ] && kill "$(cat "$state/sshd_$h.pid")" 2>/dev/null && sleep 0.5  # take the new config
     ip netns exec "$h" /usr/sbin/sshd -f "$state/sshd_$h.conf"
+    echo "$h,$addr $(cut -d' ' -f1,2 "$state/host_ed25519.pub")" >> "$state/known_hosts"
     echo "$h $addr up"
   done
   for i in $(seq 1 "$n"); do  # for `ssh -F`: how the bench starts Locust workers on these hosts
-    printf 'Host kvh%s\n  HostName 10.77.0.%s\n  User root\n  IdentityFile %s\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n' \
-      "$i" "$((10 + i))" "$state/id_ed25519"
+    printf 'Host kvh%s\n  HostName 10.77.0.%s\n  User root\n  IdentityFile %s\n  StrictHostKeyChecking yes\n  UserKnownHostsFile %s\n  LogLevel ERROR\n' \
+      "$i" "$((10 + i))" "$state/id_ed25519" "$state/known_hosts"
   done > "$state/config" ;;
 down)
   for pid in "$state"/sshd_*.pid; do [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null; rm -f "$pid"; done

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--users", type=int, default=2, help="concurrent Locust users (closed loop)")
     s.add_argument("--processes", type=int, default=1, help="Locust worker processes (distributed mode)")
     s.add_argument("--worker-hosts", default="", help="Locust workers on these ssh hosts, one each (a cluster)")
-    s.add_argument("--ssh-config", default="runs/netns/ssh/config", help="ssh config naming the worker hosts")
+    s.add_argument("--ssh-config", default="/var/lib/kvscope/netns/config", help="ssh config naming the worker hosts")
     s.add_argument("--master-host", default="", help="address the workers reach this (master) host at")
     s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
     s.add_argument("--timeout-s", type=float, default=1800)
