@@ -103,11 +103,11 @@ test-deps: ## system packages the cluster test needs: sshd and iproute2 (Debian;
 
 test: test-deps setup model lint ## lint, unit tests and real-server tests (what CI runs)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
-	$(PY) -m pytest tests
+	$(PY) -m pytest -rs tests
 
 test-fast: setup ## the tests that start no vLLM server (a minute or two)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
-	$(PY) -m pytest -m "not server" tests
+	$(PY) -m pytest -rs -m "not server" tests
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)

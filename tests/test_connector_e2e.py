@@ -4,6 +4,8 @@ restart, from a directory shared by two servers, and under injected faults, each
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
 import subprocess
 import threading
@@ -148,25 +150,59 @@ def _mount(*args) -> bool:
     return subprocess.run(["mount", *args], capture_output=True).returncode == 0
 
 
-def test_full_and_read_only_store_are_counted_and_outputs_stay_identical(connector_run, golden):
-    run_dir, _ = connector_run
-    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+def _fresh_store(run_dir: Path) -> Path:
+    store = store_of(run_dir, "kvscope-fsonly")
     shutil.rmtree(store, ignore_errors=True)
     store.mkdir(parents=True)
-    if not _mount("-t", "tmpfs", "-o", "size=160k", "tmpfs", str(store)):
-        pytest.skip("this machine does not let the tests mount a small tmpfs (needs root)")
+    return store
+
+
+def _limit_file_size(run_dir: Path, limit: int) -> None:
+    """Set RLIMIT_FSIZE of the server's engine processes (the connector's save thread): a write past `limit`
+    bytes fails with EFBIG, as one fails on a full disk (Python ignores SIGXFSZ). The API server, which
+    writes the log, keeps its limit."""
+    leader = servers_of(run_dir)["kvscope-fsonly"]["pid"]
+    for pid in servers.group_members(leader):
+        if pid != leader:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+
+@pytest.mark.parametrize("full", ["tmpfs", "file-size-limit"])
+def test_a_full_store_is_counted_and_outputs_stay_identical(connector_run, golden, full):
+    run_dir, _ = connector_run
+    port, store = PORTS["kvscope-fsonly"], _fresh_store(run_dir)
+    if full == "tmpfs" and not _mount("-t", "tmpfs", "-o", "size=160k", "tmpfs", str(store)):
+        pytest.skip("mounting a small tmpfs is not allowed here (needs root and CAP_SYS_ADMIN); "
+                    "the file-size-limit case covers a full store without a mount")
+    if full == "file-size-limit":
+        _limit_file_size(run_dir, 4096)
     try:
         before = scrape(port)
-        for p in prompts("enospc"):
+        for p in prompts(f"full-{full}"):
             assert complete(port, p)[0] == golden(p)
         assert metrics.delta(before, scrape(port))["kvscope:connector_save_errors_total"] > 0
-        assert _mount("-o", "remount,ro", str(store))
+    finally:
+        if full == "tmpfs":
+            subprocess.run(["umount", str(store)])
+        else:
+            _limit_file_size(run_dir, resource.RLIM_INFINITY)
+
+
+def test_a_read_only_store_is_counted_and_outputs_stay_identical(connector_run, golden):
+    run_dir, _ = connector_run
+    port, store = PORTS["kvscope-fsonly"], _fresh_store(run_dir)
+    mounted = _mount("-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(store))
+    if not mounted and os.geteuid() == 0:
+        pytest.skip("a read-only store needs a mount here: root ignores directory modes")
+    if not mounted:
+        store.chmod(0o500)  # a user's server cannot write into it, as into a read-only mount
+    try:
         before = scrape(port)
         for p in prompts("readonly"):
             assert complete(port, p)[0] == golden(p)
         assert metrics.delta(before, scrape(port))["kvscope:connector_save_errors_total"] > 0
     finally:
-        subprocess.run(["umount", str(store)])
+        subprocess.run(["umount", str(store)]) if mounted else store.chmod(0o700)
 
 
 def test_two_servers_share_one_store_and_write_the_same_keys_at_once(connector_run, golden):

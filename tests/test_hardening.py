@@ -73,3 +73,23 @@ def test_the_api_key_comes_from_the_environment_or_a_file(tmp_path, monkeypatch)
     (tmp_path / "key").write_text("sk-file\n")
     monkeypatch.setenv(auth.KEY_FILE_ENV, str(tmp_path / "key"))
     assert auth.api_key() == "sk-file"
+
+
+def test_the_nfs_export_squashes_every_client_to_a_dedicated_user_of_a_0700_folder(tmp_path):
+    from conftest import PLAYBOOK, REPO
+
+    (tmp_path / "hosts.yml").write_text(
+        "all:\n  children:\n    nfs_server:\n      hosts:\n        localhost:\n"
+        "          ansible_connection: local\n          ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
+    (tmp_path / "play.yml").write_text(
+        "- hosts: nfs_server\n  gather_facts: false\n  roles:\n    - role: nfs\n"
+        f"      vars: {{nfs_export_path: {tmp_path}/export, kvscope_run_dir: {tmp_path}/run}}\n")
+    (tmp_path / "export").mkdir(mode=0o755)  # so --check --diff shows what the role makes of its modes
+    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "ansible" / "roles"), "ANSIBLE_NOCOLOR": "1"}
+    out = subprocess.run([str(PLAYBOOK), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml"), "--check",
+                          "--diff"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    export = next(line for line in out.stdout.splitlines() if line.startswith(f"+{tmp_path}/export "))
+    assert "all_squash,anonuid=64077,anongid=64077" in export and "no_root_squash" not in export
+    assert '+    "mode": "0700",' in out.stdout and '+    "owner": 64077,' in out.stdout
+    assert "0777" not in out.stdout
