@@ -14,12 +14,15 @@ PIP_CV    := -c docker/cpu/constraints.txt
 # costs seconds, not minutes.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL_DIR := models/tiny-qwen3
+MATRIX    ?= loadtests/matrix.yaml
+MODEL     ?= # a Hugging Face model folder of your own; empty: the tiny model `make model` builds
 INVENTORY ?= ansible/inventories/local
 CONFIGS   ?= baseline,control,apc,kvscope-ram,kvscope-fs,kvscope-shared,canary
 SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
 USERS     ?= 2
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
+USER_ARGS  = -e kvscope_matrix=$(abspath $(MATRIX)) $(if $(strip $(MODEL)),-e kvscope_model_dir=$(abspath $(MODEL)))
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 
 # How deploy and bench use the inventory; ansible/bench/<inventory>.mk may override these (netns.mk: hosts
@@ -55,12 +58,12 @@ $(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(VENV)/.ins
 	$(KVSCOPE) build-model --out $(MODEL_DIR)
 
 ##@ Deployment
-validate: $(VENV)/.installed ## validate the storage-config matrix
-	$(KVSCOPE) validate --configs $(CONFIGS)
+validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=...)
+	$(KVSCOPE) --matrix $(MATRIX) validate --configs $(CONFIGS)
 
-deploy: setup model ## start one vLLM server per config in CONFIGS on INVENTORY's hosts
+deploy: setup $(if $(strip $(MODEL)),,model) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=)
 	$(PRE_DEPLOY)
-	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(ON_CRASH)
+	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(USER_ARGS) $(ON_CRASH)
 
 status: $(VENV)/.installed ## list the deployed servers and whether they are healthy
 	$(KVSCOPE) status --run-dir runs/local

@@ -34,7 +34,7 @@ def prompts(tag: str, n: int = 3) -> list[str]:
 
 
 def complete(port: int, prompt: str, max_tokens: int = 16) -> tuple[list[int], int]:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": max_tokens > 16, "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})

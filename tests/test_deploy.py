@@ -26,7 +26,7 @@ def get(url: str) -> bytes:
 
 
 def complete(port: int, prompt: str, max_tokens: int = 12, key: str | None = None) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = json.dumps({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json",
@@ -50,7 +50,7 @@ def test_each_server_answers_models_metrics_and_a_greedy_completion(deployment, 
         assert len(srv["model_hash"]) == 64
         assert servers.alive(srv["pid"])
         models = json.loads(get(f"http://127.0.0.1:{srv['port']}/v1/models"))
-        assert models["data"][0]["id"] == "tiny"
+        assert models["data"][0]["id"] == "tiny-qwen3"  # the model folder's name
         assert b"vllm:prefix_cache_queries" in get(f"http://127.0.0.1:{srv['port']}/metrics")
         out = complete(srv["port"], "The for statement is used to iterate over")
         assert out["usage"]["completion_tokens"] == 12

@@ -67,6 +67,9 @@ def test_shipped_matrix_has_the_three_first_configs():
         (lambda d: d["platforms"]["cpu"].update(env={"A B": "1"}), "platform 'cpu': field 'env.A B"),
         (lambda d: cfg(d, "apc")["flags"].update({"--api-key": "sk-1"}), "'--api-key' is set by kvscope itself"),
         (lambda d: d.update(platforms=["cpu"]), "field 'platforms' must be a mapping of platform to server defaults"),
+        (lambda d: cfg(d, "apc").update(packages=["--index-url=http://evil.example"]), "config 'apc': field 'packages'"),
+        (lambda d: cfg(d, "apc").update(packages=["conn @ https://evil.example/c.whl"]), "direct URLs are not allowed"),
+        (lambda d: cfg(d, "apc").update(python_path=["no-such-folder"]), "config 'apc': field 'python_path': "),
     ],
 )
 def test_mistakes_name_the_config_and_the_field(tmp_path, doc, mutate, expected):
@@ -96,7 +99,7 @@ def test_render_merges_platform_flags_and_fills_store_paths(tmp_path):
     ktc = args[args.index("--kv-transfer-config") + 1]
     assert f'"shared_storage_path": "{tmp_path}/stores/example-fs/kv"' in ktc
     assert out.stores == {"kv": f"{tmp_path}/stores/example-fs/kv"}
-    assert out.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and out.served_model_name == "tiny"
+    assert out.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and out.served_model_name == "model"  # the model folder's name
 
 
 def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
@@ -154,3 +157,23 @@ def test_a_config_deployed_on_two_hosts_is_refused(tmp_path):
     assert found[0].run_dir == str(tmp_path / "a")  # where the bench finds the server's log
     with pytest.raises(matrix.ConfigError, match="more than one host"):
         run([tmp_path / h / "deployment.json" for h in ("a", "b")], tmp_path, tmp_path, [], [])
+
+
+def test_a_connector_of_your_own_comes_from_a_folder_beside_the_matrix_or_a_package(tmp_path, doc):
+    (tmp_path / "my-connectors").mkdir()
+    cfg(doc, "apc").update(python_path=["my-connectors"], packages=["xxhash>=3"])
+    m = matrix.load(write(tmp_path, doc))
+    assert m.get("apc").python_path == [str(tmp_path / "my-connectors")]
+    out = render(m, m.get("apc"), "cpu", tmp_path / "model", tmp_path / "stores", "127.0.0.1")
+    assert out.env["PYTHONPATH"] == str(tmp_path / "my-connectors") and out.packages == ["xxhash>=3"]
+
+
+def test_a_folder_that_is_not_a_model_is_named_before_anything_starts(tmp_path, model_dir):
+    from kvscope.config.render import model_errors
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("[]")
+    assert model_errors(tmp_path / "m") == ["config.json names no architectures or model_type",
+                                            "no tokenizer.json (kvscope sizes every workload with the model's own "
+                                            "tokenizer)", "no weights (*.safetensors or *.bin)"]
+    assert model_errors(model_dir) == []

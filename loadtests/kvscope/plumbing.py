@@ -13,7 +13,7 @@ from pathlib import Path
 from kvscope import artifacts
 from kvscope.cli import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
-from kvscope.config.render import parse_overrides, render
+from kvscope.config.render import model_errors, parse_overrides, render
 from kvscope.deploy import servers
 
 
@@ -21,8 +21,9 @@ def cmd_render(args) -> int:
     m = matrix_mod.load(args.matrix)
     chosen = matrix_mod.select(m, names(args.configs), args.platform)
     model = Path(args.model).resolve()
-    if not (model / "config.json").is_file():
-        raise matrix_mod.ConfigError(f"model folder {model} has no config.json: run `make model` first")
+    if errors := model_errors(model):
+        raise matrix_mod.ConfigError(f"model {model} cannot be served: {'; '.join(errors)} "
+                                     "(the tiny default: `make model`; your own: MODEL=/path/to/hf-model)")
     store_root = Path(args.run_dir).resolve() / "stores"
     overrides = parse_overrides(args.overrides)
     rendered = artifacts.Rendered(kvscope_servers=[

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
+from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvscope.artifacts import Role
@@ -101,6 +102,12 @@ class StorageConfig(Strict):
         default_factory=list, description="store dirs shared with every config that names them, wiped on reset"
     )
     stores: list[StoreName] = Field(default_factory=list, description="store dirs it owns, wiped on reset")
+    python_path: list[str] = Field(
+        default_factory=list, description="folders put first on the server's Python path (a connector of your "
+        "own that is not installed; relative to the matrix file)")
+    packages: list[str] = Field(
+        default_factory=list, description="requirements installed into the serving environment before the server "
+        "starts (process runtime), e.g. 'lmcache==0.5.6'")
     store_reset: Literal["wipe", "keep"] = Field(
         "wipe", description="keep: never wipe the stores under the live server (a connector that keeps its own "
         "state in them); the server's own reset endpoint is still called")
@@ -116,6 +123,18 @@ class StorageConfig(Strict):
         if missing:
             raise ValueError(f"kv_transfer_config uses store(s) {sorted(missing)} that are not listed here")
         return stores
+
+    @field_validator("packages")
+    @classmethod
+    def _requirements(cls, packages: list[str]) -> list[str]:
+        for spec in packages:
+            try:
+                Requirement(spec)  # a name and a version set: never a pip option or a URL
+            except InvalidRequirement as exc:
+                raise ValueError(f"'{spec}' is not a requirement ({exc})") from exc
+            if "@" in spec:
+                raise ValueError(f"'{spec}': direct URLs are not allowed; use python_path for a local folder")
+        return packages
 
     @model_validator(mode="after")
     def _role_rules(self) -> StorageConfig:
@@ -197,6 +216,10 @@ def load(path: Path) -> Matrix:
     for key in set(raw) - {"platforms", "configs"}:
         errors.append(f"{path}: field '{key}': unknown key")
     errors.extend(_cross_config_errors(configs))
+    for cfg in configs:  # python_path: relative to the matrix file, and there
+        cfg.python_path = [str((Path(path).parent / p).resolve()) for p in cfg.python_path]
+        errors += [f"config '{cfg.name}': field 'python_path': {p} is not a folder" for p in cfg.python_path
+                   if not Path(p).is_dir()]
     if errors or matrix is None:
         raise ConfigError("\n".join(errors))
     if sum(c.role == "golden" for c in matrix.configs) != 1:

@@ -12,8 +12,6 @@ from pathlib import Path
 from kvscope.artifacts import RenderedServer
 from kvscope.config.matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors, flag_errors
 
-SERVED_MODEL_NAME = "tiny"
-
 
 def _flag_args(flags: dict) -> list[str]:
     args: list[str] = []
@@ -63,11 +61,11 @@ def render(
     overrides: dict | None = None, port_offset: int = 0,
 ) -> RenderedServer:
     """Everything a runtime needs to start `cfg`; `port_offset` moves its port (a second deployment beside
-    one on the matrix's ports)."""
+    one on the matrix's ports). The model is served under its folder's name."""
     defaults = matrix.platforms[platform]
     stores = store_paths(cfg, store_root)
     port = cfg.port + port_offset
-    args = ["--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME, "--host", host, "--port", str(port)]
+    args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
     flags = {**defaults.flags, **cfg.flags, **(overrides or {})}
     if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
         raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
@@ -76,6 +74,27 @@ def render(
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]
+    env = {**defaults.env, **cfg.env}
+    if cfg.python_path:  # a connector from the user's own directory, ahead of the platform's path
+        env["PYTHONPATH"] = ":".join(cfg.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return RenderedServer(config=cfg.name, role=cfg.role, port=port, platform=platform,
-                          served_model_name=SERVED_MODEL_NAME, server_args=args, env={**defaults.env, **cfg.env},
-                          stores=stores, store_reset=cfg.store_reset, faults=list(cfg.faults))
+                          served_model_name=model_dir.name, server_args=args, env=env, stores=stores,
+                          store_reset=cfg.store_reset, faults=list(cfg.faults), packages=list(cfg.packages))
+
+
+def model_errors(model_dir: Path) -> list[str]:
+    """Why a folder is not a model vLLM can serve with its tokenizer ([] when it is)."""
+    if not model_dir.is_dir():
+        return [f"{model_dir} is not a folder"]
+    errors = []
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        if not isinstance(config, dict) or not (config.get("architectures") or config.get("model_type")):
+            errors.append("config.json names no architectures or model_type")
+    except (OSError, ValueError) as exc:
+        errors.append(f"no readable config.json ({type(exc).__name__})")
+    if not (model_dir / "tokenizer.json").is_file():
+        errors.append("no tokenizer.json (kvscope sizes every workload with the model's own tokenizer)")
+    if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
+        errors.append("no weights (*.safetensors or *.bin)")
+    return errors
