@@ -165,7 +165,7 @@ def test_a_connector_of_your_own_comes_from_a_folder_beside_the_matrix_or_a_pack
     m = matrix.load(write(tmp_path, doc))
     assert m.get("apc").python_path == [str(tmp_path / "my-connectors")]
     out = render(m, m.get("apc"), "cpu", tmp_path / "model", tmp_path / "stores", "127.0.0.1")
-    assert out.env["PYTHONPATH"] == str(tmp_path / "my-connectors") and out.packages == ["xxhash>=3"]
+    assert out.env["PYTHONPATH"] == str(tmp_path / "my-connectors") and out.install == ["xxhash>=3"]
 
 
 def test_a_folder_that_is_not_a_model_is_named_before_anything_starts(tmp_path, model_dir):

@@ -54,7 +54,7 @@ class RenderedServer(Artifact):
     stores: dict[str, str] = Field(default_factory=dict)
     store_reset: Literal["wipe", "keep"] = "wipe"
     faults: list[str] = Field(default_factory=list)
-    packages: list[str] = Field(default_factory=list)  # installed into the serving environment before it starts
+    install: list[str] = Field(default_factory=list)  # the config's packages, installed before the server starts
 
     @model_validator(mode="before")
     @classmethod
