@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -191,5 +193,49 @@ def test_an_api_key_guards_the_servers_every_kvscope_client_sends_it_and_it_is_n
         assert any(p.name == "server.log" for p in written)
         assert [p for p in written if key.encode() in p.read_bytes()] == []
         assert key not in deploy.stdout + bench.stdout + bench.stderr
+    finally:
+        ansible("teardown.yml", run_dir)
+
+
+MY_CONNECTOR = """from kvscope_connector import KVScopeConnector
+
+
+class MyConnector(KVScopeConnector):
+    \"\"\"A team's own connector from a folder outside kvscope (here: kvscope's own, under another name).\"\"\"
+"""
+
+
+def test_your_own_matrix_connector_folder_and_model_deployed_and_scored(tmp_path, model_dir):
+    mine = tmp_path / "team"
+    (mine / "connectors").mkdir(parents=True)
+    (mine / "connectors" / "my_connectors.py").write_text(MY_CONNECTOR)
+    model = shutil.copytree(model_dir, mine / "my-model")  # a model of one's own, by path
+    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    baseline = next(c for c in doc["configs"] if c["name"] == "baseline")
+    doc["configs"] = [dict(baseline, port=8170), {
+        "name": "my-tier", "description": "a connector that is not installed, from the team's folder",
+        "platforms": ["cpu"], "port": 8171, "python_path": ["connectors"], "packages": ["xxhash>=3"],
+        "stores": ["blocks"], "kv_transfer_config": {
+            "kv_connector": "MyConnector", "kv_connector_module_path": "my_connectors",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"ram_bytes": 0, "fs_path": "{store:blocks}"}}}]
+    (mine / "matrix.yaml").write_text(yaml.safe_dump(doc))
+    run_dir, results = tmp_path / "run", tmp_path / "results"
+    try:
+        deploy = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={mine / 'matrix.yaml'}",
+                         "-e", f"kvscope_model_dir={model}", "-e", "vllm_configs=baseline,my-tier")
+        assert deploy.returncode == 0, deploy.stdout[-4000:]
+        deployed = servers_of(run_dir)
+        assert {s["served_model_name"] for s in deployed.values()} == {"my-model"}
+        assert deployed["my-tier"]["env"]["PYTHONPATH"] == str(mine / "connectors")
+        (tmp_path / "small.yaml").write_text("scenarios:\n  - {name: rag-small, kind: rag, num_docs: 6, "
+                                             "doc_tokens_median: 120, docs_per_query: 2, num_queries: 8}\n")
+        bench = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--deployment",
+                                str(run_dir / "deployment.json"), "--results", str(results), "--scenarios-file",
+                                str(tmp_path / "small.yaml"), "--scenarios", "rag-small", "--run-id", "mine",
+                                "--report", "--min-hits", "3"], cwd=REPO, capture_output=True, text=True, timeout=900)
+        verdicts = {r["config"]: r for r in csv.DictReader((results / "mine" / "verdicts.csv").open())}
+        assert verdicts["my-tier"]["verdict"] == "PASS", bench.stdout[-3000:] + bench.stderr[-3000:]
+        assert int(verdicts["my-tier"]["verified_hits"]) >= 3
     finally:
         ansible("teardown.yml", run_dir)
