@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import secrets
 import shutil
 import socket
@@ -135,6 +136,7 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
         result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
                          "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}')
         assert result.returncode != 0 and "These configs failed to deploy: apc" in result.stdout
+        assert "RETRYING" not in result.stdout and re.search(r"\d+ s  healthy", result.stdout)  # one line a state
         # the bench's deploy records the crash and goes on, so the report has the config's CRASHED row
         result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
                          "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}', "-e", "vllm_fail_on_crash=false")

@@ -41,6 +41,12 @@ def cmd_probe(args) -> int:
     return code
 
 
+def cmd_wait(args) -> int:
+    code, lines = servers.wait(Path(args.pid_file), args.port, args.host, args.timeout_s, args.poll_s)
+    print("\n".join(lines))
+    return code
+
+
 def cmd_stop(args) -> int:
     pid_file = Path(args.pid_file)
     print(f"{pid_file}: {servers.stop(pid_file, args.grace_s)}")
@@ -100,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--host", default="127.0.0.1")
     s.set_defaults(func=cmd_probe)
+
+    s = sub.add_parser("wait", help="probe until healthy, dead or timed out; print each change of state once")
+    s.add_argument("--pid-file", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--timeout-s", type=float, default=600.0)
+    s.add_argument("--poll-s", type=float, default=2.0)
+    s.set_defaults(func=cmd_wait)
 
     s = sub.add_parser("stop", help="stop the process group recorded in a pid file")
     s.add_argument("--pid-file", required=True)

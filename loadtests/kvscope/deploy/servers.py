@@ -160,6 +160,25 @@ def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> tuple[int, str]
         return STARTING, "starting"
 
 
+def wait(pid_file: Path, port: int, host: str = "127.0.0.1", timeout_s: float = 600.0,
+         poll_s: float = 2.0) -> tuple[int, list[str]]:
+    """Probe until the server is healthy, dead or out of time; (the last probe's code, one line per change
+    of state with the seconds since the wait began). Out of time is STARTING."""
+    started_at, lines, last = time.monotonic(), [], None
+    while True:
+        code, message = probe(pid_file, port, host)
+        elapsed = time.monotonic() - started_at
+        if message != last:
+            lines.append(f"{elapsed:5.0f} s  {message}")
+            last = message
+        if code != STARTING:
+            return code, lines
+        if elapsed >= timeout_s:
+            lines.append(f"{elapsed:5.0f} s  not healthy after {timeout_s:.0f} s")
+            return code, lines
+        time.sleep(poll_s)
+
+
 def stop(pid_file: Path, grace_s: float = 30.0) -> str:
     """Stop the process group started under `pid_file`: SIGTERM, then SIGKILL after `grace_s`. A stale pid
     file (its process gone, its pid reused) is removed without signalling anyone."""
