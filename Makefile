@@ -65,8 +65,8 @@ deploy: setup $(if $(strip $(MODEL)),,model) ## start one vLLM server per config
 	$(PRE_DEPLOY)
 	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(USER_ARGS) $(ON_CRASH)
 
-status: $(VENV)/.installed ## list the deployed servers and whether they are healthy
-	$(KVSCOPE) status --run-dir runs/local
+status: $(VENV)/.installed ## list the deployed servers on INVENTORY's hosts and whether they are healthy
+	$(PLAYBOOK) ansible/status.yml
 
 teardown: $(VENV)/.installed ## stop exactly the servers deploy started
 	$(PLAYBOOK) ansible/teardown.yml
@@ -83,7 +83,7 @@ lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansi
 	cd loadtests && ../$(VENV)/bin/mypy kvscope
 	cd connector && ../$(VENV)/bin/mypy kvscope_connector
 	$(VENV)/bin/hadolint docker/*/Dockerfile
-	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml
+	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml status.yml
 
 ##@ Benchmark
 bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up is reported as CRASHED

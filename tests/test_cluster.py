@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -69,6 +70,9 @@ def test_deploy_bench_with_distributed_locust_collect_and_teardown_across_hosts(
         where = {s["config"]: s["host"] for d in deployments for s in json.loads(d.read_text())["servers"]}
         assert where == {"baseline": "10.77.0.11", "apc": "10.77.0.11",
                          "kvscope-fs": "10.77.0.12", "kvscope-ram": "10.77.0.12"}
+        status = playbook("status.yml", run_root)  # `make status INVENTORY=...`: every host's servers
+        assert status.returncode == 0 and all(re.search(rf"{c}\s+port \d+\s+pid \d+\s+healthy", status.stdout)
+                                              for c in where), status.stdout[-3000:]
 
         (tmp_path / "small.yaml").write_text(SMALL)
         bench = subprocess.run(

@@ -339,8 +339,9 @@ def status(run_dir: Path) -> list[dict]:
     rows = []
     for pid_file in sorted(Path(run_dir).glob("*/server.pid")):
         manifest_file = pid_file.parent / "manifest.json"
-        port = read_json(manifest_file, Manifest).port if manifest_file.exists() else None
-        code = probe(pid_file, port)[0] if port else (STARTING if started(pid_file) else NOT_RUNNING)
+        doc = read_json(manifest_file, Manifest) if manifest_file.exists() else None
+        port = doc.port if doc else None
+        code = probe(pid_file, doc.port, doc.host)[0] if doc else (STARTING if started(pid_file) else NOT_RUNNING)
         state = {HEALTHY: "healthy", STARTING: "running, not healthy", NOT_RUNNING: "dead (stale pid file)",
                  PORT_TAKEN: "dead; its port is held by another process"}[code]
         rows.append({"config": pid_file.parent.name, "port": port, "pid": read_pid(pid_file), "state": state})
