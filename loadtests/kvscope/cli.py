@@ -64,11 +64,20 @@ def cmd_bench(args) -> int:
             raise matrix_mod.ConfigError("--worker-hosts needs --master-host: the address workers reach this host at")
         remote = {"hosts": names(args.worker_hosts), "ssh_config": args.ssh_config, "master_host": args.master_host}
     signal.signal(signal.SIGTERM, _terminated)  # a stopped bench says so in its run folder, as after Ctrl-C
+    endpoints = None
+    if args.endpoint or args.golden:
+        from kvscope.run import endpoints as endpoints_mod
+
+        if not (args.endpoint and args.golden):
+            raise matrix_mod.ConfigError("--endpoint and --golden go together: the servers under test and the "
+                                         "cache-off reference their answers are compared with")
+        endpoints = endpoints_mod.treatments(names(args.endpoint), args.golden, args.control, Path(args.model_dir))
     try:
         folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
                                 names(args.configs), names(args.scenarios_list), users=args.users,
                                 processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
-                                command=" ".join(sys.argv), run_id=args.run_id, remote=remote, resume=args.resume)
+                                command=" ".join(sys.argv), run_id=args.run_id, remote=remote, resume=args.resume,
+                                endpoints=endpoints)
     except treatments.Interrupted as exc:
         if exc.exit_code == 1:
             traceback.print_exception(exc.__cause__)
@@ -129,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")
     s.add_argument("--deployment", default="runs/local/deployment.json",
                    help="deployment.json of each host, comma-separated")
+    s.add_argument("--endpoint", default="", metavar="[NAME=]URL,...",
+                   help="bench OpenAI-compatible servers kvscope did not deploy (instead of --deployment)")
+    s.add_argument("--golden", default="", metavar="[NAME=]URL", help="with --endpoint: the cache-off reference")
+    s.add_argument("--control", default=None, metavar="[NAME=]URL",
+                   help="with --endpoint: a second cache-off server, to measure the noise floor")
+    s.add_argument("--model-dir", default="models/tiny-qwen3",
+                   help="with --endpoint: a folder with the served model's tokenizer.json")
     s.add_argument("--results", default="results")
     s.add_argument("--scenarios-file", dest="scenarios", default=str(HARNESS / "scenarios.yaml"))
     s.add_argument("--configs", default="", help="comma-separated; default every deployed config")

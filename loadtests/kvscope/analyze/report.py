@@ -409,6 +409,13 @@ GATE_WORDS = {verdicts.GATE_OK: "every verdict as expected (exit 0)",
               verdicts.GATE_INCONCLUSIVE: "inconclusive: nothing failed, but not everything was verified (exit 3)"}
 
 
+def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
+    """Configs with a cache whose reset did not succeed before some treatment, with what the server answered."""
+    cached = {s.config for s in run.servers if s.role in ("candidate", "canary")}
+    return {row.config: str(row.reset.get("reset_prefix_cache_http")) for row in status
+            if row.config in cached and row.reset and row.reset.get("reset_prefix_cache_http") != 200}
+
+
 def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
     run, summary, scores, floor = a.run, a.summary, a.scores, a.floor
     m = run.machine
@@ -429,6 +436,9 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
             "speedup_hits_median"]
     lines += [_md_table(v[cols]), ""]
     lines += [f"- `{c.config}`: **did not start** ({c.why}): `{c.error}`" for c in run.crashed]
+    lines += [f"- `{config}`: **cache state not controlled**: its cache could not be reset before a treatment "
+              f"(`/reset_prefix_cache` answered {answer}); earlier requests may have warmed it"
+              for config, answer in uncontrolled(run, a.status).items()]
     lines += ["", "## How strong the verdict is", ""]
     measured = "not measured" if floor["noise_nats"] is None else f"{floor['noise_nats']:.3g} nat"
     lines += [f"- Noise floor: the control's answers ({floor['control_answers']}) and golden's own answers scored "

@@ -47,7 +47,7 @@ LOCUSTFILE = HARNESS / "locustfile.py"
 
 
 def _post(url: str, timeout: float = 60) -> int:
-    req = urllib.request.Request(url, data=b"", method="POST")
+    req = urllib.request.Request(url, data=b"", method="POST", headers=auth.headers())
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status
@@ -226,11 +226,14 @@ def _done(status_path: Path) -> set[tuple[str, str]]:
 
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
-        command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False) -> Path:
+        command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False,
+        endpoints: list[Treatment] | None = None) -> Path:
+    """Run every scenario on every chosen server, deployed (`deployments`) or given as `endpoints`; return
+    the run folder."""
     if remote and auth.api_key() and not os.environ.get(auth.KEY_FILE_ENV):
         raise ConfigError(f"Locust workers on other hosts read the API key from a file: set {auth.KEY_FILE_ENV} (the "
                           f"same path on every host) instead of {auth.KEY_ENV}; a key never goes on a command line")
-    found, failed = load_deployments(deployments)
+    found, failed = load_deployments(deployments) if endpoints is None else (endpoints, {})
     by_name = {s.config: s for s in found}
     if len(by_name) != len(found):
         raise ConfigError("the same config is deployed on more than one host; give each host its own configs")
