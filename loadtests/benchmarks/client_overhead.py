@@ -67,8 +67,9 @@ def vllm_bench(port: int, users: int, tokens: int, model_dir: str) -> str:
     """`vllm bench serve` against the same server at the same concurrency: its throughput and median TTFT."""
     cmd = [str(REPO / ".venv-vllm" / "bin" / "python"), str(HERE / "vllm_bench_shim.py"), "bench", "serve",
            "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
-           "--model", "tiny", "--tokenizer", model_dir, "--dataset-name", "random", "--random-input-len", "16",
-           "--random-output-len", str(tokens), "--num-prompts", str(users * 16), "--max-concurrency", str(users),
+           "--model", Path(model_dir).name, "--tokenizer", model_dir, "--dataset-name", "random",
+           "--random-input-len", "16", "--random-output-len", str(tokens), "--num-prompts", str(users * 16),
+           "--max-concurrency", str(users),
            "--ignore-eos"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
     found = dict(re.findall(r"^(Output token throughput \(tok/s\)|Median TTFT \(ms\)):\s+([\d.]+)", out, re.M))
