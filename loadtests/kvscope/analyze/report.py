@@ -467,10 +467,11 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
     for s in run.servers:
         args = s.server_args
         ktc = args[args.index("--kv-transfer-config") + 1] if "--kv-transfer-config" in args else "–"
-        skip = {args.index("--model") + 1} | ({args.index("--kv-transfer-config") + 1} if ktc != "–" else set())
+        skip = {i + 1 for i, a in enumerate(args) if a in ("--model", "--kv-transfer-config")}
         flags = " ".join(a for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))
-        lines.append(f"| {s.config} | {s.role} | {s.port} | `{flags}` | `{ktc}` |")
+        flags = f"`{flags}`" if args else "not known (an endpoint kvscope did not deploy)"
+        lines.append(f"| {s.config} | {s.role} | {s.port} | {flags} | `{ktc}` |")
     lines += ["", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "
               "tokens (warm). Hit rates are token shares: per request (server usage), from /metrics counter "
