@@ -89,7 +89,7 @@ lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansi
 bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up is reported as CRASHED
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
-	$(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
+	KVSCOPE_COMMAND="make $(MAKECMDGOALS) $(MAKEOVERRIDES)" $(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
 	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>

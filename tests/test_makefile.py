@@ -27,3 +27,8 @@ def test_a_users_matrix_and_model_reach_the_deployment(tmp_path):
     assert f"-e kvscope_matrix={tmp_path}/m.yaml" in deploy and f"-e kvscope_model_dir={tmp_path}/my-model" in deploy
     bench = next(x for x in dry_run("bench").splitlines() if "deploy.yml" in x)
     assert "vllm_fail_on_crash=false" in bench and "kvscope_model_dir" not in bench
+
+
+def test_bench_records_the_command_as_the_user_typed_it():
+    line = next(x for x in dry_run("bench", "RUN_ID=r1", "USERS=4").splitlines() if "kvscope.cli bench" in x)
+    assert line.startswith('KVSCOPE_COMMAND="make bench') and "RUN_ID=r1" in line and "USERS=4" in line

@@ -73,7 +73,8 @@ def test_report_passes_when_the_canary_fails_and_the_rest_are_identical(tmp_path
     for name in ("summary.csv", "scores.csv", "verdicts.csv", "power.csv", "ttft_cdf.png", "ttft_vs_cached.png",
                  "hit_rates.png", "fidelity_matrix.png"):
         assert (run / name).stat().st_size > 0, name
-    assert "vLLM 0.32.0" in md and "kvscope bench (test)" in md
+    assert "vLLM 0.32.0" in md and "kvscope bench (test)" in md and "- load: users 1;" in md
+    assert "<details><summary>Server flags per config</summary>" in md  # folded: the summary comes first
     scorer = json.loads((run / "run.json").read_text())["scorer"]
     assert scorer["version"] == fidelity.SCORER_VERSION and scorer["noise_nats"] == 0.0
 

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import signal
 import sys
 import traceback
@@ -76,7 +78,8 @@ def cmd_bench(args) -> int:
         folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
                                 names(args.configs), names(args.scenarios_list), users=args.users,
                                 processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
-                                command=" ".join(sys.argv), run_id=args.run_id, remote=remote, resume=args.resume,
+                                command=os.environ.get("KVSCOPE_COMMAND") or "kvscope " + shlex.join(sys.argv[1:]),
+                                run_id=args.run_id, remote=remote, resume=args.resume,
                                 endpoints=endpoints)
     except treatments.Interrupted as exc:
         if exc.exit_code == 1:

@@ -461,18 +461,20 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
               f"(served as `{first.served_model_name}`) sha256 `{first.model_hash[:16]}…`, KV capacity "
               f"{first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
               f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}",
-              f"- load: {run.load}; workload digest `{workload_digest(folder)}`",
+              f"- load: {', '.join(f'{k} {v}' for k, v in run.load.items())}; workload digest "
+              f"`{workload_digest(folder)}`",
               f"- command: `{run.command}`", ""]
+    lines += ["<details><summary>Server flags per config</summary>", ""]
     lines += ["| config | role | port | flags | kv-transfer-config |", "|---|---|---|---|---|"]
     for s in run.servers:
         args = s.server_args
         ktc = args[args.index("--kv-transfer-config") + 1] if "--kv-transfer-config" in args else "–"
         skip = {i + 1 for i, a in enumerate(args) if a in ("--model", "--kv-transfer-config")}
-        flags = " ".join(a for i, a in enumerate(args)
+        flags = " ".join(a if len(a) <= 60 else f"{a[:40]}…({len(a)} characters)" for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))
         flags = f"`{flags}`" if args else "not known (an endpoint kvscope did not deploy)"
         lines.append(f"| {s.config} | {s.role} | {s.port} | {flags} | `{ktc}` |")
-    lines += ["", "## Speed and hit rate per config and scenario", ""]
+    lines += ["", "</details>", "", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "
               "tokens (warm). Hit rates are token shares: per request (server usage), from /metrics counter "
               "deltas, and theoretical (the run's block trace through an LRU of the server's capacity).", ""]

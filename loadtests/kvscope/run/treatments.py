@@ -116,8 +116,9 @@ def gpus() -> str | None:
 
 
 def run_locust(server: Treatment, workload: Path, records: Path, users: int, processes: int, rate: float,
-               timeout_s: float, remote: dict | None = None) -> dict:
-    """One headless Locust run of a workload file against one server; returns its status row.
+               timeout_s: float, remote: dict | None = None, stats: Path | None = None) -> dict:
+    """One headless Locust run of a workload file against one server; returns its status row. With `stats`,
+    Locust's own CSV tables and HTML report are kept under that prefix.
 
     remote = {"hosts": [...], "ssh_config": path, "master_host": address}: Locust's distributed mode across
     hosts: this process is the master, one worker per host started over ssh with the same options (the
@@ -134,6 +135,9 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
         kvscope_args.append("--kvscope-prompt-ids")
     cmd = [sys.executable, "-m", "locust", *kvscope_args, "--headless", "-u", str(users), "-r", str(users),
            "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING"]
+    if stats is not None:
+        stats.parent.mkdir(parents=True, exist_ok=True)
+        cmd += ["--csv", str(stats), "--html", f"{stats}.html"]
     workers = []
     if remote:
         hosts = remote["hosts"]
@@ -169,11 +173,12 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
             "worker_errors": worker_errors, "sessions_lost": len(lost), "sessions_lost_tail": lost[-3:]}
 
 
-def _phase(server: Treatment, workload: Path, reqs: list[Request], folder: Path, stem: str, opts) -> dict:
+def _phase(server: Treatment, workload: Path, reqs: list[Request], folder: Path, stem: str, phase: str,
+           opts) -> dict:
     base = f"http://{server.host}:{server.port}"
     before = _snapshot(base)
     row = run_locust(server, workload, folder / "records" / f"{stem}.jsonl", opts["users"], opts["processes"],
-                     opts["rate"], opts["timeout_s"], opts["remote"])
+                     opts["rate"], opts["timeout_s"], opts["remote"], folder / "locust" / f"{stem}.{phase}")
     after = _snapshot(base)
     row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
     row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
@@ -338,7 +343,7 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
         if (scenario, phase) in phase_files:
             workload, part = phase_files[scenario, phase]
             print(f", {phase} {len(part)} requests", end="", flush=True)
-            row.phases[phase] = _phase(server, workload, part, folder, stem, opts)
+            row.phases[phase] = _phase(server, workload, part, folder, stem, phase, opts)
     if server.fault:
         row.fault_log = _keep_fault_log(server, folder / "faults" / f"{stem}.jsonl")
     print(f" ({sum(p['seconds'] for p in row.phases.values()):.1f} s)", flush=True)
