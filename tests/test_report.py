@@ -209,3 +209,34 @@ def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_p
     assert "| ucm-blend | candidate | **CRASHED** (unexpected)" in md
     assert "| canary-perturb | canary | **CRASHED** (unexpected)" in md  # a canary that never ran proves nothing
     assert "`ucm-blend`: **did not start** (process died): `Connector UCMBlendConnector" in md
+
+
+def test_the_summary_comes_first_with_numbers_checked_by_hand(tmp_path):
+    run = make_run(tmp_path / "run1", four())
+    report.write(run, min_hits=1)
+    md = (run / "report.md").read_text()
+    assert md.index("## Summary") < md.index("## Verdicts")
+    ov = pd.read_csv(run / "overview.csv").set_index("config")
+    apc = ov.loc["apc"]  # two hits, TTFT 100 and 110 ms, golden the same on the same requests
+    assert apc.hits == 2 and apc.hit_ttft_p50_ms == 105.0 and apc.golden_ttft_p50_ms == 105.0
+    assert apc.speedup_hits == 1.0 and apc.speedup_ci95 == "1.00–1.00"
+    assert apc.advice == "safe on 2 verified hits, 1.00x on hits, not measurably faster"
+    assert round(apc.requests_per_s, 2) == 1.33 and apc.output_tokens_per_s == 4.0  # 2 answers, 6 tokens, 1.5 s
+    assert ov.loc["canary-shift"].advice == "wrong KV caught: 2 of 2 hits it broke"
+    assert ov.loc["baseline"].advice == "the cache-off reference"
+
+
+def test_a_speedup_interval_is_a_paired_bootstrap():
+    from kvscope.analyze import overview
+
+    point, low, high = overview.ratio_ci([(0.2, 0.1)] * 10 + [(0.2, 0.05)] * 10)
+    assert point == pytest.approx(0.2 / 0.075) and 2.0 <= low <= point <= high <= 4.0
+    assert overview.ratio_ci([]) is None
+
+
+def test_a_percentile_needs_enough_samples_and_n_stands_beside_it(tmp_path):
+    run = make_run(tmp_path / "run1", four())
+    report.write(run, min_hits=1)
+    s = pd.read_csv(run / "summary.csv").set_index("config").loc["apc"]
+    assert s.n_hit == 2 and s.ttft_p50_ms_hit == 105.0
+    assert pd.isna(s.ttft_p90_ms_hit) and pd.isna(s.ttft_p99_ms_hit)  # 2 samples: no p90, no p99

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from kvscope.analyze import fidelity, hitrate, verdicts
+from kvscope.analyze import fidelity, hitrate, overview, verdicts
 from kvscope.artifacts import (
     ArtifactError,
     FaultEvent,
@@ -72,9 +72,13 @@ def workload_digest(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+# A percentile needs enough samples to mean something: p90 from 10, p99 from 100 (else it is the maximum).
+MIN_SAMPLES = {50: 1, 90: 10, 99: 100}
+
+
 def _pct(values, q) -> float | None:
     values = [v for v in values if v is not None]
-    return float(np.percentile(values, q)) if values else None
+    return float(np.percentile(values, q)) if len(values) >= MIN_SAMPLES.get(q, 1) else None
 
 
 def served_dtype(server: Treatment) -> str | None:
@@ -127,6 +131,7 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
             "config": config, "role": server.role, "scenario": scenario,
             "requests": len(measure), "failed": len(measure) - len(ok),
             "hit_requests": len(hit),
+            "n_miss": len(miss), "n_hit": len(hit),
             "ttft_p50_ms_all": _ms(_pct([r.ttft_s for r in ok], 50)),
             "ttft_p50_ms_miss": _ms(_pct([r.ttft_s for r in miss], 50)),
             "ttft_p90_ms_miss": _ms(_pct([r.ttft_s for r in miss], 90)),
@@ -349,6 +354,7 @@ class Analysis(NamedTuple):
     summary: pd.DataFrame
     power: pd.DataFrame
     verdicts: pd.DataFrame
+    overview: pd.DataFrame
 
 
 def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
@@ -366,7 +372,8 @@ def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     crashed = crashed_verdicts(run)
     if len(crashed):
         table = pd.concat([table, crashed], ignore_index=True)
-    return Analysis(run, status, recs, floor, scores, summary, power, table)
+    return Analysis(run, status, recs, floor, scores, summary, power, table,
+                    overview.table(run, recs, table, summary, power))
 
 
 def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
@@ -378,6 +385,7 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     a.scores.to_csv(folder / "scores.csv", index=False)
     a.summary.to_csv(folder / "summary.csv", index=False)
     a.verdicts.to_csv(folder / "verdicts.csv", index=False)
+    a.overview.to_csv(folder / "overview.csv", index=False)
     a.power.to_csv(folder / "power.csv", index=False)
     pngs = plots(folder, a.summary, a.recs)
     (folder / "report.md").write_text(_markdown(a, pngs, folder))
@@ -424,12 +432,22 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
     if run.interrupted:
         lines += [f"**This run is incomplete: it stopped early ({run.interrupted}).** The treatments it finished "
                   "are scored below; continue it with `make bench RESUME=1 RUN_ID=" + run.run_id + "`.", ""]
+    lines += ["## Summary", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
+    ov = a.overview.copy()
+    ov["verdict"] = [f"**{x}**" for x in ov.verdict]
+    lines += [_md_table(ov[["config", "verdict", "advice", "hits", "hit_ttft_p50_ms", "golden_ttft_p50_ms",
+                            "speedup_hits", "speedup_ci95", "hit_rate", "hit_rate_theoretical", "requests_per_s",
+                            "output_tokens_per_s"]]), ""]
+    lines += ["`hits`: measured requests that reused cached tokens; TTFT p50 of those hits and of golden's answers "
+              "to the same requests; `speedup_hits` = golden / config on those requests, with a 95 % bootstrap "
+              "interval; hit rates are token shares, measured per request and theoretical (an LRU of the "
+              "server's capacity); throughput over the measure phases.", ""]
     lines += ["Every figure here is computed from this folder's raw records (`records/*.jsonl`) by "
               f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
               "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "
               "logprobs wherever the tokens agree; speed-up = golden TTFT p50 / config TTFT p50 on the same "
               "requests (>1 is faster).", ""]
-    lines += ["## Verdicts", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
+    lines += ["## Verdicts", ""]
     v = a.verdicts.copy()
     v["verdict"] = [f"**{x}**" + ("" if ok else " (unexpected)") for x, ok in zip(v.verdict, v.as_expected)]
     cols = ["config", "role", "verdict", "why", "verified_hits", "fail_requests", "scored", "max_dev",
@@ -476,10 +494,11 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
         lines.append(f"| {s.config} | {s.role} | {s.port} | {flags} | `{ktc}` |")
     lines += ["", "</details>", "", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "
-              "tokens (warm). Hit rates are token shares: per request (server usage), from /metrics counter "
-              "deltas, and theoretical (the run's block trace through an LRU of the server's capacity).", ""]
-    speed_cols = ["config", "scenario", "requests", "failed", "hit_requests", "ttft_p50_ms_miss", "ttft_p90_ms_miss",
-                  "ttft_p99_ms_miss", "ttft_p50_ms_hit", "ttft_p90_ms_hit", "ttft_p99_ms_hit", "itl_p50_ms",
+              "tokens (warm); `n_*` = how many; p90 needs 10 of them and p99 100 (else `–`). Hit rates are "
+              "token shares: per request (server usage), from /metrics counter deltas, and theoretical (the "
+              "run's block trace through an LRU of the server's capacity).", ""]
+    speed_cols = ["config", "scenario", "requests", "failed", "n_miss", "ttft_p50_ms_miss", "ttft_p90_ms_miss",
+                  "ttft_p99_ms_miss", "n_hit", "ttft_p50_ms_hit", "ttft_p90_ms_hit", "ttft_p99_ms_hit", "itl_p50_ms",
                   "e2e_p50_ms", "speedup_hits", "speedup_all"]
     lines += [_md_table(summary[speed_cols]), ""]
     hit_cols = ["config", "scenario", "hit_rate_per_request", "hit_rate_counters", "hit_rate_counters_local",

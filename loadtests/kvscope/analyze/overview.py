@@ -1,0 +1,111 @@
+"""The report's first screen: for each config, is it safe, how much faster, and how sure — in ms, with n and
+95 % confidence intervals, and one sentence of advice.
+
+Speed-ups are paired: the same requests' golden TTFT over the config's, on the config's cache hits; the
+interval is a percentile bootstrap over those requests (seeded, so a report is reproducible).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from kvscope.artifacts import Record, RunInfo
+
+BOOTSTRAP = 2000
+
+
+def ratio_ci(pairs: list[tuple[float, float]], seed: int = 0) -> tuple[float, float, float] | None:
+    """(median golden / median config, 2.5 %, 97.5 %) over resampled request pairs; None without pairs."""
+    if not pairs:
+        return None
+    gold, conf = np.array(pairs).T
+    point = float(np.median(gold) / np.median(conf))
+    idx = np.random.default_rng(seed).integers(0, len(pairs), size=(BOOTSTRAP, len(pairs)))
+    boot = np.median(gold[idx], axis=1) / np.median(conf[idx], axis=1)
+    return point, float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+
+
+def throughput(records: list[Record]) -> tuple[float | None, float | None]:
+    """(requests/s, output tokens/s) of answered measure-phase requests, over the span each scenario ran."""
+    by_scenario: dict[str, list[Record]] = {}
+    for r in records:
+        if r.ok and r.phase == "measure" and r.e2e_s is not None:
+            by_scenario.setdefault(r.scenario, []).append(r)
+    span = sum(max(r.start_unix_s + (r.e2e_s or 0) for r in rs) - min(r.start_unix_s for r in rs)
+               for rs in by_scenario.values())
+    if span <= 0:
+        return None, None
+    done = [r for rs in by_scenario.values() for r in rs]
+    return len(done) / span, sum(len(r.output_token_ids) for r in done) / span
+
+
+def _pairs(run: RunInfo, recs: dict, config: str) -> tuple[list[tuple[float, float]], list[float]]:
+    """(golden, config) TTFT pairs on the config's measured cache hits, and those hits' TTFTs."""
+    golden = run.golden().config
+    pairs, hits = [], []
+    for (c, scenario), records in recs.items():
+        if c != config:
+            continue
+        gold = {r.request_id: r.ttft_s for r in recs.get((golden, scenario), []) if r.ok and r.ttft_s}
+        for r in records:
+            if r.ok and r.phase == "measure" and r.cached_tokens and r.ttft_s:
+                hits.append(r.ttft_s)
+                if r.request_id in gold:
+                    pairs.append((gold[r.request_id], r.ttft_s))
+    return pairs, hits
+
+
+def advice(v, speed: tuple[float, float, float] | None, detected: str) -> str:
+    """One sentence a team can act on, from a verdict row and its speed-up on hits."""
+    if v.verdict == "PASS" and v.role == "candidate":
+        if speed is None:
+            return f"safe on {v.verified_hits} verified hits"
+        point, low, high = speed
+        faster = (f"{point:.1f}x faster on hits" if low > 1 else f"{point:.2f}x on hits, not measurably faster"
+                  if high >= 1 else f"{1 / point:.1f}x slower on hits")
+        return f"safe on {v.verified_hits} verified hits, {faster}"
+    if v.verdict == "PASS":
+        return "within the noise floor, as a second cache-off server should be"
+    if v.verdict == "FAIL" and v.role == "canary":
+        return f"wrong KV caught: {detected}" if v.as_expected else f"wrong KV missed: {v.why}"
+    if v.verdict == "FAIL":
+        return f"unsafe: {v.fail_requests} of {v.scored} scored answers differ from golden's"
+    return {"GOLDEN": "the cache-off reference", "UNVERIFIED": f"not verified: {v.why}",
+            "INCOMPLETE": f"incomplete: {v.why}", "INVALID": f"invalid reference: {v.why}",
+            "CRASHED": f"did not start: {v.why}"}.get(v.verdict, v.why)
+
+
+def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFrame,
+          power: pd.DataFrame) -> pd.DataFrame:
+    """One row per config: verdict, advice, hit TTFT against golden with n and CI, hit rates, throughput."""
+    rows = []
+    for v in verdicts.itertuples():
+        pairs, hits = _pairs(run, recs, v.config)
+        speed = ratio_ci(pairs)
+        part = summary[summary.config == v.config] if len(summary) else summary
+        caught = power[power.config == v.config] if len(power) else power
+        detected = (f"{int(caught.detected.iloc[0])} of {int(caught.affected_hits.iloc[0])} hits it broke"
+                    if len(caught) else "")
+        req_s, tok_s = throughput([r for (c, _), rs in recs.items() if c == v.config for r in rs])
+        rows.append({
+            "config": v.config, "role": v.role, "verdict": v.verdict, "advice": advice(v, speed, detected),
+            "hits": len(hits),
+            "hit_ttft_p50_ms": round(float(np.median(hits)) * 1000, 2) if hits else None,
+            "golden_ttft_p50_ms": round(float(np.median([g for g, _ in pairs])) * 1000, 2) if pairs else None,
+            "speedup_hits": round(speed[0], 2) if speed else None,
+            "speedup_ci95": f"{speed[1]:.2f}–{speed[2]:.2f}" if speed else None,
+            "hit_rate": _weighted(part, "hit_rate_per_request"),
+            "hit_rate_theoretical": _weighted(part, "hit_rate_theoretical"),
+            "requests_per_s": round(req_s, 2) if req_s else None,
+            "output_tokens_per_s": round(tok_s, 1) if tok_s else None,
+        })
+    return pd.DataFrame(rows)
+
+
+def _weighted(part: pd.DataFrame, col: str) -> float | None:
+    """A hit rate over every scenario, each weighted by its requests."""
+    if not len(part) or col not in part or part[col].isna().all():
+        return None
+    ok = part[part[col].notna()]
+    return round(float((ok[col] * ok.requests).sum() / ok.requests.sum()), 3)
