@@ -240,3 +240,21 @@ def test_a_percentile_needs_enough_samples_and_n_stands_beside_it(tmp_path):
     s = pd.read_csv(run / "summary.csv").set_index("config").loc["apc"]
     assert s.n_hit == 2 and s.ttft_p50_ms_hit == 105.0
     assert pd.isna(s.ttft_p90_ms_hit) and pd.isna(s.ttft_p99_ms_hit)  # 2 samples: no p90, no p99
+
+
+def test_the_tier_table_sums_where_tokens_came_from_over_the_measure_phases():
+    from kvscope.analyze import overview
+    from kvscope.artifacts import StatusRow
+
+    def row(scenario, ram, fs, seconds):
+        delta = {"vllm:prompt_tokens_by_source_total{source=local_compute}": 100.0,
+                 "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}": 64.0 * (ram + fs),
+                 "kvscope:connector_ram_hits_total": ram, "kvscope:connector_fs_hits_total": fs,
+                 "kvscope:connector_load_seconds_total": seconds}
+        return StatusRow(config="kvscope-fs", scenario=scenario, phases={"measure": {"metrics_delta": delta},
+                                                                         "prime": {"metrics_delta": delta}})
+
+    t = overview.tiers([row("a", 2.0, 1.0, 0.003), row("b", 0.0, 1.0, 0.001)]).set_index("config").loc["kvscope-fs"]
+    assert (t.tokens_computed, t.tokens_from_connector, t.ram_block_hits, t.disk_block_hits) == (200, 256, 2, 2)
+    assert t.load_ms_per_block == 1.0  # 4 ms over 4 blocks; prime phases are not counted
+    assert "corrupt_blocks" not in t  # zero everywhere: left out

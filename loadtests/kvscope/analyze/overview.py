@@ -109,3 +109,46 @@ def _weighted(part: pd.DataFrame, col: str) -> float | None:
         return None
     ok = part[part[col].notna()]
     return round(float((ok[col] * ok.requests).sum() / ok.requests.sum()), 3)
+
+
+TIER_COLUMNS = {  # counter (summed over a config's measure phases) -> column
+    "vllm:prompt_tokens_by_source_total{source=local_compute}": "tokens_computed",
+    "vllm:prompt_tokens_by_source_total{source=local_cache_hit}": "tokens_from_prefix_cache",
+    "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}": "tokens_from_connector",
+    "vllm:prompt_tokens_cached_by_source_total{source=host}": "cached_from_host",
+    "vllm:prompt_tokens_cached_by_source_total{source=disk}": "cached_from_disk",
+    "vllm:prompt_tokens_cached_by_source_total{source=p2p}": "cached_from_p2p",
+    "kvscope:connector_ram_hits_total": "ram_block_hits",
+    "kvscope:connector_fs_hits_total": "disk_block_hits",
+    "kvscope:connector_misses_total": "block_misses",
+    "kvscope:connector_corrupt_total": "corrupt_blocks",
+    "kvscope:connector_io_errors_total": "io_errors",
+    "kvscope:connector_evictions_total": "evictions",
+    "kvscope:connector_save_errors_total": "save_errors",
+    "vllm:num_preemptions_total": "preemptions",
+}
+
+
+def tiers(status) -> pd.DataFrame:
+    """Where each config's prompt tokens came from, and its connector's counters, over its measure phases;
+    only the columns some config has a non-zero value in."""
+    totals: dict[str, dict[str, float]] = {}
+    for row in status:
+        delta = (row.phases.get("measure") or {}).get("metrics_delta") or {}
+        into = totals.setdefault(row.config, {})
+        for key, column in TIER_COLUMNS.items():
+            into[column] = into.get(column, 0.0) + delta.get(key, 0.0)
+        into["load_s"] = into.get("load_s", 0.0) + delta.get("kvscope:connector_load_seconds_total", 0.0)
+        into["load_blocks"] = into.get("load_blocks", 0.0) + sum(
+            delta.get(f"kvscope:connector_{k}_total", 0.0) for k in ("ram_hits", "fs_hits"))
+    rows = []
+    for config, t in totals.items():
+        blocks = t.pop("load_blocks")
+        load_s = t.pop("load_s")
+        rows.append({"config": config, **{k: int(v) for k, v in t.items()},
+                     "load_ms_per_block": round(load_s / blocks * 1000, 3) if blocks else None})
+    frame = pd.DataFrame(rows)
+    if not len(frame):
+        return frame
+    keep = ["config"] + [c for c in frame.columns[1:] if frame[c].fillna(0).astype(float).any()]
+    return frame[keep]

@@ -501,6 +501,12 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
                   "ttft_p99_ms_miss", "n_hit", "ttft_p50_ms_hit", "ttft_p90_ms_hit", "ttft_p99_ms_hit", "itl_p50_ms",
                   "e2e_p50_ms", "speedup_hits", "speedup_all"]
     lines += [_md_table(summary[speed_cols]), ""]
+    tier = overview.tiers(a.status)
+    if len(tier.columns) > 1:
+        lines += ["Where the prompt tokens came from, and the connector's own counters, over the measure phases "
+                  "(vLLM's `prompt_tokens_by_source` and `prompt_tokens_cached_by_source`, `kvscope:connector_*`; "
+                  "columns that are zero everywhere are left out):", "", _md_table(tier), ""]
+        tier.to_csv(folder / "tiers.csv", index=False)
     hit_cols = ["config", "scenario", "hit_rate_per_request", "hit_rate_counters", "hit_rate_counters_local",
                 "hit_rate_counters_external", "hit_rate_theoretical"]
     lines += [_md_table(summary[hit_cols]), ""]
