@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from kvscope.analyze import fidelity, hitrate, overview, verdicts
+from kvscope.analyze import fidelity, hitrate, overview, plots, verdicts
 from kvscope.artifacts import (
     ArtifactError,
     FaultEvent,
@@ -256,79 +256,6 @@ def _median(col: pd.Series) -> float | None:
     return round(float(col.median()), 2) if len(col) else None
 
 
-def plots(folder: Path, summary: pd.DataFrame, recs: dict) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    made = []
-    configs = list(dict.fromkeys(summary.config))
-    scenarios = list(dict.fromkeys(summary.scenario))
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for config in configs:
-        ttft = sorted(r.ttft_s * 1000 for (c, _), rs in recs.items() if c == config for r in rs
-                      if r.ok and r.phase == "measure")
-        if ttft:
-            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=config)
-    ax.set(xscale="log", xlabel="TTFT (ms, log)", ylabel="share of requests", title="TTFT CDF, all scenarios")
-    ax.legend(fontsize=8)
-    made.append(_save(fig, folder / "ttft_cdf.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for config in configs:
-        pts = [((r.cached_tokens or 0) / r.prompt_tokens, r.ttft_s * 1000) for (c, _), rs in recs.items()
-               if c == config for r in rs if r.ok and r.prompt_tokens and r.phase == "measure"]
-        if pts:
-            share, ms = zip(*pts)
-            ax.scatter(share, ms, s=12, alpha=0.7, label=config)
-    ax.set(xlabel="cached share of prompt tokens", ylabel="TTFT (ms)", title="TTFT vs cached-token share")
-    ax.legend(fontsize=8)
-    made.append(_save(fig, folder / "ttft_vs_cached.png"))
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r.config}\n{r.scenario}" for r in summary.itertuples()]
-    x = np.arange(len(labels))
-    for offset, col, name in ((-0.27, "hit_rate_per_request", "per request"), (0, "hit_rate_counters", "counters"),
-                              (0.27, "hit_rate_theoretical", "theoretical LRU")):
-        ax.bar(x + offset, summary[col].fillna(0), width=0.27, label=name)
-    ax.set_xticks(x, labels, fontsize=6, rotation=90)
-    ax.set(ylabel="hit rate (tokens)", title="Hit rate: measured vs theoretical")
-    ax.legend(fontsize=8)
-    made.append(_save(fig, folder / "hit_rates.png"))
-
-    grid = np.full((len(configs), len(scenarios)), np.nan)
-    text = [["" for _ in scenarios] for _ in configs]
-    for r in summary.itertuples():
-        scored = r.identical_hit + r.benign_hit + r.fail_hit + r.identical_miss + r.benign_miss + r.fail_miss
-        i, j = configs.index(r.config), scenarios.index(r.scenario)
-        if scored:
-            grid[i, j] = (r.fail_hit + r.fail_miss) / scored
-            text[i][j] = f"{r.fidelity}\n{r.identical_hit + r.identical_miss}/{scored} identical"
-        else:
-            text[i][j] = r.fidelity
-    fig, ax = plt.subplots(figsize=(1.8 * len(scenarios) + 2, 0.7 * len(configs) + 1.5))
-    ax.imshow(grid, cmap="RdYlGn_r", vmin=0, vmax=1, aspect="auto")
-    for i in range(len(configs)):
-        for j in range(len(scenarios)):
-            ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7)
-    ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
-    ax.set_yticks(range(len(configs)), configs, fontsize=8)
-    ax.set_title("Fidelity vs golden (red: share of FAIL)")
-    made.append(_save(fig, folder / "fidelity_matrix.png"))
-    return made
-
-
-def _save(fig, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path.name
-
-
 def _md_table(frame: pd.DataFrame) -> str:
     cols = list(frame.columns)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -387,7 +314,8 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     a.verdicts.to_csv(folder / "verdicts.csv", index=False)
     a.overview.to_csv(folder / "overview.csv", index=False)
     a.power.to_csv(folder / "power.csv", index=False)
-    pngs = plots(folder, a.summary, a.recs)
+    present = set(a.summary.config) if len(a.summary) else set()
+    pngs = plots.draw(folder, {s.config: s.role for s in a.run.servers if s.config in present}, a.summary, a.recs)
     (folder / "report.md").write_text(_markdown(a, pngs, folder))
     run = a.run.model_copy(update={"scorer": {"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
                                               "max_failed_share": max_failed, **a.floor}})
@@ -424,7 +352,7 @@ def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
             if row.config in cached and row.reset and row.reset.get("reset_prefix_cache_http") != 200}
 
 
-def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
+def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     run, summary, scores, floor = a.run, a.summary, a.scores, a.floor
     m = run.machine
     first = run.servers[0]
@@ -543,7 +471,9 @@ def _markdown(a: Analysis, pngs: list[str], folder: Path) -> str:
                              f"{p.get('metrics_error') or ''} {' '.join(p.get('locust_stderr_tail') or [])}"
                              + (f" server log: `{p['server_error']}`" if p.get("server_error") else ""))
         lines.append("")
-    lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs] + [""]
+    lines += ["## Plots", ""]
+    for name, caption in pngs:
+        lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
     lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `power.csv`, `scores.csv` (one row per request and "
               "config).", ""]
     return "\n".join(lines)

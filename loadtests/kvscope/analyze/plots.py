@@ -1,0 +1,145 @@
+"""The report's plots, each with a caption saying what to look for.
+
+Roles are styled apart everywhere: golden black, the control grey and dashed, candidates in colour,
+canaries thin and dotted (they are broken on purpose).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+FIDELITY_COLOURS = {"ok": "#4daf4a", "FAIL": "#e41a1c", "partly unscored": "#ffbf00", "no data": "#bdbdbd"}
+
+
+def _style(role: str, colour) -> dict:
+    return {"golden": dict(color="black", lw=2.2), "control": dict(color="0.55", lw=1.6, ls="--"),
+            "canary": dict(color=colour, lw=0.8, ls=":", alpha=0.6)}.get(role, dict(color=colour, lw=1.6))
+
+
+def _plain_log_labels(axis) -> None:
+    """A log axis labelled 100, 200, 500 rather than 10^2 and crowded minor labels."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def ttft_by_scenario(plt, folder: Path, roles: dict[str, str], recs: dict, scenarios: list[str]) -> str:
+    """TTFT CDFs per scenario: golden on every request, each other config on its cache hits."""
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.6), squeeze=False, sharey=True)
+    colours = plt.get_cmap("tab10")
+    for ax, scenario in zip(axes[0], scenarios):
+        for i, (config, role) in enumerate(roles.items()):
+            ttft = sorted(r.ttft_s * 1000 for r in recs.get((config, scenario), []) if r.ok and r.phase == "measure"
+                          and r.ttft_s and (role in ("golden", "control") or r.cached_tokens))
+            if ttft:
+                label = config if role != "golden" else f"{config} (golden, all)"
+                ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=label, marker="o" if len(ttft) < 5 else
+                        None, ms=4, **_style(role, colours(i % 10)))
+        ax.set(xscale="log", xlabel="TTFT (ms, log)", title=scenario)
+        _plain_log_labels(ax.xaxis)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("share of requests")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    return _save(fig, folder / "ttft_cdf.png")
+
+
+def ttft_vs_cached(plt, folder: Path, roles: dict[str, str], recs: dict) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = plt.get_cmap("tab10")
+    for i, (config, role) in enumerate(roles.items()):
+        pts = [((r.cached_tokens or 0) / r.prompt_tokens, r.ttft_s * 1000) for (c, _), rs in recs.items()
+               if c == config for r in rs if r.ok and r.prompt_tokens and r.ttft_s and r.phase == "measure"]
+        if pts and role != "canary":
+            share, ms = zip(*pts)
+            style = _style(role, colours(i % 10))
+            ax.scatter(share, ms, s=10 if role == "candidate" else 6, alpha=0.7, color=style["color"], label=config)
+    ax.set(yscale="log", xlabel="cached share of prompt tokens", ylabel="TTFT (ms, log)",
+           title="TTFT against the cached share of the prompt")
+    _plain_log_labels(ax.yaxis)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return _save(fig, folder / "ttft_vs_cached.png")
+
+
+def _grid(plt, rows: list[str], cols: list[str]):
+    return plt.subplots(figsize=(1.9 * len(cols) + 2.2, 0.42 * len(rows) + 1.4))
+
+
+def hit_rate_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataFrame, scenarios: list[str]) -> str:
+    configs = [c for c in roles if roles[c] not in ("golden", "control")]
+    grid = np.full((len(configs), len(scenarios)), np.nan)
+    fig, ax = _grid(plt, configs, scenarios)
+    for r in summary.itertuples():
+        if r.config in configs:
+            i, j = configs.index(r.config), scenarios.index(r.scenario)
+            grid[i, j] = r.hit_rate_per_request if r.hit_rate_per_request == r.hit_rate_per_request else np.nan
+            theory = "–" if r.hit_rate_theoretical != r.hit_rate_theoretical else f"{r.hit_rate_theoretical:.2f}"
+            measured = "–" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}"
+            ax.text(j, i, f"{measured} (LRU {theory})", ha="center", va="center", fontsize=7)
+    ax.imshow(grid, cmap="Blues", vmin=0, vmax=1, aspect="auto", alpha=0.8)
+    ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
+    ax.set_yticks(range(len(configs)), configs, fontsize=8)
+    ax.set_title("Token hit rate, measured (LRU: what an ideal cache of that size would hit)", fontsize=9)
+    return _save(fig, folder / "hit_rates.png")
+
+
+def fidelity_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataFrame, scenarios: list[str]) -> str:
+    from matplotlib.colors import ListedColormap
+
+    configs = list(roles)
+    classes = list(FIDELITY_COLOURS)
+    grid = np.full((len(configs), len(scenarios)), classes.index("no data"))
+    fig, ax = _grid(plt, configs, scenarios)
+    for r in summary.itertuples():
+        i, j = configs.index(r.config), scenarios.index(r.scenario)
+        grid[i, j] = classes.index(r.fidelity)
+        scored = r.identical_hit + r.benign_hit + r.fail_hit + r.identical_miss + r.benign_miss + r.fail_miss
+        label = f"FAIL {r.fail_hit + r.fail_miss}/{scored}" if r.fidelity == "FAIL" else (
+            f"{r.fidelity} {scored}" if scored else r.fidelity)
+        ax.text(j, i, label, ha="center", va="center", fontsize=7)
+    ax.imshow(grid, cmap=ListedColormap(list(FIDELITY_COLOURS.values())), vmin=-0.5, vmax=len(classes) - 0.5,
+              aspect="auto")
+    ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
+    ax.set_yticks(range(len(configs)), [f"{c} ({roles[c]})" for c in configs], fontsize=8)
+    ax.set_title("Fidelity against golden: green every scored answer within tolerance, red any FAIL", fontsize=9)
+    return _save(fig, folder / "fidelity_matrix.png")
+
+
+CAPTIONS = {
+    "fidelity_matrix.png": "Which config × scenario served a wrong answer: a candidate's red cell is a cache that "
+                           "changed answers; every canary row should be red.",
+    "hit_rates.png": "Measured token hit rate against an ideal LRU of the same capacity: a cell far below its LRU "
+                     "value is a tier that loses or fails to find blocks.",
+    "ttft_cdf.png": "TTFT of cache hits against golden's (black) per scenario: curves left of golden are faster; "
+                    "canaries (dotted) are broken on purpose.",
+    "ttft_vs_cached.png": "TTFT against how much of the prompt came from cache: a tier that pays off slopes down.",
+}
+
+
+def draw(folder: Path, roles: dict[str, str], summary: pd.DataFrame, recs: dict) -> list[tuple[str, str]]:
+    """Every plot of a report, as (file name, caption)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(summary.scenario))
+    made = [fidelity_heatmap(plt, folder, roles, summary, scenarios),
+            hit_rate_heatmap(plt, folder, roles, summary, scenarios),
+            ttft_by_scenario(plt, folder, roles, recs, scenarios),
+            ttft_vs_cached(plt, folder, roles, recs)]
+    return [(name, CAPTIONS[name]) for name in made]
