@@ -74,7 +74,9 @@ def test_report_passes_when_the_canary_fails_and_the_rest_are_identical(tmp_path
                  "hit_rates.png", "fidelity_matrix.png"):
         assert (run / name).stat().st_size > 0, name
     assert "vLLM 0.32.0" in md and "kvscope bench (test)" in md and "- load: users 1;" in md
-    assert "<details><summary>Server flags per config</summary>" in md  # folded: the summary comes first
+    assert '<details markdown="1"><summary>Server flags per config</summary>' in md  # folded: summary first
+    page = (run / "report.html").read_text()  # one self-contained page: every plot inline, nothing fetched
+    assert page.count('src="data:image/png;base64,') == 4 and "<table>" in page and 'src="http' not in page
     scorer = json.loads((run / "run.json").read_text())["scorer"]
     assert scorer["version"] == fidelity.SCORER_VERSION and scorer["noise_nats"] == 0.0
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from kvscope.analyze import fidelity, hitrate, overview, plots, verdicts
+from kvscope.analyze import fidelity, hitrate, html, overview, plots, verdicts
 from kvscope.artifacts import (
     ArtifactError,
     FaultEvent,
@@ -316,7 +316,9 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     a.power.to_csv(folder / "power.csv", index=False)
     present = set(a.summary.config) if len(a.summary) else set()
     pngs = plots.draw(folder, {s.config: s.role for s in a.run.servers if s.config in present}, a.summary, a.recs)
-    (folder / "report.md").write_text(_markdown(a, pngs, folder))
+    text = _markdown(a, pngs, folder)
+    (folder / "report.md").write_text(text)
+    (folder / "report.html").write_text(html.render(folder, text, f"kvscope report: run {a.run.run_id}"))
     run = a.run.model_copy(update={"scorer": {"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
                                               "max_failed_share": max_failed, **a.floor}})
     write_json(folder / "run.json", run)
@@ -363,13 +365,15 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     lines += ["## Summary", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
     ov = a.overview.copy()
     ov["verdict"] = [f"**{x}**" for x in ov.verdict]
-    lines += [_md_table(ov[["config", "verdict", "advice", "hits", "hit_ttft_p50_ms", "golden_ttft_p50_ms",
-                            "speedup_hits", "speedup_ci95", "hit_rate", "hit_rate_theoretical", "requests_per_s",
-                            "output_tokens_per_s"]]), ""]
+    heads = {"config": "config", "verdict": "verdict", "advice": "advice", "hits": "hits",
+             "hit_ttft_p50_ms": "hit TTFT p50 (ms)", "golden_ttft_p50_ms": "golden p50 (ms)",
+             "speedup_hits": "speed-up", "speedup_ci95": "95 % CI", "hit_rate": "hit rate",
+             "hit_rate_theoretical": "ideal LRU", "requests_per_s": "req/s", "output_tokens_per_s": "tokens/s"}
+    lines += [_md_table(ov[list(heads)].rename(columns=heads)), ""]
     lines += ["`hits`: measured requests that reused cached tokens; TTFT p50 of those hits and of golden's answers "
-              "to the same requests; `speedup_hits` = golden / config on those requests, with a 95 % bootstrap "
-              "interval; hit rates are token shares, measured per request and theoretical (an LRU of the "
-              "server's capacity); throughput over the measure phases.", ""]
+              "to the same requests; speed-up = golden / config on those requests (above 1: faster), with a 95 % "
+              "bootstrap interval; hit rates are token shares, measured per request and for an ideal LRU of the "
+              "server's capacity; throughput over the measure phases (`overview.csv`).", ""]
     lines += ["Every figure here is computed from this folder's raw records (`records/*.jsonl`) by "
               f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
               "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "
@@ -410,7 +414,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
               f"- load: {', '.join(f'{k} {v}' for k, v in run.load.items())}; workload digest "
               f"`{workload_digest(folder)}`",
               f"- command: `{run.command}`", ""]
-    lines += ["<details><summary>Server flags per config</summary>", ""]
+    lines += ['<details markdown="1"><summary>Server flags per config</summary>', ""]
     lines += ["| config | role | port | flags | kv-transfer-config |", "|---|---|---|---|---|"]
     for s in run.servers:
         args = s.server_args

@@ -1,0 +1,38 @@
+"""report.html: the report as one self-contained page (tables, plots inlined), readable offline."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import markdown
+
+STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 12.5px; display: block; overflow-x: auto; }
+th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; vertical-align: top; }
+body > table:first-of-type td:nth-child(3) { min-width: 22em; }  /* the summary's advice */
+body > table:first-of-type td:nth-child(8) { white-space: nowrap; }  /* its confidence interval */
+th { background: #f3f3f3; position: sticky; top: 0; }
+tr:nth-child(even) td { background: #fafafa; }
+img { max-width: 100%; border: 1px solid #ddd; }
+code { background: #f4f4f4; padding: 0 3px; font-size: 12px; }
+details summary { cursor: pointer; color: #555; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
+"""
+
+
+def _inline(folder: Path, match: re.Match) -> str:
+    path = folder / match.group(1)
+    if not path.is_file():
+        return match.group(0)
+    return f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"'
+
+
+def render(folder: Path, text: str, title: str) -> str:
+    """One HTML page from the report's markdown, its PNGs embedded."""
+    body = markdown.markdown(text, extensions=["tables", "md_in_html"])
+    body = re.sub(r'src="([\w.-]+\.png)"', lambda m: _inline(folder, m), body)
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
+            f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
