@@ -95,8 +95,8 @@ bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<r
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>
 	$(KVSCOPE) report $(RUN)
 
-compare: $(VENV)/.installed ## put runs side by side: make compare RUNS=results/a,results/b
-	$(KVSCOPE) compare $(RUNS)
+compare: $(VENV)/.installed ## runs side by side, with changes and a plot: make compare RUNS=results/a,results/b [OUT=dir]
+	$(KVSCOPE) compare $(RUNS) $(if $(OUT),--out $(OUT))
 
 bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and filesystem load throughput
 	$(PY) loadtests/benchmarks/connector_ttft.py

@@ -9,7 +9,7 @@ import json
 import pandas as pd
 import pytest
 
-from kvscope.analyze import fidelity, report
+from kvscope.analyze import comparison, fidelity, report
 from kvscope.artifacts import Record
 
 SERVERS = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-shift", "canary")]
@@ -194,9 +194,23 @@ def test_compare_refuses_runs_with_different_workloads(tmp_path):
     a = make_run(tmp_path / "a", four())
     b = make_run(tmp_path / "b", four())
     c = make_run(tmp_path / "c", four(), workload_lines=3)
-    assert "| a |" in report.compare([a, b]) and "| b |" in report.compare([a, b])
+    text = comparison.write([a, b], tmp_path / "ab")
+    assert "| apc | a |" in text and "| apc | b |" in text
+    assert {p.name for p in (tmp_path / "ab").iterdir()} == {"comparison.md", "comparison.html", "speedup.png"}
     with pytest.raises(report.RunError, match="different workloads"):
-        report.compare([a, c])
+        comparison.write([a, c])
+
+
+def test_a_comparison_gives_each_configs_change_from_the_first_run(tmp_path):
+    a = make_run(tmp_path / "a", four())
+    b = make_run(tmp_path / "b", four())
+    recs = b / "records" / "apc__s.jsonl"  # the second run's apc answers twice as fast
+    lines = [json.loads(x) for x in recs.read_text().splitlines()]
+    recs.write_text("".join(json.dumps({**x, "ttft_s": x["ttft_s"] / 2}) + "\n" for x in lines))
+    t = comparison.table([a, b]).set_index(["run", "config"])
+    assert t.loc[("b", "apc"), "hit_ttft_p50_ms"] == 52.5 and t.loc[("b", "apc"), "hit_ttft_p50_ms_change"] == -0.5
+    assert t.loc[("b", "apc"), "speedup_hits"] == 2.0 and t.loc[("b", "apc"), "speedup_hits_change"] == 1.0
+    assert t.loc[("a", "apc"), "speedup_hits_change"] == 0.0
 
 
 def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_path):

@@ -111,9 +111,9 @@ def cmd_report(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from kvscope.analyze import report
+    from kvscope.analyze import comparison
 
-    print(report.compare([Path(r) for r in names(args.runs)], Path(args.out) if args.out else None))
+    print(comparison.write([Path(r) for r in names(args.runs)], Path(args.out) if args.out else None))
     return 0
 
 
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("compare", help="put runs side by side (they must share a workload)")
     s.add_argument("runs", help="comma-separated run folders")
-    s.add_argument("--out", default=None)
+    s.add_argument("--out", default=None, help="a folder for comparison.md, comparison.html and its plot")
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("status", help="list the servers of a deployment folder and whether they run")

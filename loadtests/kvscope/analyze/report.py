@@ -493,24 +493,3 @@ def _shape(config: dict | None) -> str:
     return (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} "
             f"heads / {config['num_key_value_heads']} KV heads x {config.get('head_dim')}, vocab "
             f"{config['vocab_size']}, weights stored as {config.get('torch_dtype')}")
-
-
-def compare(folders: list[Path], out: Path | None = None) -> str:
-    """Two or more runs side by side; they must have replayed the same workload."""
-    digests = {str(f): workload_digest(f) for f in folders}
-    if len(set(digests.values())) != 1:
-        raise RunError(f"runs replayed different workloads (digests {digests}); comparing them would mislead")
-    frames = []
-    for f in folders:
-        a = analyze(f)
-        summary = a.summary.merge(a.verdicts[["config", "verdict"]], on="config", how="left")
-        summary.insert(0, "run", a.run.run_id)
-        summary.insert(1, "vllm", a.run.servers[0].vllm_version)
-        frames.append(summary)
-    table = pd.concat(frames)
-    cols = ["run", "vllm", "config", "scenario", "ttft_p50_ms_miss", "ttft_p50_ms_hit", "speedup_hits",
-            "hit_rate_per_request", "hit_rate_theoretical", "fail_hit", "fail_miss", "fidelity", "verdict"]
-    text = "# kvscope comparison\n\n" + _md_table(table[cols].sort_values(["config", "scenario", "run"])) + "\n"
-    if out:
-        Path(out).write_text(text)
-    return text

@@ -1,0 +1,78 @@
+"""Runs side by side (two connector versions, two machines): each config's verdict, hit TTFT and speed-up
+per run, the change from the first run, and a plot of the speed-ups with their intervals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvscope.analyze import html
+from kvscope.analyze.report import RunError, _md_table, analyze, workload_digest
+
+
+def table(folders: list[Path]) -> pd.DataFrame:
+    """One row per config and run, from each run's overview; `*_change` against the first run."""
+    digests = {str(f): workload_digest(f) for f in folders}
+    if len(set(digests.values())) != 1:
+        raise RunError(f"runs replayed different workloads (digests {digests}); comparing them would mislead")
+    frames = []
+    for f in folders:
+        a = analyze(f)
+        ov = a.overview.copy()
+        ov.insert(0, "run", a.run.run_id)
+        ov.insert(1, "vllm", a.run.servers[0].vllm_version)
+        frames.append(ov)
+    both = pd.concat(frames, ignore_index=True)
+    first = frames[0].set_index("config")
+    for col in ("hit_ttft_p50_ms", "speedup_hits"):
+        base = both.config.map(first[col]) if len(first) else None
+        both[f"{col}_change"] = ((both[col] - base) / base).round(3) if base is not None else None
+    return both
+
+
+def plot(frame: pd.DataFrame, path: Path) -> str:
+    """Speed-up on hits per candidate config, one marker per run, with the 95 % interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = frame[frame.speedup_hits.notna() & (frame.role == "candidate")]
+    configs = list(dict.fromkeys(rows.config))
+    runs = list(dict.fromkeys(frame.run))
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(configs) + 1.5))
+    for k, run in enumerate(runs):
+        part = rows[rows.run == run]
+        y = [configs.index(c) + (k - (len(runs) - 1) / 2) * 0.25 for c in part.config]
+        point = part.speedup_hits.to_numpy(float)
+        low, high = np.array([[float(x) for x in ci.split("–")] for ci in part.speedup_ci95]).reshape(-1, 2).T
+        ax.errorbar(point, y, xerr=[point - low, high - point], fmt="o", capsize=3, label=run)
+    ax.axvline(1, color="0.5", lw=1, ls="--")
+    ax.invert_yaxis()
+    ax.set_yticks(range(len(configs)), configs, fontsize=8)
+    ax.set(xlabel="speed-up on cache hits (golden / config), 95 % interval", title="Speed-up per run")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path.name
+
+
+def write(folders: list[Path], out: Path | None = None) -> str:
+    """The comparison as markdown; with `out`, a folder with comparison.md, comparison.html and its plot."""
+    frame = table(folders)
+    cols = ["config", "run", "vllm", "verdict", "hits", "hit_ttft_p50_ms", "hit_ttft_p50_ms_change", "speedup_hits",
+            "speedup_ci95", "speedup_hits_change", "hit_rate", "advice"]
+    order = {c: i for i, c in enumerate(dict.fromkeys(frame.config))}
+    rows = frame.iloc[frame.config.map(order).argsort(kind="stable")][cols]
+    text = ("# kvscope comparison\n\nRuns: " + ", ".join(f"`{f}`" for f in folders) + ". `*_change`: relative "
+            "to the first run (-0.2 = 20 % lower).\n\n" + _md_table(rows) + "\n")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        text += f"\n![Speed-up per run]({plot(frame, out / 'speedup.png')})\n"
+        (out / "comparison.md").write_text(text)
+        (out / "comparison.html").write_text(html.render(out, text, "kvscope comparison"))
+    return text
