@@ -90,10 +90,10 @@ bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up 
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
 	KVSCOPE_COMMAND="make $(MAKECMDGOALS) $(MAKEOVERRIDES)" $(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
-	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
+	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume) $(if $(SLO),--slo $(SLO)); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
-report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id>
-	$(KVSCOPE) report $(RUN)
+report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50]
+	$(KVSCOPE) report $(RUN) $(if $(SLO),--slo $(SLO))
 
 compare: $(VENV)/.installed ## runs side by side, with changes and a plot: make compare RUNS=results/a,results/b [OUT=dir]
 	$(KVSCOPE) compare $(RUNS) $(if $(OUT),--out $(OUT))

@@ -274,3 +274,15 @@ def test_the_tier_table_sums_where_tokens_came_from_over_the_measure_phases():
     assert (t.tokens_computed, t.tokens_from_connector, t.ram_block_hits, t.disk_block_hits) == (200, 256, 2, 2)
     assert t.load_ms_per_block == 1.0  # 4 ms over 4 blocks; prime phases are not counted
     assert "corrupt_blocks" not in t  # zero everywhere: left out
+
+
+def test_goodput_under_an_slo_counts_the_requests_that_met_it(tmp_path):
+    from kvscope.analyze import overview
+
+    run = make_run(tmp_path / "run1", four())  # TTFT 100 and 110 ms, one 10 ms gap between tokens
+    report.write(run, min_hits=1, slo=overview.parse_slo("ttft=105,tpot=20"))
+    apc = pd.read_csv(run / "overview.csv").set_index("config").loc["apc"]
+    assert apc.tpot_p50_ms == 10.0 and apc.slo_met == 0.5 and apc.goodput_per_s == round(0.5 * 2 / 1.5, 2)
+    assert "SLO: TTFT <= 105 ms and TPOT <= 20 ms" in (run / "report.md").read_text()
+    with pytest.raises(ValueError, match="expected ttft=MS"):
+        overview.parse_slo("latency=5")

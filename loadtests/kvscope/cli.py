@@ -58,7 +58,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from kvscope.analyze.overview import parse_slo
     from kvscope.run import treatments
+
+    parse_slo(args.slo)  # a mistyped objective stops the bench before it runs, not after
 
     remote = None
     if args.worker_hosts:
@@ -98,9 +101,9 @@ def _terminated(signum, frame):
 
 
 def _report(folder: Path, args) -> int:
-    from kvscope.analyze import report
+    from kvscope.analyze import overview, report
 
-    code = report.write(folder, args.min_hits, args.max_failed)
+    code = report.write(folder, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
     print(report.console(folder))
     print(f"report: {folder / 'report.md'}\ngate: {report.GATE_WORDS[code]}")
     return code
@@ -124,6 +127,8 @@ def _gate_options(s) -> None:
                    help="verified cache hits a config needs for PASS (fewer: UNVERIFIED)")
     s.add_argument("--max-failed", type=float, default=MAX_FAILED_SHARE,
                    help="share of failed requests a config may have before it is INCOMPLETE")
+    s.add_argument("--slo", default="", metavar="ttft=MS,tpot=MS",
+                   help="service-level objective: the summary adds the share of requests that met it, and goodput")
 
 
 def build_parser() -> argparse.ArgumentParser:

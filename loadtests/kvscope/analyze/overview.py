@@ -40,6 +40,32 @@ def throughput(records: list[Record]) -> tuple[float | None, float | None]:
     return len(done) / span, sum(len(r.output_token_ids) for r in done) / span
 
 
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft=500,tpot=50' (ms) -> {"ttft": 0.5, "tpot": 0.05}; only TTFT and TPOT are known."""
+    slo = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, _, value = part.partition("=")
+        if name not in ("ttft", "tpot") or not value.replace(".", "", 1).isdigit():
+            raise ValueError(f"--slo {text!r}: expected ttft=MS,tpot=MS (either or both)")
+        slo[name] = float(value) / 1000
+    return slo
+
+
+def tpot(r: Record) -> float | None:
+    """Time per output token after the first: the mean of a request's inter-token latencies."""
+    return float(np.mean(r.itl_s)) if r.itl_s else None
+
+
+def goodput(records: list[Record], slo: dict[str, float]) -> float | None:
+    """Share of answered measure-phase requests that met every objective of `slo`."""
+    done = [r for r in records if r.ok and r.phase == "measure"]
+    if not done or not slo:
+        return None
+    met = [r for r in done if (r.ttft_s or 0) <= slo.get("ttft", float("inf"))
+           and (tpot(r) or 0) <= slo.get("tpot", float("inf"))]
+    return len(met) / len(done)
+
+
 def _pairs(run: RunInfo, recs: dict, config: str) -> tuple[list[tuple[float, float]], list[float]]:
     """(golden, config) TTFT pairs on the config's measured cache hits, and those hits' TTFTs."""
     golden = run.golden().config
@@ -76,9 +102,10 @@ def advice(v, speed: tuple[float, float, float] | None, detected: str) -> str:
             "CRASHED": f"did not start: {v.why}"}.get(v.verdict, v.why)
 
 
-def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFrame,
-          power: pd.DataFrame) -> pd.DataFrame:
-    """One row per config: verdict, advice, hit TTFT against golden with n and CI, hit rates, throughput."""
+def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFrame, power: pd.DataFrame,
+          slo: dict[str, float] | None = None) -> pd.DataFrame:
+    """One row per config: verdict, advice, hit TTFT against golden with n and CI, hit rates, throughput,
+    TPOT, and with an SLO the share of requests that met it."""
     rows = []
     for v in verdicts.itertuples():
         pairs, hits = _pairs(run, recs, v.config)
@@ -87,7 +114,10 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
         caught = power[power.config == v.config] if len(power) else power
         detected = (f"{int(caught.detected.iloc[0])} of {int(caught.affected_hits.iloc[0])} hits it broke"
                     if len(caught) else "")
-        req_s, tok_s = throughput([r for (c, _), rs in recs.items() if c == v.config for r in rs])
+        mine = [r for (c, _), rs in recs.items() if c == v.config for r in rs]
+        req_s, tok_s = throughput(mine)
+        tpots = [t for r in mine if r.ok and r.phase == "measure" and (t := tpot(r)) is not None]
+        met = goodput(mine, slo or {})
         rows.append({
             "config": v.config, "role": v.role, "verdict": v.verdict, "advice": advice(v, speed, detected),
             "hits": len(hits),
@@ -99,6 +129,9 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
             "hit_rate_theoretical": _weighted(part, "hit_rate_theoretical"),
             "requests_per_s": round(req_s, 2) if req_s else None,
             "output_tokens_per_s": round(tok_s, 1) if tok_s else None,
+            "tpot_p50_ms": round(float(np.median(tpots)) * 1000, 2) if tpots else None,
+            **({"slo_met": round(met, 3) if met is not None else None,
+                "goodput_per_s": round(met * req_s, 2) if met is not None and req_s else None} if slo else {}),
         })
     return pd.DataFrame(rows)
 

@@ -282,10 +282,11 @@ class Analysis(NamedTuple):
     power: pd.DataFrame
     verdicts: pd.DataFrame
     overview: pd.DataFrame
+    slo: dict[str, float] | None = None
 
 
 def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
-            max_failed: float = verdicts.MAX_FAILED_SHARE) -> Analysis:
+            max_failed: float = verdicts.MAX_FAILED_SHARE, slo: dict[str, float] | None = None) -> Analysis:
     """Everything a report shows, from a run folder alone."""
     folder = Path(folder)
     run, status, recs = _load(folder)
@@ -300,15 +301,15 @@ def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     if len(crashed):
         table = pd.concat([table, crashed], ignore_index=True)
     return Analysis(run, status, recs, floor, scores, summary, power, table,
-                    overview.table(run, recs, table, summary, power))
+                    overview.table(run, recs, table, summary, power, slo), slo)
 
 
 def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
-          max_failed: float = verdicts.MAX_FAILED_SHARE) -> int:
+          max_failed: float = verdicts.MAX_FAILED_SHARE, slo: dict[str, float] | None = None) -> int:
     """Write report.md, the CSV tables and the plots; record the scorer in run.json; return the gate's exit
     code (verdicts.gate)."""
     folder = Path(folder)
-    a = analyze(folder, min_hits, max_failed)
+    a = analyze(folder, min_hits, max_failed, slo)
     a.scores.to_csv(folder / "scores.csv", index=False)
     a.summary.to_csv(folder / "summary.csv", index=False)
     a.verdicts.to_csv(folder / "verdicts.csv", index=False)
@@ -347,6 +348,10 @@ GATE_WORDS = {verdicts.GATE_OK: "every verdict as expected (exit 0)",
               verdicts.GATE_INCONCLUSIVE: "inconclusive: nothing failed, but not everything was verified (exit 3)"}
 
 
+def _slo_words(slo: dict[str, float]) -> str:
+    return " and ".join(f"{k.upper()} <= {v * 1000:g} ms" for k, v in slo.items())
+
+
 def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
     """Configs with a cache whose reset did not succeed before some treatment, with what the server answered."""
     cached = {s.config for s in run.servers if s.role in ("candidate", "canary")}
@@ -368,12 +373,17 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     heads = {"config": "config", "verdict": "verdict", "advice": "advice", "hits": "hits",
              "hit_ttft_p50_ms": "hit TTFT p50 (ms)", "golden_ttft_p50_ms": "golden p50 (ms)",
              "speedup_hits": "speed-up", "speedup_ci95": "95 % CI", "hit_rate": "hit rate",
-             "hit_rate_theoretical": "ideal LRU", "requests_per_s": "req/s", "output_tokens_per_s": "tokens/s"}
+             "hit_rate_theoretical": "ideal LRU", "requests_per_s": "req/s", "output_tokens_per_s": "tokens/s",
+             "tpot_p50_ms": "TPOT p50 (ms)", "slo_met": "met SLO", "goodput_per_s": "goodput (req/s)"}
+    heads = {k: v for k, v in heads.items() if k in ov}
     lines += [_md_table(ov[list(heads)].rename(columns=heads)), ""]
     lines += ["`hits`: measured requests that reused cached tokens; TTFT p50 of those hits and of golden's answers "
               "to the same requests; speed-up = golden / config on those requests (above 1: faster), with a 95 % "
               "bootstrap interval; hit rates are token shares, measured per request and for an ideal LRU of the "
-              "server's capacity; throughput over the measure phases (`overview.csv`).", ""]
+              "server's capacity; throughput over the measure phases; TPOT: a request's mean time per output "
+              "token after the first" + (f"; SLO: {_slo_words(a.slo)}, goodput = requests/s that met it"
+                                         if a.slo else "; `--slo ttft=MS,tpot=MS` adds goodput") +
+              " (`overview.csv`).", ""]
     lines += ["Every figure here is computed from this folder's raw records (`records/*.jsonl`) by "
               f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
               "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "
