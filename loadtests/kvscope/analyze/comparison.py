@@ -49,7 +49,7 @@ def plot(frame: pd.DataFrame, path: Path) -> str:
         y = [configs.index(c) + (k - (len(runs) - 1) / 2) * 0.25 for c in part.config]
         point = part.speedup_hits.to_numpy(float)
         low, high = np.array([[float(x) for x in ci.split("–")] for ci in part.speedup_ci95]).reshape(-1, 2).T
-        ax.errorbar(point, y, xerr=[point - low, high - point], fmt="o", capsize=3, label=run)
+        ax.errorbar(point, np.array(y), xerr=np.vstack([point - low, high - point]), fmt="o", capsize=3, label=run)
     ax.axvline(1, color="0.5", lw=1, ls="--")
     ax.invert_yaxis()
     ax.set_yticks(range(len(configs)), configs, fontsize=8)
