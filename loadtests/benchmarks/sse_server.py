@@ -2,11 +2,12 @@
 
 It answers every POST with a completions SSE stream: the first token chunk immediately, then
 `tokens - 1` more as fast as the socket takes them, a usage chunk and [DONE], with chunked transfer
-encoding and keep-alive. Because its time to first token is ~0, a client's measured TTFT is the client's
-own error. Not a stand-in for vLLM in any test: vLLM on 2 CPU cores cannot stream fast enough to load the
-generator.
+encoding and keep-alive. With LOG, it appends one line per request: its X-Request-Id, when its headers were
+read and when its first token left (time.time()), so a client's TTFT can be split into the server's part
+and the client's own. Not a stand-in for vLLM in any test: vLLM on 2 CPU cores cannot stream fast enough to
+load the generator.
 
-    python sse_server.py PORT TOKENS
+    python sse_server.py PORT TOKENS [LOG]
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 
 def _chunk(payload: bytes) -> bytes:
@@ -24,26 +26,31 @@ def _event(obj) -> bytes:
     return _chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
 
 
-async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tokens: int) -> None:
+async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tokens: int, log) -> None:
     token = _event({"choices": [{"index": 0, "text": " tok", "token_ids": [7], "finish_reason": None}]})
     tail = _event({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": tokens,
                                             "prompt_tokens_details": {"cached_tokens": 0}}}) + _event(b"[DONE]")
     while True:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length")), 0)
-        await reader.readexactly(length)
+        received = time.time()
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in head.split(b"\r\n"))}
+        await reader.readexactly(int(headers.get(b"content-length", 0)))
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                      + token)
         await writer.drain()
+        if log is not None:
+            log.write(json.dumps({"id": headers.get(b"x-request-id", b"").decode(), "received": received,
+                                  "first_sent": time.time()}) + "\n")
         writer.write(token * (tokens - 1) + tail + b"0\r\n\r\n")
         await writer.drain()
 
 
-async def main(port: int, tokens: int) -> None:
+async def main(port: int, tokens: int, log_path: str | None) -> None:
+    log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115  (open while serving)
+
     async def serve(reader, writer):
         try:
-            await handle(reader, writer, tokens)
+            await handle(reader, writer, tokens, log)
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
@@ -53,4 +60,4 @@ async def main(port: int, tokens: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None))
