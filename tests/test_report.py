@@ -286,3 +286,17 @@ def test_goodput_under_an_slo_counts_the_requests_that_met_it(tmp_path):
     assert "SLO: TTFT <= 105 ms and TPOT <= 20 ms" in (run / "report.md").read_text()
     with pytest.raises(ValueError, match="expected ttft=MS"):
         overview.parse_slo("latency=5")
+
+
+def test_a_cache_that_was_not_reset_is_said_in_the_report(tmp_path):
+    run = make_run(tmp_path / "run1", four(), status=False)
+    rows = {"apc": {"reset_prefix_cache_http": 404, "stores_wiped": []},
+            "canary-shift": {"reset_prefix_cache_http": 200, "stores_wiped": [], "stores_refused": ["kv"]},
+            "baseline": {"reset_prefix_cache_http": 404}, "control": {"reset_prefix_cache_http": 200}}
+    (run / "status.jsonl").write_text("".join(json.dumps({"config": c, "scenario": "s", "phases": {}, "reset": r})
+                                              + "\n" for c, r in rows.items()))
+    report.write(run, min_hits=1)
+    md = (run / "report.md").read_text()
+    assert "`apc`: **cache state not controlled**" in md and "answered 404" in md
+    assert "`canary-shift`: **cache state not controlled**" in md and "['kv'] lie outside" in md
+    assert "`baseline`: **cache state not controlled**" not in md  # cache-off: nothing to reset

@@ -353,10 +353,18 @@ def _slo_words(slo: dict[str, float]) -> str:
 
 
 def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
-    """Configs with a cache whose reset did not succeed before some treatment, with what the server answered."""
+    """Configs with a cache whose reset did not succeed before some treatment, and why."""
     cached = {s.config for s in run.servers if s.role in ("candidate", "canary")}
-    return {row.config: str(row.reset.get("reset_prefix_cache_http")) for row in status
-            if row.config in cached and row.reset and row.reset.get("reset_prefix_cache_http") != 200}
+    out = {}
+    for row in status:
+        if row.config not in cached or not row.reset:
+            continue
+        if row.reset.get("reset_prefix_cache_http") != 200:
+            out[row.config] = f"`/reset_prefix_cache` answered {row.reset.get('reset_prefix_cache_http')}"
+        elif row.reset.get("stores_refused"):
+            out[row.config] = (f"its stores {row.reset['stores_refused']} lie outside the deployment's stores "
+                               "folder and were not wiped")
+    return out
 
 
 def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
@@ -397,8 +405,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     lines += [_md_table(v[cols]), ""]
     lines += [f"- `{c.config}`: **did not start** ({c.why}): `{c.error}`" for c in run.crashed]
     lines += [f"- `{config}`: **cache state not controlled**: its cache could not be reset before a treatment "
-              f"(`/reset_prefix_cache` answered {answer}); earlier requests may have warmed it"
-              for config, answer in uncontrolled(run, a.status).items()]
+              f"({why}); earlier requests may have warmed it" for config, why in uncontrolled(run, a.status).items()]
     lines += ["", "## How strong the verdict is", ""]
     measured = "not measured" if floor["noise_nats"] is None else f"{floor['noise_nats']:.3g} nat"
     lines += [f"- Noise floor: the control's answers ({floor['control_answers']}) and golden's own answers scored "
