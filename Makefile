@@ -90,7 +90,7 @@ bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up 
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
 	KVSCOPE_COMMAND="make $(MAKECMDGOALS) $(MAKEOVERRIDES)" $(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
-	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume) $(if $(SLO),--slo $(SLO)); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
+	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume) $(if $(SLO),--slo $(SLO)) $(if $(REPEATS),--repeats $(REPEATS)); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50]
 	$(KVSCOPE) report $(RUN) $(if $(SLO),--slo $(SLO))

@@ -222,3 +222,15 @@ def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishe
     out = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert "done earlier (--resume)" in out.stdout and out.returncode in (0, 3), out.stdout[-2000:] + out.stderr[-2000:]
     assert json.loads((tmp_path / "cut" / "run.json").read_text())["interrupted"] is None
+
+
+def test_a_load_sweep_with_repeats_runs_every_treatment_at_each_load_and_reports_the_sweep(deployment, tmp_path):
+    out = bench(deployment / "deployment.json", tmp_path, "--configs", "baseline,apc", "--scenarios", "repeat-867",
+                "--users", "1,2", "--repeats", "2", "--run-id", "sweep", "--report", "--min-hits", "1")
+    run = tmp_path / "sweep"
+    assert "[8/8]" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "status.jsonl").read_text().splitlines()]
+    assert sorted({r["scenario"] for r in rows}) == ["repeat-867@u1#1", "repeat-867@u1#2", "repeat-867@u2#1",
+                                                     "repeat-867@u2#2"]
+    assert sorted(pd.read_csv(run / "sweep.csv").query("config == 'apc'").users) == [1, 2]
+    assert (run / "load_sweep.png").exists() and "over 2" in pd.read_csv(run / "overview.csv").speedup_repeats[1]

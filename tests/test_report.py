@@ -300,3 +300,30 @@ def test_a_cache_that_was_not_reset_is_said_in_the_report(tmp_path):
     assert "`apc`: **cache state not controlled**" in md and "answered 404" in md
     assert "`canary-shift`: **cache state not controlled**" in md and "['kv'] lie outside" in md
     assert "`baseline`: **cache state not controlled**" not in md  # cache-off: nothing to reset
+
+
+def test_a_load_sweep_and_repeats_become_their_own_columns_and_a_sweep_table(tmp_path):
+    from kvscope.analyze import overview
+    from kvscope.run.treatments import variants
+
+    assert list(variants(["s"], [1, 4], 2)) == ["s@u1#1", "s@u4#1", "s@u1#2", "s@u4#2"]
+    assert list(variants(["s"], [2], 1)) == ["s"]
+    run = make_run(tmp_path / "run1", four())
+    info = json.loads((run / "run.json").read_text())
+    labels = variants(["s"], [1, 4], 2)
+    info["scenarios"] = {label: {"users": u, "repeat": r} for label, (_, u, r) in labels.items()}
+    info["load"] = {"users": [1, 4], "repeats": 2}
+    (run / "run.json").write_text(json.dumps(info))
+    for label in labels:
+        (run / "workloads" / f"{label}.measure.jsonl").write_text((run / "workloads" / "s.measure.jsonl").read_text())
+        for config in four():
+            text = (run / "records" / f"{config}__s.jsonl").read_text().replace('"scenario":"s"',
+                                                                               f'"scenario":"{label}"')
+            (run / "records" / f"{config}__{label}.jsonl").write_text(text)
+    for stale in [*(run / "records").glob("*__s.jsonl"), run / "workloads" / "s.measure.jsonl", run / "status.jsonl"]:
+        stale.unlink()
+    report.write(run, min_hits=1)
+    sweep = pd.read_csv(run / "sweep.csv")
+    assert list(sweep[sweep.config == "apc"].users) == [1, 4] and (run / "load_sweep.png").exists()
+    assert pd.read_csv(run / "overview.csv").set_index("config").loc["apc"].speedup_repeats == "1.00–1.00 over 2"
+    assert overview.sweep(report.analyze(run).run, {}).requests_per_s.isna().all()  # no records, no throughput

@@ -62,6 +62,11 @@ def cmd_bench(args) -> int:
     from kvscope.run import treatments
 
     parse_slo(args.slo)  # a mistyped objective stops the bench before it runs, not after
+    try:
+        levels = [int(u) for u in names(args.users)]
+    except ValueError as exc:
+        raise matrix_mod.ConfigError(f"--users {args.users!r}: expected a number, or numbers separated by commas "
+                                     "(a load sweep)") from exc
 
     remote = None
     if args.worker_hosts:
@@ -79,7 +84,7 @@ def cmd_bench(args) -> int:
         endpoints = endpoints_mod.treatments(names(args.endpoint), args.golden, args.control, Path(args.model_dir))
     try:
         folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
-                                names(args.configs), names(args.scenarios_list), users=args.users,
+                                names(args.configs), names(args.scenarios_list), users=levels, repeats=args.repeats,
                                 processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
                                 command=os.environ.get("KVSCOPE_COMMAND") or "kvscope " + shlex.join(sys.argv[1:]),
                                 run_id=args.run_id, remote=remote, resume=args.resume,
@@ -157,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scenarios-file", dest="scenarios", default=str(HARNESS / "scenarios.yaml"))
     s.add_argument("--configs", default="", help="comma-separated; default every deployed config")
     s.add_argument("--scenarios", dest="scenarios_list", default=DEFAULT_SCENARIOS, help="comma-separated names")
-    s.add_argument("--users", type=int, default=2, help="concurrent Locust users (closed loop)")
+    s.add_argument("--users", default="2", help="concurrent Locust users (closed loop); 1,4,16 sweeps the load")
+    s.add_argument("--repeats", type=int, default=1, help="run every treatment this many times (the spread)")
     s.add_argument("--processes", type=int, default=1, help="Locust worker processes (distributed mode)")
     s.add_argument("--worker-hosts", default="", help="Locust workers on these ssh hosts, one each (a cluster)")
     s.add_argument("--ssh-config", default="/var/lib/kvscope/netns/config", help="ssh config naming the worker hosts")

@@ -66,12 +66,14 @@ def goodput(records: list[Record], slo: dict[str, float]) -> float | None:
     return len(met) / len(done)
 
 
-def _pairs(run: RunInfo, recs: dict, config: str) -> tuple[list[tuple[float, float]], list[float]]:
-    """(golden, config) TTFT pairs on the config's measured cache hits, and those hits' TTFTs."""
+def _pairs(run: RunInfo, recs: dict, config: str, repeat: int | None = None
+           ) -> tuple[list[tuple[float, float]], list[float]]:
+    """(golden, config) TTFT pairs on the config's measured cache hits, and those hits' TTFTs (of one repeat,
+    or of all)."""
     golden = run.golden().config
     pairs, hits = [], []
     for (c, scenario), records in recs.items():
-        if c != config:
+        if c != config or (repeat is not None and run.scenarios[scenario].get("repeat", 1) != repeat):
             continue
         gold = {r.request_id: r.ttft_s for r in recs.get((golden, scenario), []) if r.ok and r.ttft_s}
         for r in records:
@@ -118,6 +120,11 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
         req_s, tok_s = throughput(mine)
         tpots = [t for r in mine if r.ok and r.phase == "measure" and (t := tpot(r)) is not None]
         met = goodput(mine, slo or {})
+        repeats = int(run.load.get("repeats", 1))
+        each: list[float] = []  # the speed-up of each repeat alone
+        for r in range(1, repeats + 1) if repeats > 1 else ():
+            if (ci := ratio_ci(_pairs(run, recs, v.config, r)[0])) is not None:
+                each.append(ci[0])
         rows.append({
             "config": v.config, "role": v.role, "verdict": v.verdict, "advice": advice(v, speed, detected),
             "hits": len(hits),
@@ -130,6 +137,8 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
             "requests_per_s": round(req_s, 2) if req_s else None,
             "output_tokens_per_s": round(tok_s, 1) if tok_s else None,
             "tpot_p50_ms": round(float(np.median(tpots)) * 1000, 2) if tpots else None,
+            **({"speedup_repeats": f"{min(each):.2f}–{max(each):.2f} over {len(each)}" if each else None}
+               if repeats > 1 else {}),
             **({"slo_met": round(met, 3) if met is not None else None,
                 "goodput_per_s": round(met * req_s, 2) if met is not None and req_s else None} if slo else {}),
         })
@@ -185,3 +194,24 @@ def tiers(status) -> pd.DataFrame:
         return frame
     keep = ["config"] + [c for c in frame.columns[1:] if frame[c].fillna(0).astype(float).any()]
     return frame[keep]
+
+
+def sweep(run: RunInfo, recs: dict) -> pd.DataFrame:
+    """Under a load sweep, each config at each load: throughput and TTFT (all answers, and cache hits)."""
+    levels = sorted({int(sc["users"]) for sc in run.scenarios.values() if sc.get("users")})
+    if len(levels) < 2:
+        return pd.DataFrame()
+    rows = []
+    for server in run.servers:
+        for users in levels:
+            mine = [r for (c, label), rs in recs.items() if c == server.config
+                    and run.scenarios[label].get("users") == users for r in rs]
+            done = [r for r in mine if r.ok and r.phase == "measure" and r.ttft_s]
+            hits = [r.ttft_s for r in done if r.cached_tokens]
+            req_s, tok_s = throughput(mine)
+            rows.append({"config": server.config, "role": server.role, "users": users, "answers": len(done),
+                         "requests_per_s": round(req_s, 2) if req_s else None,
+                         "output_tokens_per_s": round(tok_s, 1) if tok_s else None,
+                         "ttft_p50_ms": round(float(np.median([r.ttft_s for r in done])) * 1000, 2) if done else None,
+                         "hit_ttft_p50_ms": round(float(np.median(hits)) * 1000, 2) if hits else None})
+    return pd.DataFrame(rows)

@@ -119,6 +119,25 @@ def fidelity_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataF
     return _save(fig, folder / "fidelity_matrix.png")
 
 
+def load_sweep(plt, folder: Path, table: pd.DataFrame) -> str:
+    """TTFT p50 against throughput at each load, one line per config (canaries left out)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = plt.get_cmap("tab10")
+    for i, (config, part) in enumerate(table[table.role != "canary"].groupby("config", sort=False)):
+        part = part.dropna(subset=["requests_per_s", "ttft_p50_ms"])
+        ax.plot(part.requests_per_s, part.ttft_p50_ms, marker="o", label=config,
+                **_style(part.role.iloc[0] if len(part) else "candidate", colours(i % 10)))
+        for r in part.itertuples():
+            ax.annotate(f"{r.users}", (r.requests_per_s, r.ttft_p50_ms), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set(yscale="log", xlabel="throughput (requests/s)", ylabel="TTFT p50 (ms, log)",
+           title="Load sweep: TTFT against throughput (labels: concurrent users)")
+    _plain_log_labels(ax.yaxis)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return _save(fig, folder / "load_sweep.png")
+
+
 CAPTIONS = {
     "fidelity_matrix.png": "Which config × scenario served a wrong answer: a candidate's red cell is a cache that "
                            "changed answers; every canary row should be red.",
@@ -127,10 +146,13 @@ CAPTIONS = {
     "ttft_cdf.png": "TTFT of cache hits against golden's (black) per scenario: curves left of golden are faster; "
                     "canaries (dotted) are broken on purpose.",
     "ttft_vs_cached.png": "TTFT against how much of the prompt came from cache: a tier that pays off slopes down.",
+    "load_sweep.png": "Each config's TTFT as the load rises: where a tier's curve bends up sooner than golden's, it "
+                      "stops paying off under load.",
 }
 
 
-def draw(folder: Path, roles: dict[str, str], summary: pd.DataFrame, recs: dict) -> list[tuple[str, str]]:
+def draw(folder: Path, roles: dict[str, str], summary: pd.DataFrame, recs: dict,
+         sweep: pd.DataFrame | None = None) -> list[tuple[str, str]]:
     """Every plot of a report, as (file name, caption)."""
     import matplotlib
 
@@ -142,4 +164,6 @@ def draw(folder: Path, roles: dict[str, str], summary: pd.DataFrame, recs: dict)
             hit_rate_heatmap(plt, folder, roles, summary, scenarios),
             ttft_by_scenario(plt, folder, roles, recs, scenarios),
             ttft_vs_cached(plt, folder, roles, recs)]
+    if sweep is not None and len(sweep):
+        made.append(load_sweep(plt, folder, sweep))
     return [(name, CAPTIONS[name]) for name in made]

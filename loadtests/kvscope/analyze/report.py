@@ -316,7 +316,11 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     a.overview.to_csv(folder / "overview.csv", index=False)
     a.power.to_csv(folder / "power.csv", index=False)
     present = set(a.summary.config) if len(a.summary) else set()
-    pngs = plots.draw(folder, {s.config: s.role for s in a.run.servers if s.config in present}, a.summary, a.recs)
+    sweep = overview.sweep(a.run, a.recs)
+    if len(sweep):
+        sweep.to_csv(folder / "sweep.csv", index=False)
+    pngs = plots.draw(folder, {s.config: s.role for s in a.run.servers if s.config in present}, a.summary, a.recs,
+                      sweep)
     text = _markdown(a, pngs, folder)
     (folder / "report.md").write_text(text)
     (folder / "report.html").write_text(html.render(folder, text, f"kvscope report: run {a.run.run_id}"))
@@ -382,7 +386,8 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
              "hit_ttft_p50_ms": "hit TTFT p50 (ms)", "golden_ttft_p50_ms": "golden p50 (ms)",
              "speedup_hits": "speed-up", "speedup_ci95": "95 % CI", "hit_rate": "hit rate",
              "hit_rate_theoretical": "ideal LRU", "requests_per_s": "req/s", "output_tokens_per_s": "tokens/s",
-             "tpot_p50_ms": "TPOT p50 (ms)", "slo_met": "met SLO", "goodput_per_s": "goodput (req/s)"}
+             "tpot_p50_ms": "TPOT p50 (ms)", "slo_met": "met SLO", "goodput_per_s": "goodput (req/s)",
+             "speedup_repeats": "speed-up per repeat"}
     heads = {k: v for k, v in heads.items() if k in ov}
     lines += [_md_table(ov[list(heads)].rename(columns=heads)), ""]
     lines += ["`hits`: measured requests that reused cached tokens; TTFT p50 of those hits and of golden's answers "

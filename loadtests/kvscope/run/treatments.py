@@ -229,12 +229,22 @@ def _done(status_path: Path) -> set[tuple[str, str]]:
     return {(row.config, row.scenario) for row in read_jsonl(status_path, StatusRow)}
 
 
+def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[str, tuple[str, int, int]]:
+    """Label -> (scenario, users, repeat) of every treatment column of a run: a scenario's name alone, with
+    `@u<users>` under a load sweep and `#<repeat>` when repeated (each repeat replays the same requests)."""
+    return {name + (f"@u{u}" if len(users) > 1 else "") + (f"#{r}" if repeats > 1 else ""): (name, u, r)
+            for r in range(1, repeats + 1) for u in users for name in scenario_names}
+
+
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
-        users: int = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
+        users: int | list[int] = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
         command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False,
-        endpoints: list[Treatment] | None = None) -> Path:
-    """Run every scenario on every chosen server, deployed (`deployments`) or given as `endpoints`; return
-    the run folder."""
+        endpoints: list[Treatment] | None = None, repeats: int = 1) -> Path:
+    """Run every scenario on every chosen server, deployed (`deployments`) or given as `endpoints`, at each
+    load of `users` and `repeats` times; return the run folder."""
+    levels = [users] if isinstance(users, int) else list(users)
+    if not levels or min(levels) < 1 or repeats < 1:
+        raise ConfigError(f"--users {levels} and --repeats {repeats}: each must be at least 1")
     if remote and auth.api_key() and not os.environ.get(auth.KEY_FILE_ENV):
         raise ConfigError(f"Locust workers on other hosts read the API key from a file: set {auth.KEY_FILE_ENV} (the "
                           f"same path on every host) instead of {auth.KEY_ENV}; a key never goes on a command line")
@@ -269,38 +279,41 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     tokenizer = Tokenizer.from_file(str(Path(chosen[0].model_path) / "tokenizer.json"))
     capacity = min(s.kv_capacity_tokens or 0 for s in chosen) or None
     workloads = {n: generate(all_scenarios[n], tokenizer, capacity) for n in scenario_names}
+    labels = variants(scenario_names, levels, repeats)
     phase_files = {}
-    for name, reqs in workloads.items():
+    for label, (name, _, _) in labels.items():
         for phase in ("prime", "measure"):
-            part = [r for r in reqs if r.phase == phase]
+            part = [r for r in workloads[name] if r.phase == phase]
             if part:
-                phase_files[name, phase] = (folder / "workloads" / f"{name}.{phase}.jsonl", part)
-                write_jsonl(part, phase_files[name, phase][0])
+                phase_files[label, phase] = (folder / "workloads" / f"{label}.{phase}.jsonl", part)
+                write_jsonl(part, phase_files[label, phase][0])
     if not resume:
         write_json(folder / "run.json", RunInfo(
             run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed,
-            scenarios={n: all_scenarios[n].model_dump() for n in scenario_names},
-            load={"users": users, "processes": processes, "rate_sessions_per_s": rate,
-                  "locust_worker_hosts": (remote or {}).get("hosts", [])},
+            scenarios={label: {**all_scenarios[name].model_dump(), "users": u, "repeat": r}
+                       for label, (name, u, r) in labels.items()},
+            load={"users": levels[0] if len(levels) == 1 else levels, "repeats": repeats, "processes": processes,
+                  "rate_sessions_per_s": rate, "locust_worker_hosts": (remote or {}).get("hosts", [])},
             kv_capacity_tokens_for_sizing=capacity))
 
-    opts = {"users": users, "processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
+    opts = {"processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
     status_path = folder / "status.jsonl"
     done = _done(status_path)
-    total, step, where = len(chosen) * len(scenario_names), 0, "the first treatment"
+    total, step, where = len(chosen) * len(labels), 0, "the first treatment"
     try:
-        for scenario in scenario_names:
+        for label, (_, level, _) in labels.items():
             for server in chosen:
                 step += 1
-                where = f"{server.config} x {scenario}"
-                if (server.config, scenario) in done:
+                where = f"{server.config} x {label}"
+                if (server.config, label) in done:
                     print(f"[{step}/{total}] {where}: done earlier (--resume)", flush=True)
                     continue
-                _treatment(server, scenario, folder, phase_files, opts, status_path, f"[{step}/{total}] {where}")
+                _treatment(server, label, folder, phase_files, {**opts, "users": level}, status_path,
+                           f"[{step}/{total}] {where}")
         golden = next(s for s in chosen if s.role == "golden")
         where = "golden's continuations"
         print("golden scores the answers that split from its own ...", end="", flush=True)
-        counts = continuations.collect(folder, golden, [s.config for s in chosen], scenario_names)
+        counts = continuations.collect(folder, golden, [s.config for s in chosen], list(labels))
         print(" " + ", ".join(f"{c} {n}" for c, n in counts.items() if n), flush=True)
     except BaseException as exc:  # Ctrl-C, or a crash: the folder says so; finished treatments stay intact
         why = f"{type(exc).__name__} during {where}" + (f": {exc}" if str(exc) else "")
