@@ -50,7 +50,7 @@ def test_closed_loop_sends_back_to_back(sse_server, tmp_path):
     write_jsonl(requests(20), tmp_path / "w.jsonl")
     run_locust(sse_server, tmp_path / "w.jsonl", tmp_path / "r.jsonl", users=1, processes=1, rate=0.0,
                timeout_s=60, stats=tmp_path / "locust" / "sse.measure")
-    assert {p.name for p in (tmp_path / "locust").iterdir()} >= {"sse.measure_stats.csv", "sse.measure.html"}
+    assert {p.name for p in (tmp_path / "locust").iterdir()} >= {"sse.measure_stats.csv", "sse.measure_failures.csv"}
     recs = read(tmp_path / "r.jsonl")
     assert len(recs) == 20 and all(r.ok and len(r.output_token_ids) == 16 for r in recs)
     starts = sorted(r.start_unix_s for r in recs)

@@ -118,7 +118,7 @@ def gpus() -> str | None:
 def run_locust(server: Treatment, workload: Path, records: Path, users: int, processes: int, rate: float,
                timeout_s: float, remote: dict | None = None, stats: Path | None = None) -> dict:
     """One headless Locust run of a workload file against one server; returns its status row. With `stats`,
-    Locust's own CSV tables and HTML report are kept under that prefix.
+    Locust's own CSV tables are kept under that prefix.
 
     remote = {"hosts": [...], "ssh_config": path, "master_host": address}: Locust's distributed mode across
     hosts: this process is the master, one worker per host started over ssh with the same options (the
@@ -137,7 +137,7 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
            "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING"]
     if stats is not None:
         stats.parent.mkdir(parents=True, exist_ok=True)
-        cmd += ["--csv", str(stats), "--html", f"{stats}.html"]
+        cmd += ["--csv", str(stats)]  # its HTML report embeds ~1 MB of scripts per phase: left out
     workers = []
     if remote:
         hosts = remote["hosts"]
