@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvscope.analyze import html
+from kvscope.analyze import html, plots
 from kvscope.analyze.report import RunError, _md_table, analyze, workload_digest
 
 
@@ -35,11 +35,7 @@ def table(folders: list[Path]) -> pd.DataFrame:
 
 def plot(frame: pd.DataFrame, path: Path) -> str:
     """Speed-up on hits per candidate config, one marker per run, with the 95 % interval."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     rows = frame[frame.speedup_hits.notna() & (frame.role == "candidate")]
     configs = list(dict.fromkeys(rows.config))
     runs = list(dict.fromkeys(frame.run))
@@ -55,10 +51,7 @@ def plot(frame: pd.DataFrame, path: Path) -> str:
     ax.set_yticks(range(len(configs)), configs, fontsize=8)
     ax.set(xlabel="speed-up on cache hits (golden / config), 95 % interval", title="Speed-up per run")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path.name
+    return plots.save(fig, path)
 
 
 def write(folders: list[Path], out: Path | None = None) -> str:

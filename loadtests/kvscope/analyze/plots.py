@@ -28,12 +28,20 @@ def _plain_log_labels(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def _save(fig, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on a bench host)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    return plt
+
+
+def save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
     return path.name
 
 
@@ -54,7 +62,7 @@ def ttft_by_scenario(plt, folder: Path, roles: dict[str, str], recs: dict, scena
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("share of requests")
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    return _save(fig, folder / "ttft_cdf.png")
+    return save(fig, folder / "ttft_cdf.png")
 
 
 def ttft_vs_cached(plt, folder: Path, roles: dict[str, str], recs: dict) -> str:
@@ -72,7 +80,7 @@ def ttft_vs_cached(plt, folder: Path, roles: dict[str, str], recs: dict) -> str:
     _plain_log_labels(ax.yaxis)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    return _save(fig, folder / "ttft_vs_cached.png")
+    return save(fig, folder / "ttft_vs_cached.png")
 
 
 def _grid(plt, rows: list[str], cols: list[str]):
@@ -94,7 +102,7 @@ def hit_rate_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataF
     ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
     ax.set_yticks(range(len(configs)), configs, fontsize=8)
     ax.set_title("Token hit rate, measured (LRU: what an ideal cache of that size would hit)", fontsize=9)
-    return _save(fig, folder / "hit_rates.png")
+    return save(fig, folder / "hit_rates.png")
 
 
 def fidelity_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataFrame, scenarios: list[str]) -> str:
@@ -116,7 +124,7 @@ def fidelity_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataF
     ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
     ax.set_yticks(range(len(configs)), [f"{c} ({roles[c]})" for c in configs], fontsize=8)
     ax.set_title("Fidelity against golden: green every scored answer within tolerance, red any FAIL", fontsize=9)
-    return _save(fig, folder / "fidelity_matrix.png")
+    return save(fig, folder / "fidelity_matrix.png")
 
 
 def load_sweep(plt, folder: Path, table: pd.DataFrame) -> str:
@@ -135,7 +143,7 @@ def load_sweep(plt, folder: Path, table: pd.DataFrame) -> str:
     _plain_log_labels(ax.yaxis)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    return _save(fig, folder / "load_sweep.png")
+    return save(fig, folder / "load_sweep.png")
 
 
 CAPTIONS = {
@@ -154,11 +162,7 @@ CAPTIONS = {
 def draw(folder: Path, roles: dict[str, str], summary: pd.DataFrame, recs: dict,
          sweep: pd.DataFrame | None = None) -> list[tuple[str, str]]:
     """Every plot of a report, as (file name, caption)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     scenarios = list(dict.fromkeys(summary.scenario))
     made = [fidelity_heatmap(plt, folder, roles, summary, scenarios),
             hit_rate_heatmap(plt, folder, roles, summary, scenarios),

@@ -89,11 +89,9 @@ def started(pid_file: Path, require_server: bool = False) -> int | None:
     if not fields or fields[0] == "Z":
         return None
     if len(stamp_) == 1:
-        ours = SERVER_COMMAND in _cmdline(pid) and _started_at(fields) <= written + 1
+        ours = _started_at(fields) <= written + 1 and SERVER_COMMAND in _cmdline(pid)
     else:
-        ours = stamp_[1:] == [fields[19], boot_id()]
-    if ours and require_server and SERVER_COMMAND not in _cmdline(pid):
-        return None
+        ours = stamp_[1:] == [fields[19], boot_id()] and (not require_server or SERVER_COMMAND in _cmdline(pid))
     return pid if ours else None
 
 

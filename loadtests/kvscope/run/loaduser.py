@@ -24,7 +24,6 @@ from kvscope.run.workload import Request, read_jsonl, sessions
 
 log = logging.getLogger("kvscope")
 AUTH = {k: v for k, v in auth.headers().items() if k == "Authorization"}  # the API key, when there is one
-LOST = records.SESSION_LOST
 
 
 @events.init_command_line_parser.add_listener
@@ -125,7 +124,8 @@ def _on_init(environment, **_kw):
         try:
             records.write(msg.data["records"], path)
         except OSError as exc:  # a full disk: those records are lost, counted, and the run still ends
-            log.error("%s: %d records of worker %s not written: %s", LOST, len(msg.data["records"]), msg.node_id, exc)
+            log.error("%s: %d records of worker %s not written: %s", records.SESSION_LOST, len(msg.data["records"]),
+                      msg.node_id, exc)
         done.add(msg.node_id)
         if len(done) >= environment.parsed_options.kvscope_workers:
             gevent.spawn_later(0.1, runner.quit)
@@ -154,7 +154,7 @@ class KVScopeUser(FastHttpUser):
                 if req.endpoint == "chat":
                     history += (req.messages or []) + [{"role": "assistant", "content": rec.output_text}]
         except Exception as exc:  # records that cannot be written (a full disk): counted, and the run still ends
-            log.error("%s: %s: %s: %s", LOST, session[0].session_id, type(exc).__name__, exc)
+            log.error("%s: %s: %s: %s", records.SESSION_LOST, session[0].session_id, type(exc).__name__, exc)
             self.environment.events.request.fire(request_type="SESSION", name=session[0].scenario, response_time=0,
                                                  response_length=0, exception=exc, context={})
         finally:
