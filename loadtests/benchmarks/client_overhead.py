@@ -5,6 +5,11 @@
    of a request's TTFT is its measured TTFT minus that server time; p50 and p90 at 1, 16 and 64 concurrent
    streams of 16-token answers. `vllm bench serve` at the same concurrency against the same server: its
    TTFT p50 minus the server's p50 over its run (it sends no request id). Goal: < 2 ms at 64 streams.
+   Two servers: paced like a GPU server (first token 20 ms after the request, then one every 10 ms, so
+   64 streams are 6,400 tokens/s), and back to back (every token at once: a closed loop in which the client
+   is the bottleneck, so its share is queueing behind the other streams, ~ streams x its CPU per request).
+   The floor of this machine: the same measure for a bare blocking socket that writes the request by hand
+   and stops at the first token's bytes (loopback, wake-up and clocks; no HTTP library).
 2. Generator capacity: the same user against sse_server.py (first token at once, then as fast as the
    socket takes them) at rising concurrency, one Locust process = one core. Streamed tokens/s and the TTFT
    the client measures; capacity = the highest tokens/s while that p50 stays under 5 ms. Goal: >= 20k
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,10 +44,14 @@ REPO = HERE.parent.parent
 SHARE_PORT, CAPACITY_PORT = 8186, 8189
 
 
-def locust_round(server: dict, reqs: list[Request], users: int, folder: Path, name: str) -> list:
+PACED = ["--first-ms", "20", "--token-ms", "10"]
+
+
+def locust_round(server: Treatment, reqs: list[Request], users: int, folder: Path, name: str,
+                 processes: int = 1) -> list:
     workload, records = folder / f"{name}.workload.jsonl", folder / f"{name}.records.jsonl"
     write_jsonl(reqs, workload)
-    run_locust(server, workload, records, users, 1, 0.0, 600)
+    run_locust(server, workload, records, users, processes, 0.0, 600)
     return read(records)
 
 
@@ -50,8 +60,10 @@ def streaming_span(recs) -> float:
     return max(r.start_unix_s + r.e2e_s for r in recs) - min(r.start_unix_s for r in recs)
 
 
-def _sse_server(port: int, tokens: int, log: Path | None = None) -> tuple[subprocess.Popen, Treatment]:
+def _sse_server(port: int, tokens: int, log: Path | None = None, pace: list[str] | None = None,
+                ) -> tuple[subprocess.Popen, Treatment]:
     args = [sys.executable, str(HERE / "sse_server.py"), str(port), str(tokens)] + ([str(log)] if log else [])
+    args += pace or []
     proc = subprocess.Popen(args)
     time.sleep(1.0)
     return proc, Treatment.model_construct(config="sse-server", role="candidate", host="127.0.0.1", port=port,
@@ -69,15 +81,16 @@ def _server_times(log: Path) -> dict[str, float]:
     return {r["id"]: r["first_sent"] - r["received"] for r in rows}
 
 
-def client_share(folder: Path, model_dir: str, tokens: int = 16) -> None:
+def client_share(folder: Path, model_dir: str, pace: list[str] | None, processes: int, tokens: int = 16) -> None:
     log = folder / "sse-times.jsonl"
-    proc, server = _sse_server(SHARE_PORT, tokens, log)
-    print(f"\n1. the client's own share of TTFT ({tokens}-token answers from sse_server.py, which logs when each "
-          "request arrived and its first token left)")
+    proc, server = _sse_server(SHARE_PORT, tokens, log, pace)
+    kind = "paced like a GPU server: " + " ".join(pace) if pace else "back to back"
+    print(f"\n1. the client's own share of TTFT ({tokens}-token answers from sse_server.py, {kind}; "
+          f"{processes} Locust process{'es' if processes > 1 else ''})")
     try:
         for users in (1, 16, 64):
-            recs = locust_round(server, _requests(users * 16, tokens, f"share{users}"), users, folder,
-                                f"share{users}")
+            name = f"{'paced' if pace else 'b2b'}{users}"
+            recs = locust_round(server, _requests(users * 16, tokens, name), users, folder, name, processes)
             served = _server_times(log)
             share = [r.ttft_s - served[key] for r in recs if r.ok and r.ttft_s is not None
                      and (key := request_key(r.request_id, r.phase)) in served]
@@ -97,6 +110,33 @@ def client_share(folder: Path, model_dir: str, tokens: int = 16) -> None:
         print("   goal: kvscope's share < 2 ms at 64 streams")
     finally:
         proc.terminate()
+
+
+def socket_floor(folder: Path, n: int = 40) -> None:
+    """The client share of a bare socket against the paced server: what no client on this machine can beat."""
+    log = folder / "floor-times.jsonl"
+    proc, _ = _sse_server(SHARE_PORT + 1, 16, log, PACED)
+    shares, starts = [], {}
+    try:
+        with socket.create_connection(("127.0.0.1", SHARE_PORT + 1)) as sock:
+            for i in range(n):
+                body = b'{"prompt": "x", "max_tokens": 16, "stream": true}'
+                head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: f{i}\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                t0 = time.perf_counter()
+                sock.sendall(head + body)
+                seen = b""
+                while b"data:" not in seen:
+                    seen += sock.recv(65536)
+                starts[f"f{i}"] = time.perf_counter() - t0
+                while not seen.endswith(b"0\r\n\r\n"):
+                    seen += sock.recv(65536)
+        served = _server_times(log)
+        shares = [starts[k] - served[k] for k in starts if k in served]
+    finally:
+        proc.terminate()
+    print(f"\n0. this machine's floor: a bare socket against the paced server, client share p50 "
+          f"{np.median(shares) * 1000:5.2f} ms, p90 {np.percentile(shares, 90) * 1000:5.2f} ms (n {len(shares)})")
 
 
 def vllm_bench(port: int, users: int, tokens: int, model_dir: str) -> tuple[float, float] | None:
@@ -144,9 +184,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=str(REPO / "models" / "tiny-qwen3"))
     ap.add_argument("--tokens", type=int, default=256, help="tokens per answer in the capacity rounds")
+    ap.add_argument("--processes", type=int, default=1, help="Locust processes in the client-share rounds")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        client_share(Path(tmp), args.model_dir)
+        socket_floor(Path(tmp))
+        client_share(Path(tmp), args.model_dir, PACED, args.processes)
+        client_share(Path(tmp), args.model_dir, None, args.processes)
         capacity(Path(tmp), args.tokens, args.model_dir)
 
 

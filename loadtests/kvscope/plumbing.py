@@ -28,11 +28,32 @@ def cmd_render(args) -> int:
     overrides = parse_overrides(args.overrides)
     rendered = artifacts.Rendered(kvscope_servers=[
         render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset) for c in chosen])
+    if args.max_gpu_share:
+        claims = {r.config: gpu_share(r.server_args) for r in rendered.kvscope_servers}
+        if sum(claims.values()) > args.max_gpu_share:
+            raise matrix_mod.ConfigError(
+                f"these servers claim {sum(claims.values()):.2f} of the node's memory together ({claims}, from "
+                f"--gpu-memory-utilization; vLLM's default is {DEFAULT_GPU_SHARE}); a unified-memory node (GB10) "
+                f"allows {args.max_gpu_share}, leaving the rest to the CPU side and the CPU-RAM KV tiers: lower "
+                "it in the matrix or deploy fewer configs per node")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(out, rendered)
     print(f"rendered {', '.join(r.config for r in rendered.kvscope_servers)} for {args.platform} into {out}")
     return 0
+
+
+DEFAULT_GPU_SHARE = 0.9  # vLLM's --gpu-memory-utilization when a config does not set it
+
+
+def gpu_share(server_args: list[str]) -> float:
+    """The --gpu-memory-utilization a server's arguments claim (either `--flag V` or `--flag=V`)."""
+    for i, arg in enumerate(server_args):
+        if arg == "--gpu-memory-utilization" and i + 1 < len(server_args):
+            return float(server_args[i + 1])
+        if arg.startswith("--gpu-memory-utilization="):
+            return float(arg.split("=", 1)[1])
+    return DEFAULT_GPU_SHARE
 
 
 def cmd_probe(args) -> int:
@@ -80,7 +101,7 @@ def cmd_failed(args) -> int:
 def cmd_image_info(args) -> int:
     from kvscope.deploy.images import info
 
-    print(json.dumps(info(args.image)))
+    print(json.dumps(info(args.image, base=args.base)))
     return 0
 
 
@@ -91,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("render", help="validate, then render selected configs into rendered.json")
     s.add_argument("--configs", required=True)
+    s.add_argument("--max-gpu-share", type=float, default=0.0,
+                   help="refuse when the servers' --gpu-memory-utilization add up to more (a GB10's one pool)")
     s.add_argument("--platform", choices=["cpu", "cuda"], required=True)
     s.add_argument("--model", required=True)
     s.add_argument("--run-dir", required=True)
@@ -126,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rendered", required=True)
     s.add_argument("--model", required=True)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--server-python", default=None, help="record the package versions of this interpreter")
+    s.add_argument("--server-python", default=None,
+                   help="record the package versions of this interpreter (a shell-quoted command)")
     s.add_argument("--container", default=None, help="the server runs in this container (container runtime)")
     s.set_defaults(func=cmd_manifest)
 
@@ -138,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("image-info", help="build arguments, labels and content tag of an image (JSON)")
     s.add_argument("--image", choices=["gb10", "cpu"], required=True)
+    s.add_argument("--base", help="the cpu image's base as built (docker/base/build.sh's output)")
     s.set_defaults(func=cmd_image_info)
     return p
 

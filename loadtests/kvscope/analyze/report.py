@@ -437,7 +437,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
               f"`{workload_digest(folder)}`",
               f"- command: `{run.command}`", ""]
     lines += ['<details markdown="1"><summary>Server flags per config</summary>', ""]
-    lines += ["| config | role | port | flags | kv-transfer-config |", "|---|---|---|---|---|"]
+    lines += ["| config | role | runs as | port | flags | kv-transfer-config |", "|---|---|---|---|---|---|"]
     for s in run.servers:
         args = s.server_args
         ktc = args[args.index("--kv-transfer-config") + 1] if "--kv-transfer-config" in args else "–"
@@ -445,7 +445,8 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
         flags = " ".join(a if len(a) <= 60 else f"{a[:40]}…({len(a)} characters)" for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))
         flags = f"`{flags}`" if args else "not known (an endpoint kvscope did not deploy)"
-        lines.append(f"| {s.config} | {s.role} | {s.port} | {flags} | `{ktc}` |")
+        runs_as = f"container `{s.container}`" if s.container else (f"process {s.pid}" if s.pid else "–")
+        lines.append(f"| {s.config} | {s.role} | {runs_as} | {s.port} | {flags} | `{ktc}` |")
     lines += ["", "</details>", "", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "
               "tokens (warm); `n_*` = how many; p90 needs 10 of them and p99 100 (else `–`). Hit rates are "

@@ -41,15 +41,20 @@ def _files(repo: Path, entry: str):
                     and not p.name.endswith(".pyc") and ".egg-info" not in str(p))
 
 
-def content_tag(image: str, repo: Path = REPO) -> str:
-    digest = hashlib.sha256(yaml.safe_dump(versions(image, repo), sort_keys=True).encode())
+def content_tag(image: str, repo: Path = REPO, pinned: dict[str, str] | None = None) -> str:
+    digest = hashlib.sha256(yaml.safe_dump(pinned or versions(image, repo), sort_keys=True).encode())
     for entry in CONTEXT[image]:
         for path in _files(repo, entry):
             digest.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes())
     return f"{versions(image, repo).get('KVSCOPE_CONNECTOR_VERSION', '0')}-{digest.hexdigest()[:12]}"
 
 
-def info(image: str, repo: Path = REPO) -> dict:
+def info(image: str, repo: Path = REPO, base: str | None = None) -> dict:
+    """Build facts; `base`: the cpu image's PYTHON_IMAGE as built (a content-tagged name), part of the tag."""
     pinned = versions(image, repo)
-    return {"image": image, "tag": content_tag(image, repo), "build_args": pinned,
+    if base:
+        if image != "cpu":
+            raise ValueError("--base applies to the cpu image (gb10 picks its base with image_gb10_base)")
+        pinned["PYTHON_IMAGE"] = base
+    return {"image": image, "tag": content_tag(image, repo, pinned), "build_args": pinned,
             "labels": {f"org.kvscope.pin.{k.lower()}": v for k, v in pinned.items()}}

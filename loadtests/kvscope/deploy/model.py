@@ -161,4 +161,5 @@ def build(out: Path, seed: int = 0, std: float = 0.1, shape_name: str = "tiny") 
         json.dumps({"eos_token_id": tok.token_to_id("<|im_end|>"), "do_sample": False}, indent=2) + "\n"
     )
     save_file(qwen3_weights(shape, seed, std), str(out / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; a container's server reads it as its user
     return model_hash(out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -249,9 +250,11 @@ _VERSIONS = ("import json, importlib.metadata as m\n"
 
 
 def package_versions(python: str) -> dict[str, str]:
-    """Versions of the packages that shape KV bytes, as installed for the server's interpreter."""
+    """Versions of the packages that shape KV bytes, as installed for the server's interpreter; `python` is a
+    shell-quoted command (e.g. `docker exec kvscope-apc python3` for a container)."""
     try:
-        out = subprocess.run([python, "-c", _VERSIONS % (SERVER_PACKAGES,)], capture_output=True, text=True,
+        out = subprocess.run([*shlex.split(python), "-c", _VERSIONS % (SERVER_PACKAGES,)], capture_output=True,
+                             text=True,
                              timeout=120)
         return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr.strip()[-200:]}
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
