@@ -15,7 +15,9 @@
    the client measures; capacity = the highest tokens/s while that p50 stays under 5 ms. Goal: >= 20k
    tokens/s/core. In the same run, `vllm bench serve` against the same server, for comparison.
 
-No vLLM server is needed; the tokenizer of --model-dir sizes vllm bench's prompts.
+No vLLM server is needed; the tokenizer of --model-dir sizes vllm bench's prompts. With two cores or
+more, the synthetic server runs on the last core and the clients on the others, so the measure is the
+client's, not the two processes' contention for one core (which a real deployment does not have).
 
     .venv/bin/python loadtests/benchmarks/client_overhead.py [--model-dir models/tiny-qwen3]
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -42,6 +45,7 @@ from kvscope.run.workload import write_jsonl
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SHARE_PORT, CAPACITY_PORT = 8186, 8189
+CORES = sorted(os.sched_getaffinity(0))
 
 
 PACED = ["--first-ms", "20", "--token-ms", "10"]
@@ -65,6 +69,8 @@ def _sse_server(port: int, tokens: int, log: Path | None = None, pace: list[str]
     args = [sys.executable, str(HERE / "sse_server.py"), str(port), str(tokens)] + ([str(log)] if log else [])
     args += pace or []
     proc = subprocess.Popen(args)
+    if len(CORES) > 1:
+        os.sched_setaffinity(proc.pid, CORES[-1:])
     time.sleep(1.0)
     return proc, Treatment.model_construct(config="sse-server", role="candidate", host="127.0.0.1", port=port,
                                            block_size=64, served_model_name="tiny")  # a synthetic server
@@ -186,6 +192,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per answer in the capacity rounds")
     ap.add_argument("--processes", type=int, default=1, help="Locust processes in the client-share rounds")
     args = ap.parse_args()
+    if len(CORES) > 1:  # the clients (Locust, vllm bench) inherit this
+        os.sched_setaffinity(0, CORES[:-1])
+        print(f"clients on cores {CORES[:-1]}, the synthetic server on core {CORES[-1]}")
     with tempfile.TemporaryDirectory() as tmp:
         socket_floor(Path(tmp))
         client_share(Path(tmp), args.model_dir, PACED, args.processes)
