@@ -140,3 +140,15 @@ def test_each_node_renders_its_own_configs_and_gets_them_beside_its_servers(tmp_
     for node, config in (("n1", "baseline"), ("n2", "apc")):
         doc = json.loads((tmp_path / "run" / f"rendered-{node}.json").read_text())
         assert [s["config"] for s in doc["kvscope_servers"]] == [config]
+
+
+def test_the_manifest_probe_imports_each_connectors_modules_in_the_servers_environment(tmp_path, model_dir):
+    from kvscope.deploy.servers import connector_imports, connector_modules
+
+    rendered = json.loads(open(render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml",
+                                           ["kvscope-fs", "lmcache-cpu", "offload-cpu"])).read())
+    modules = {s["config"]: connector_modules(s["server_args"]) for s in rendered["kvscope_servers"]}
+    assert modules == {"kvscope-fs": ["kvscope_connector"], "offload-cpu": [],
+                       "lmcache-cpu": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.c_ops"]}
+    found = connector_imports(str(REPO / ".venv-vllm" / "bin" / "python"), ["kvscope_connector", "lmcache.c_ops"])
+    assert found == {"kvscope_connector": "ok", "lmcache.c_ops": "ModuleNotFoundError: No module named 'lmcache'"}

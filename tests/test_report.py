@@ -327,3 +327,15 @@ def test_a_load_sweep_and_repeats_become_their_own_columns_and_a_sweep_table(tmp
     assert list(sweep[sweep.config == "apc"].users) == [1, 4] and (run / "load_sweep.png").exists()
     assert pd.read_csv(run / "overview.csv").set_index("config").loc["apc"].speedup_repeats == "1.00–1.00 over 2"
     assert overview.sweep(report.analyze(run).run, {}).requests_per_s.isna().all()  # no records, no throughput
+
+
+def test_a_connector_module_that_does_not_import_is_named_in_the_report(tmp_path):
+    run = make_run(tmp_path / "run1", four())
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"][2]["connector_imports"] = {"lmcache.integration.vllm.vllm_v1_adapter": "ok",
+                                              "lmcache.c_ops": "ImportError: undefined symbol: _ZN3c10"}
+    (run / "run.json").write_text(json.dumps(doc))
+    report.write(run, min_hits=1)
+    md = (run / "report.md").read_text()
+    assert ("connector modules of apc: `lmcache.integration.vllm.vllm_v1_adapter` ok, `lmcache.c_ops` "
+            "**does not import**: ImportError: undefined symbol: _ZN3c10") in md

@@ -82,6 +82,7 @@ class Manifest(RenderedServer):
     container: str | None = None
     vllm_version: str | None
     packages: dict[str, Any] = Field(default_factory=dict)
+    connector_imports: dict[str, str] = Field(default_factory=dict)  # module -> "ok" or why it did not import
     kv_capacity_tokens: int | None
     block_size: int
     prefix_caching: bool

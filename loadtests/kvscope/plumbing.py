@@ -81,13 +81,17 @@ def cmd_manifest(args) -> int:
     run_dir = Path(args.run_dir)
     rendered = servers.rendered_servers(Path(args.rendered))[args.config]
     model = Path(args.model)
+    python = args.server_python
     doc = servers.manifest(run_dir / args.config / "server.pid", rendered, model, model_hash(model), args.host,
-                           servers.package_versions(args.server_python) if args.server_python else None,
-                           args.container)
+                           servers.package_versions(python) if python else None, args.container,
+                           servers.connector_imports(python, servers.connector_modules(rendered.server_args))
+                           if python else None)
     artifacts.write_json(run_dir / args.config / "manifest.json", doc)
     (run_dir / args.config / "failed.json").unlink(missing_ok=True)
     servers.write_deployment(run_dir)
-    print(f"{args.config}: port {doc.port} pid {doc.pid} vLLM {doc.vllm_version} KV {doc.kv_capacity_tokens} tokens")
+    failed = {m: why for m, why in doc.connector_imports.items() if why != "ok"}
+    print(f"{args.config}: port {doc.port} pid {doc.pid} vLLM {doc.vllm_version} KV {doc.kv_capacity_tokens} tokens"
+          + (f"; connector modules that do not import: {failed}" if failed else ""))
     return 0
 
 

@@ -433,6 +433,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
               f"(served as `{first.served_model_name}`) sha256 `{first.model_hash[:16]}…`, KV capacity "
               f"{first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
               f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}",
+              *_imports(run.servers),
               f"- load: {', '.join(f'{k} {v}' for k, v in run.load.items())}; workload digest "
               f"`{workload_digest(folder)}`",
               f"- command: `{run.command}`", ""]
@@ -504,6 +505,18 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `power.csv`, `scores.csv` (one row per request and "
               "config).", ""]
     return "\n".join(lines)
+
+
+def _imports(servers) -> list[str]:
+    """One line per distinct set of connector modules and how each imported in the server's environment; a
+    compiled extension that failed sends LMCache to a fallback path, which only its log would show."""
+    groups: dict[str, list[str]] = {}
+    for s in servers:
+        if s.connector_imports:
+            text = ", ".join(f"`{m}` " + ("ok" if why == "ok" else f"**does not import**: {why}")
+                             for m, why in s.connector_imports.items())
+            groups.setdefault(text, []).append(s.config)
+    return [f"- connector modules of {', '.join(configs)}: {text}" for text, configs in groups.items()]
 
 
 def _packages(packages: dict | None) -> str:

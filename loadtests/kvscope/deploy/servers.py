@@ -249,6 +249,35 @@ _VERSIONS = ("import json, importlib.metadata as m\n"
              "print(json.dumps({n: v(n) for n in %r if v(n)}))")
 
 
+# The modules a connector loads besides its own path: a compiled extension that fails to import sends
+# LMCache to a slower fallback (or a wrong one), visible then only in the server's log.
+CONNECTOR_MODULES = {"LMCacheConnectorV1": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.c_ops"],
+                     "LMCacheMPConnector": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.c_ops"]}
+_IMPORTS = ("import importlib, json\nout = {}\nfor n in %r:\n try:\n  importlib.import_module(n); out[n] = 'ok'\n"
+            " except BaseException as e:\n  out[n] = f'{type(e).__name__}: {e}'[:300]\nprint(json.dumps(out))")
+
+
+def connector_modules(server_args: list[str]) -> list[str]:
+    """The modules a server's KV connector needs, from its --kv-transfer-config."""
+    if "--kv-transfer-config" not in server_args:
+        return []
+    ktc = json.loads(server_args[server_args.index("--kv-transfer-config") + 1])
+    own = [ktc["kv_connector_module_path"]] if ktc.get("kv_connector_module_path") else []
+    return own + CONNECTOR_MODULES.get(ktc.get("kv_connector", ""), [])
+
+
+def connector_imports(python: str, modules: list[str]) -> dict[str, str]:
+    """Each module imported in the server's interpreter (a shell-quoted command): "ok" or the error."""
+    if not modules:
+        return {}
+    try:
+        out = subprocess.run([*shlex.split(python), "-c", _IMPORTS % (modules,)], capture_output=True, text=True,
+                             timeout=300)
+        return json.loads(out.stdout) if out.returncode == 0 else {m: out.stderr.strip()[-300:] for m in modules}
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        return {m: f"{type(exc).__name__}: {exc}" for m in modules}
+
+
 def package_versions(python: str) -> dict[str, str]:
     """Versions of the packages that shape KV bytes, as installed for the server's interpreter; `python` is a
     shell-quoted command (e.g. `docker exec kvscope-apc python3` for a container)."""
@@ -262,7 +291,8 @@ def package_versions(python: str) -> dict[str, str]:
 
 
 def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_hash: str, host: str = "127.0.0.1",
-             packages: dict | None = None, container: str | None = None) -> Manifest:
+             packages: dict | None = None, container: str | None = None,
+             imports: dict[str, str] | None = None) -> Manifest:
     """What a deployed server is, read off the live server."""
     base = f"http://{host}:{rendered.port}"
     labels = cache_config(http_get(f"{base}/metrics").decode())
@@ -274,7 +304,8 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
     return Manifest(**rendered.model_dump(exclude={"schema_version", "env", "server_args"}),
                     server_args=redact_args(rendered.server_args), env=redact_env(rendered.env),
                     host=host, pid=read_pid(pid_file), container=container, vllm_version=version,
-                    packages=packages or {}, kv_capacity_tokens=kv_capacity_tokens(labels),
+                    packages=packages or {}, connector_imports=imports or {},
+                    kv_capacity_tokens=kv_capacity_tokens(labels),
                     block_size=int(labels["block_size"]), prefix_caching=labels.get("enable_prefix_caching") == "True",
                     max_model_len=models["data"][0].get("max_model_len"), model_path=str(model_dir),
                     model_hash=model_hash, model_config={k: v for k, v in model_config.items() if k in MODEL_KEYS})
