@@ -241,3 +241,15 @@ def test_your_own_matrix_connector_folder_and_model_deployed_and_scored(tmp_path
         assert int(verdicts["my-tier"]["verified_hits"]) >= 3
     finally:
         ansible("teardown.yml", run_dir)
+
+
+def test_the_upstream_repro_script_finds_every_repeat_identical_on_correct_caches(deployment):
+    # loadtests/repro/ucm_second_request.py, as an upstream maintainer would run it, on apc and kvscope-fs
+    for config in ("apc", "kvscope-fs"):
+        port = servers_of(deployment)[config]["port"]
+        out = subprocess.run([sys.executable, str(REPO / "loadtests" / "repro" / "ucm_second_request.py"),
+                              "--url", f"http://127.0.0.1:{port}", "--max-tokens", "8"],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "every repeat is identical" in out.stdout
+        assert "long #1 prompt A: cached 0 tokens" not in out.stdout  # the repeat was a cache hit

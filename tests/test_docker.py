@@ -16,7 +16,7 @@ from conftest import REPO
 from kvscope.deploy import images
 
 VENV_BIN = REPO / ".venv" / "bin"
-GPU_CONFIGS = ["offload-cpu", "lmcache-cpu", "lmcache-disk", "ucm-pipeline", "ucm-nfs", "ucm-blend"]
+GPU_CONFIGS = ["offload-cpu", "lmcache-cpu", "lmcache-disk", "ucm-pipeline", "ucm-nfs", "ucm-blend", "ucm-blend-shim"]
 TUNABLES = {"BASE", "MAX_JOBS", "NVCC_THREADS", "TORCH_INDEX_URL"}  # build knobs, not version pins
 
 spec = importlib.util.spec_from_file_location("verify_image", REPO / "docker" / "verify_image.py")
@@ -134,7 +134,7 @@ def test_each_node_renders_its_own_configs_and_gets_them_beside_its_servers(tmp_
     env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg")}
     out = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", str(inventory), str(REPO / "ansible" / "deploy.yml"),
                           "--check", "-e", f"ansible_python_interpreter={sys.executable}",
-                          "-e", f"kvscope_run_dir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                          "-e", f"kvscope_run_dir={tmp_path / 'run'}", "-e", "vllm_port_offset=300"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     for node, config in (("n1", "baseline"), ("n2", "apc")):
