@@ -13,7 +13,7 @@ from pathlib import Path
 from kvscope import artifacts
 from kvscope.cli import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
-from kvscope.config.render import model_errors, parse_overrides, render
+from kvscope.config.render import flag_value, model_errors, parse_overrides, render
 from kvscope.deploy import servers
 
 
@@ -47,13 +47,9 @@ DEFAULT_GPU_SHARE = 0.9  # vLLM's --gpu-memory-utilization when a config does no
 
 
 def gpu_share(server_args: list[str]) -> float:
-    """The --gpu-memory-utilization a server's arguments claim (either `--flag V` or `--flag=V`)."""
-    for i, arg in enumerate(server_args):
-        if arg == "--gpu-memory-utilization" and i + 1 < len(server_args):
-            return float(server_args[i + 1])
-        if arg.startswith("--gpu-memory-utilization="):
-            return float(arg.split("=", 1)[1])
-    return DEFAULT_GPU_SHARE
+    """The --gpu-memory-utilization a server's arguments claim."""
+    value = flag_value(server_args, "--gpu-memory-utilization")
+    return float(value) if value is not None else DEFAULT_GPU_SHARE
 
 
 def cmd_probe(args) -> int:

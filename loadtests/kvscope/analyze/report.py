@@ -28,6 +28,7 @@ from kvscope.artifacts import (
     write_json,
 )
 from kvscope.config.matrix import ROLE_ORDER
+from kvscope.config.render import flag_value
 from kvscope.run import continuations, metrics
 from kvscope.run.records import key_from_server_id, read
 
@@ -82,8 +83,7 @@ def _pct(values, q) -> float | None:
 
 
 def served_dtype(server: Treatment) -> str | None:
-    args = server.server_args
-    return args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else None
+    return flag_value(server.server_args, "--dtype")
 
 
 def noise_floor(run: RunInfo, recs: dict, folder: Path) -> dict:
@@ -441,7 +441,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     lines += ["| config | role | runs as | port | flags | kv-transfer-config |", "|---|---|---|---|---|---|"]
     for s in run.servers:
         args = s.server_args
-        ktc = args[args.index("--kv-transfer-config") + 1] if "--kv-transfer-config" in args else "–"
+        ktc = flag_value(args, "--kv-transfer-config") or "–"
         skip = {i + 1 for i, a in enumerate(args) if a in ("--model", "--kv-transfer-config")}
         flags = " ".join(a if len(a) <= 60 else f"{a[:40]}…({len(a)} characters)" for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
 from kvscope.auth import headers, redact_args, redact_env
+from kvscope.config.render import flag_value
 
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
@@ -259,35 +260,36 @@ _IMPORTS = ("import importlib, json\nout = {}\nfor n in %r:\n try:\n  importlib.
 
 def connector_modules(server_args: list[str]) -> list[str]:
     """The modules a server's KV connector needs, from its --kv-transfer-config."""
-    if "--kv-transfer-config" not in server_args:
+    text = flag_value(server_args, "--kv-transfer-config")
+    if text is None:
         return []
-    ktc = json.loads(server_args[server_args.index("--kv-transfer-config") + 1])
+    ktc = json.loads(text)
     own = [ktc["kv_connector_module_path"]] if ktc.get("kv_connector_module_path") else []
     return own + CONNECTOR_MODULES.get(ktc.get("kv_connector", ""), [])
 
 
+def _in_server(python: str, code: str, timeout_s: float, tail: int) -> dict | str:
+    """Run `code` in the server's interpreter (a shell-quoted command, e.g. `docker exec kvscope-apc python3`):
+    the JSON object it prints, or why there is none (the last `tail` characters of its error)."""
+    try:
+        out = subprocess.run([*shlex.split(python), "-c", code], capture_output=True, text=True, timeout=timeout_s)
+        return json.loads(out.stdout) if out.returncode == 0 else out.stderr.strip()[-tail:]
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def connector_imports(python: str, modules: list[str]) -> dict[str, str]:
-    """Each module imported in the server's interpreter (a shell-quoted command): "ok" or the error."""
+    """Each module imported in the server's interpreter: "ok" or the error."""
     if not modules:
         return {}
-    try:
-        out = subprocess.run([*shlex.split(python), "-c", _IMPORTS % (modules,)], capture_output=True, text=True,
-                             timeout=300)
-        return json.loads(out.stdout) if out.returncode == 0 else {m: out.stderr.strip()[-300:] for m in modules}
-    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
-        return {m: f"{type(exc).__name__}: {exc}" for m in modules}
+    found = _in_server(python, _IMPORTS % (modules,), 300, 300)
+    return found if isinstance(found, dict) else {m: found for m in modules}
 
 
 def package_versions(python: str) -> dict[str, str]:
-    """Versions of the packages that shape KV bytes, as installed for the server's interpreter; `python` is a
-    shell-quoted command (e.g. `docker exec kvscope-apc python3` for a container)."""
-    try:
-        out = subprocess.run([*shlex.split(python), "-c", _VERSIONS % (SERVER_PACKAGES,)], capture_output=True,
-                             text=True,
-                             timeout=120)
-        return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr.strip()[-200:]}
-    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
-        return {"error": str(exc)}
+    """Versions of the packages that shape KV bytes, as installed for the server's interpreter."""
+    found = _in_server(python, _VERSIONS % (SERVER_PACKAGES,), 120, 200)
+    return found if isinstance(found, dict) else {"error": found}
 
 
 def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_hash: str, host: str = "127.0.0.1",

@@ -38,6 +38,7 @@ from kvscope.artifacts import (
     write_json,
 )
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
+from kvscope.config.render import flag_value
 from kvscope.deploy import servers
 from kvscope.run import continuations, metrics
 from kvscope.run.records import SESSION_LOST
@@ -216,10 +217,10 @@ def treatments(servers_: list[Treatment]) -> list[Treatment]:
 
 def fault_log(server: Treatment) -> Path | None:
     """Where a canary's connector logs what it broke (its kv-transfer-config's fault_log), if anywhere."""
-    args = server.server_args
-    if "--kv-transfer-config" not in args[:-1]:
+    text = flag_value(server.server_args, "--kv-transfer-config")
+    if text is None:
         return None
-    extra = json.loads(args[args.index("--kv-transfer-config") + 1]).get("kv_connector_extra_config", {})
+    extra = json.loads(text).get("kv_connector_extra_config", {})
     return Path(extra["fault_log"]) if extra.get("fault_log") else None
 
 
