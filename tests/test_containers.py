@@ -113,8 +113,11 @@ def test_the_build_context_holds_only_what_the_images_copy(cpu_image, tmp_path):
     (tmp_path / "docker" / "Dockerfile").write_text(
         f"FROM {cpu_image['Config']['Labels']['org.kvscope.pin.python_image']}\nCOPY . /ctx\n"
         "RUN find /ctx -type f | sort | tr '\\n' ' '\n")
-    out = subprocess.run(["docker", "build", "--network", "host", "-f", "docker/Dockerfile", "."], cwd=tmp_path,
+    # --no-cache: a cached RUN step prints nothing, and an earlier run on this daemon leaves one
+    out = subprocess.run(["docker", "build", "--no-cache", "--iidfile", "iid", "--network", "host",
+                          "-f", "docker/Dockerfile", "."], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, env={**os.environ, "DOCKER_BUILDKIT": "0"})
     assert out.returncode == 0, out.stdout + out.stderr
+    subprocess.run(["docker", "rmi", (tmp_path / "iid").read_text().strip()], capture_output=True)
     assert "/ctx/connector/f /ctx/docker/Dockerfile /ctx/docker/f /ctx/loadtests/f" in out.stdout
     assert "/ctx/.venv" not in out.stdout and "/ctx/models" not in out.stdout and "/ctx/runs" not in out.stdout
