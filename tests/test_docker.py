@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,7 +18,7 @@ from conftest import REPO
 from kvscope.deploy import images
 
 VENV_BIN = REPO / ".venv" / "bin"
-GPU_CONFIGS = ["offload-cpu", "lmcache-cpu", "lmcache-disk", "ucm-pipeline", "ucm-nfs", "ucm-blend", "ucm-blend-shim"]
+GPU_CONFIGS = ["offload-cpu", "lmcache-cpu", "lmcache-disk", "lmcache-mp", "ucm-pipeline", "ucm-nfs", "ucm-blend", "ucm-blend-shim"]
 TUNABLES = {"BASE", "MAX_JOBS", "NVCC_THREADS", "TORCH_INDEX_URL"}  # build knobs, not version pins
 
 spec = importlib.util.spec_from_file_location("verify_image", REPO / "docker" / "verify_image.py")
@@ -28,7 +30,7 @@ def run(*cmd, cwd=REPO) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("image", ["gb10", "cpu"])
+@pytest.mark.parametrize("image", ["gb10", "gb10-pypi", "cpu"])
 def test_dockerfile_pins_equal_the_versions_file(image):
     pinned, args = images.versions(image), images.dockerfile_args(image)
     assert {k: args.get(k) for k in pinned} == pinned
@@ -37,7 +39,7 @@ def test_dockerfile_pins_equal_the_versions_file(image):
 
 def test_hadolint_passes_on_every_dockerfile():
     dockerfiles = sorted((REPO / "docker").glob("*/Dockerfile"))
-    assert len(dockerfiles) == 2
+    assert len(dockerfiles) == 3
     out = run(VENV_BIN / "hadolint", *dockerfiles)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -98,6 +100,21 @@ def test_sm121_rules_of_the_image_check():
     assert v({(120, "a")}, set(), 121) is None  # arch-specific cubins run only on sm_120
     assert v({(90, "")}, {(90, "")}, 121) == "PTX JIT from compute_90"
     assert v({(90, ""), (100, "")}, set(), 121) is None
+
+
+def test_the_image_check_reads_a_real_library_with_a_real_cuobjdump(tmp_path):
+    # LMCache 0.5.6's published CUDA extension: SASS sm_75 ... sm_120, no PTX (make setup fetches the wheel)
+    cuobjdump = next((REPO / ".venv" / "lib").glob("python3*/site-packages/nvidia/cu13/bin/cuobjdump"))
+    wheel = next((REPO / ".venv" / "kernel-wheels").glob("lmcache-0.5.6-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:
+        lib = Path(zf.extract(next(n for n in zf.namelist() if n.startswith("lmcache/cuda_ops")), tmp_path))
+    rows, failures = verify_image.inspect(str(cuobjdump), [lib], 121)
+    assert rows == [f"| `{lib.name}` | 75 80 86 89 90 100 110 120 | - | compatible sm_120 |"] and failures == []
+    assert verify_image.inspect(str(cuobjdump), [lib], 90)[0][0].endswith("| native |")
+    rows, failures = verify_image.inspect(str(cuobjdump), [lib], 70)  # a V100 would find nothing to run
+    assert "**none: cannot run**" in rows[0] and "no code for sm_70" in failures[0]
+    host_only = verify_image.inspect(str(cuobjdump), [Path(sys.executable).resolve()], 121)
+    assert host_only == ([], [])  # a library without device code is not listed
 
 
 def test_content_tag_changes_with_the_dockerfile_and_nothing_else(tmp_path):

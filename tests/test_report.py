@@ -295,9 +295,15 @@ def test_a_cache_that_was_not_reset_is_said_in_the_report(tmp_path):
             "baseline": {"reset_prefix_cache_http": 404}, "control": {"reset_prefix_cache_http": 200}}
     (run / "status.jsonl").write_text("".join(json.dumps({"config": c, "scenario": "s", "phases": {}, "reset": r})
                                               + "\n" for c, r in rows.items()))
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"].append({**doc["servers"][-1], "config": "ucm", "port": 8199, "stores": {"ucm": "/s/ucm"},
+                           "store_reset": "keep", "upstream": ["https://github.com/o/r/issues/1"]})
+    (run / "run.json").write_text(json.dumps(doc))
     report.write(run, min_hits=1)
     md = (run / "report.md").read_text()
     assert "`apc`: **cache state not controlled**" in md and "answered 404" in md
+    assert "`ucm`: **cache state not controlled**" in md and "['ucm'] are kept between treatments" in md
+    assert "- `ucm`: upstream reports about this path: <https://github.com/o/r/issues/1>" in md
     assert "`canary-shift`: **cache state not controlled**" in md and "['kv'] lie outside" in md
     assert "`baseline`: **cache state not controlled**" not in md  # cache-off: nothing to reset
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from .blocks import Block, CorruptBlock, Layout, checksum
 from .fileformat import MAX_HEADER, decode, encode
 
@@ -77,6 +79,7 @@ class RamTier:
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
+        self.pin = False  # keep blocks in pinned memory (beside a GPU: copies to it need no staging)
         self.used = 0
         self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
         self.lock = threading.Lock()
@@ -90,6 +93,7 @@ class RamTier:
         size = block.numel()
         if size > self.capacity:
             return 0
+        copy = torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(block) if self.pin else block.clone()
         with self.lock:
             if key in self.blocks:
                 self.blocks.move_to_end(key)
@@ -98,7 +102,7 @@ class RamTier:
             while self.used + size > self.capacity:
                 self._drop(next(iter(self.blocks)))
                 evicted += 1
-            self.blocks[key] = (block.clone(), digest)
+            self.blocks[key] = (copy, digest)
             self.used += size
             return evicted
 

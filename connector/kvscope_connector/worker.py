@@ -1,7 +1,7 @@
 """Worker side: copy blocks between vLLM's paged KV cache and the tiers, verifying every load.
 
 A block travels as one flat byte buffer (store.Layout): one checksum call and, on a GPU, one transfer
-per step rather than one per layer and block.
+per block rather than one per layer.
 
 Loads run in start_load_kv, before the forward: file reads and their checks run on four load threads while
 the forward thread copies verified blocks into the KV cache. Stores start in wait_for_save, after the
@@ -62,6 +62,8 @@ class WorkerSide:
         if self.fs is not None:
             self.fs.layout = self.layout
         self.device = next(iter(self.layers.values())).device
+        if self.ram is not None:
+            self.ram.pin = self.device.type == "cuda"  # host-to-device copies straight from the tier
         if self.device.type == "cpu":
             bad = [name for name, t in self.layers.items() if not t.is_contiguous()]
             if bad:
@@ -104,8 +106,9 @@ class WorkerSide:
 
     def inject(self, items: Iterable[tuple[int, Block]]) -> int:
         """Write verified blocks into the KV cache as they come; returns how many. On the CPU numpy copies
-        each layer's bytes straight into its row; on a GPU the blocks go over in one host-to-device copy
-        from pinned memory, then one index_copy_ per layer."""
+        each layer's bytes straight into its row. On a GPU each block is copied to the device as it comes
+        (asynchronously, from pinned memory: the RAM tier's blocks are pinned, others are pinned first),
+        overlapping the verification of the next ones; then one index_copy_ per layer, on the same stream."""
         if self.device.type == "cpu":
             count = 0
             for block_id, block in items:
@@ -114,16 +117,17 @@ class WorkerSide:
                     self.rows[e.name][block_id] = src[e.start:e.end]
                 count += 1
             return count
-        items = list(items)
-        if items:
-            host = torch.empty((len(items), self.layout.nbytes), dtype=torch.uint8, pin_memory=True)
-            torch.stack([block for _, block in items], out=host)
-            blocks = host.to(self.device, non_blocking=True)
-            idx = self._index([block_id for block_id, _ in items])
+        ids, on_device = [], []
+        for block_id, block in items:  # each block goes over as soon as it is verified
+            src = block if block.is_pinned() else block.pin_memory()
+            on_device.append(src.to(self.device, non_blocking=True))
+            ids.append(block_id)
+        if ids:
+            blocks, idx = torch.stack(on_device), self._index(ids)
             for e in self.layout.entries:
-                layer = blocks[:, e.start:e.end].view(e.dtype).view(len(items), *e.shape)
+                layer = blocks[:, e.start:e.end].view(e.dtype).view(len(ids), *e.shape)
                 self.layers[e.name].index_copy_(0, idx, layer)
-        return len(items)
+        return len(ids)
 
     # Loads
 

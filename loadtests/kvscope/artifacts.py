@@ -55,6 +55,7 @@ class RenderedServer(Artifact):
     store_reset: Literal["wipe", "keep"] = "wipe"
     faults: list[str] = Field(default_factory=list)
     install: list[str] = Field(default_factory=list)  # the config's packages, installed before the server starts
+    upstream: list[str] = Field(default_factory=list)  # upstream reports about this path, for the report
 
     @model_validator(mode="before")
     @classmethod

@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_failed)
 
     s = sub.add_parser("image-info", help="build arguments, labels and content tag of an image (JSON)")
-    s.add_argument("--image", choices=["gb10", "cpu"], required=True)
-    s.add_argument("--base", help="the cpu image's base as built (docker/base/build.sh's output)")
+    s.add_argument("--image", choices=["gb10", "gb10-pypi", "cpu"], required=True)
+    s.add_argument("--base", help="the image's base as built (docker/base/build.sh's output)")
     s.set_defaults(func=cmd_image_info)
     return p
 

@@ -357,9 +357,12 @@ def _slo_words(slo: dict[str, float]) -> str:
 
 
 def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
-    """Configs with a cache whose reset did not succeed before some treatment, and why."""
+    """Configs with a cache whose reset did not succeed before some treatment, or whose stores are kept
+    between treatments (`store_reset: keep`), and why."""
     cached = {s.config for s in run.servers if s.role in ("candidate", "canary")}
-    out = {}
+    out = {s.config: (f"its stores {sorted(s.stores)} are kept between treatments (`store_reset: keep`), so blocks "
+                      "an earlier treatment stored stay there") for s in run.servers
+           if s.config in cached and s.store_reset == "keep" and s.stores}
     for row in status:
         if row.config not in cached or not row.reset:
             continue
@@ -409,8 +412,11 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
             "speedup_hits_median"]
     lines += [_md_table(v[cols]), ""]
     lines += [f"- `{c.config}`: **did not start** ({c.why}): `{c.error}`" for c in run.crashed]
-    lines += [f"- `{config}`: **cache state not controlled**: its cache could not be reset before a treatment "
-              f"({why}); earlier requests may have warmed it" for config, why in uncontrolled(run, a.status).items()]
+    lines += [f"- `{config}`: **cache state not controlled**: its cache was not emptied before every treatment "
+              f"({why}); earlier requests may have warmed it, so its hit rate may exceed a fresh cache's"
+              for config, why in uncontrolled(run, a.status).items()]
+    lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.upstream)
+              for s in run.servers if s.upstream]
     lines += ["", "## How strong the verdict is", ""]
     measured = "not measured" if floor["noise_nats"] is None else f"{floor['noise_nats']:.3g} nat"
     lines += [f"- Noise floor: the control's answers ({floor['control_answers']}) and golden's own answers scored "

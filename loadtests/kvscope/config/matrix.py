@@ -21,6 +21,7 @@ NAME = r"^[a-z0-9][a-z0-9-]*$"  # config and store names: a path component, neve
 StoreName = Annotated[str, Field(pattern=NAME)]
 # A plain variable name: keys reach a shell's environment prefix and Docker's env unquoted.
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+Link = Annotated[str, Field(pattern=r"^https://\S+$")]
 ROLE_ORDER = {"golden": 0, "control": 1, "candidate": 2, "canary": 3}  # the order treatments run and reports list
 
 # Flags the renderer owns: a config that sets one would silently fight the deployment.
@@ -108,6 +109,9 @@ class StorageConfig(Strict):
     packages: list[str] = Field(
         default_factory=list, description="requirements installed into the serving environment before the server "
         "starts (process runtime), e.g. 'lmcache==0.5.6'")
+    upstream: list[Link] = Field(
+        default_factory=list, description="upstream reports about this path (issue or PR links), listed beside "
+        "its verdict in the report")
     store_reset: Literal["wipe", "keep"] = Field(
         "wipe", description="keep: never wipe the stores under the live server (a connector that keeps its own "
         "state in them); the server's own reset endpoint is still called")

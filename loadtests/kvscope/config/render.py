@@ -89,7 +89,8 @@ def render(
         env["PYTHONPATH"] = ":".join(cfg.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return RenderedServer(config=cfg.name, role=cfg.role, port=port, platform=platform,
                           served_model_name=model_dir.name, server_args=args, env=env, stores=stores,
-                          store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages))
+                          store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages),
+                          upstream=list(cfg.upstream))
 
 
 def model_errors(model_dir: Path) -> list[str]:

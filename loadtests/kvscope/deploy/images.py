@@ -15,7 +15,9 @@ import yaml
 from kvscope import REPO
 
 CONTEXT = {"gb10": ["docker/gb10/Dockerfile", "docker/verify_image.py", "connector"],
+           "gb10-pypi": ["docker/gb10-pypi/Dockerfile", "docker/verify_image.py", "connector"],
            "cpu": ["docker/cpu/Dockerfile", "docker/cpu/constraints.txt", "connector", "loadtests"]}
+BASE_ARG = {"cpu": "PYTHON_IMAGE", "gb10-pypi": "BASE_IMAGE"}  # images on a base made by docker/base/build.sh
 _ARG = re.compile(r"^ARG\s+([A-Z0-9_]+)=(.*)$", re.M)
 
 
@@ -50,11 +52,12 @@ def content_tag(image: str, repo: Path = REPO, pinned: dict[str, str] | None = N
 
 
 def info(image: str, repo: Path = REPO, base: str | None = None) -> dict:
-    """Build facts; `base`: the cpu image's PYTHON_IMAGE as built (a content-tagged name), part of the tag."""
+    """Build facts; `base`: the image's base as docker/base/build.sh built it (a content-tagged name), part of
+    the tag."""
     pinned = versions(image, repo)
     if base:
-        if image != "cpu":
-            raise ValueError("--base applies to the cpu image (gb10 picks its base with image_gb10_base)")
-        pinned["PYTHON_IMAGE"] = base
+        if image not in BASE_ARG:
+            raise ValueError(f"--base applies to {sorted(BASE_ARG)} (gb10 picks its base with image_gb10_base)")
+        pinned[BASE_ARG[image]] = base
     return {"image": image, "tag": content_tag(image, repo, pinned), "build_args": pinned,
             "labels": {f"org.kvscope.pin.{k.lower()}": v for k, v in pinned.items()}}
