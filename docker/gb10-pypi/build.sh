@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Builds the GB10 image from PyPI (linux/arm64) on any Docker host, under qemu emulation where the host is
-# not arm64 (qemu-user-static with binfmt_misc), then runs docker/verify_image.py inside it against the
-# shipped libraries with the image's own cuobjdump. Prints the build log and the verification's table to
+# Builds the GB10 image from PyPI (linux/arm64) on any Docker host: the packages are installed here with
+# pip's cross-platform install, the image's own steps and docker/verify_image.py run under qemu emulation
+# where the host is not arm64 (qemu-user-static with binfmt_misc); the check reads the shipped libraries
+# with the image's own cuobjdump. Prints the build log and the verification's table to
 # stdout; exit status: the verification's. Run from anywhere: docker/gb10-pypi/build.sh (make image-gb10-pypi).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$(dirname "$here")")
 pin() { awk -v k="$1:" '/^gb10-pypi:/{f=1} f && $1==k {print $2; exit}' "$repo/docker/versions.yaml"; }
 echo "== base: Debian trixie arm64 from Debian's packages"
-base=$("$repo/docker/base/build.sh" linux/arm64 trixie)
+base=${KVSCOPE_BASE:-$("$repo/docker/base/build.sh" linux/arm64 trixie)}  # KVSCOPE_BASE: one made before
 echo "$base"
 echo "== wheels: PyPI, linux/arm64, CPython 3.13"
 [ -f "$here/wheels/torch-$(pin TORCH_VERSION)-cp313-cp313-manylinux_2_28_aarch64.whl" ] || "$here/wheelhouse.sh"
@@ -21,9 +22,24 @@ print("\n".join([f"--build-arg={k}={v}" for k, v in d["build_args"].items()]
 tag=${args[0]}
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
-cp -al "$here/wheels" "$ctx/wheels"  # hard links: the context is assembled, not copied
-cp -r "$repo/connector" "$ctx/connector"
+echo "== install for linux/arm64, CPython 3.13, on this host (pip's cross-platform install, no emulation)"
+export PIP_CONFIG_FILE=/dev/null  # this host's pip configuration (mirrors, constraints) has no say
+platforms=()
+for t in manylinux_2_{41..17} manylinux2014 linux; do platforms+=(--platform "${t}_aarch64"); done  # trixie: glibc 2.41
+# pip checks Requires-Python against the host's Python, not 3.13: the target's is given and checked by tags
+"${PYTHON_HOST:-python3}" -m pip --isolated install --quiet --no-index --find-links "$here/wheels" \
+  --target "$ctx/site" --only-binary=:all: --python-version 3.13 --implementation cp --abi cp313 \
+  "${platforms[@]}" --ignore-requires-python --no-compile \
+  "torch==$(pin TORCH_VERSION)" "vllm==$(pin VLLM_VERSION)" "lmcache==$(pin LMCACHE_VERSION)" \
+  "nvidia-cuda-cuobjdump==$(pin CUOBJDUMP_VERSION)" six
+"${PYTHON_HOST:-python3}" -m pip --isolated install --quiet --no-index --find-links "$here/wheels" --no-deps \
+  --target "$ctx/connector" "$repo/connector"
+cp -r "$ctx/connector/." "$ctx/site/"
+rm -rf "$ctx"/site/{torchvision,torchaudio,torchcodec}* "$ctx/site/bin"  # vLLM's media extras; host scripts
+"${PYTHON_HOST:-python3}" -m zipfile -e \
+  "$here/wheels/ucm-cp312/uc_manager_cuda_cu130-$(pin UCM_VERSION)-cp312-cp312-manylinux_2_28_aarch64.whl" "$ctx/ucm-cp312"
 cp "$here/Dockerfile" "$repo/docker/verify_image.py" "$ctx/"
+du -sh "$ctx/site"
 echo "== image $tag (linux/arm64)"
 docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
 if ! docker image inspect "$tag" >/dev/null 2>&1; then

@@ -1,0 +1,204 @@
+"""Fault-injection canary, for tests and demos only: a connector that loads wrong KV on purpose.
+
+FaultCanary stores and verifies exactly like KVScopeConnector and breaks only what it writes into vLLM's KV
+cache, through the worker's one hook (WorkerSide.to_write). Which fault, per request: the request's
+`kv_transfer_params` {"kvscope_fault": NAME} (kvscope's bench sends one per canary treatment), else the
+extra config's `fault` (default "shift"). The faults, graded from the upstream bug's class down to noise
+near the numerical floor:
+
+- shift:      every loaded block gets its predecessor's KV, the first keeps its own: KV loaded one block
+              late (UCM #867's class); a request that loads one block gets its tokens one position late.
+              (A rotation would be no fault at all: attention over a permuted set of keys and values is
+              the same attention.)
+- zeros:      the last loaded block is zeros (a block that was never filled).
+- stale:      the last loaded block is not written: its slot keeps what an earlier request left there.
+- layer:      "shift", in the middle layer only.
+- head:       "shift", in one KV head of the middle layer only.
+- noise-1e-2, noise-1e-3: Gaussian noise of 1e-2 / 1e-3 times each layer's standard deviation on every
+              loaded value.
+- second-hit: correct the first time a key is loaded after a reset; from its second load on, "shift".
+- foreign:    the last loaded block is replaced by the block stored under another key.
+
+Every request a step loads for gets one line in the JSONL file `fault_log` (extra config, optional):
+{"request": vLLM's request id, "fault": NAME, "loaded": blocks, "changed": blocks whose written bytes
+differ from the verified block}. A request with "changed" 0 was served correct KV ("stale" onto a slot
+that already held the right bytes, "second-hit" on a first load, "foreign" with no other key stored).
+Blocks that a request computed on top of wrong KV are not stored, so a later hit gets wrong KV only from
+the fault it is logged with (a key the scheduler counts as stored then misses, and vLLM recomputes it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .blocks import Block
+from .connector import KVScopeConnector
+from .messages import KVScopeMetadata, LoadSpec
+from .worker import WorkerSide
+
+log = logging.getLogger("kvscope_connector")
+
+FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign")
+
+Part = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # the slice of a layer's block a fault touches
+
+
+@dataclass
+class CanaryMetadata(KVScopeMetadata):
+    faults: dict[str, str] = field(default_factory=dict)  # request id -> fault, for the requests that load
+
+
+def _token_dim(t: torch.Tensor, block_size: int) -> int:
+    """The first axis of one block's tensor that is block_size long: (H, B, 2D) on CPU, (2, B, H, D) on GPU."""
+    return next(d for d in range(t.dim()) if t.shape[d] == block_size)
+
+
+def _late(dst: torch.Tensor, src: torch.Tensor, dim: int) -> None:
+    """dst = src one position late along dim; position 0 keeps its own value."""
+    n = src.shape[dim]
+    dst.narrow(dim, 1, n - 1).copy_(src.narrow(dim, 0, n - 1))
+
+
+class _FaultWorker(WorkerSide):
+    default_fault = "shift"
+    fault_log: str | None = None
+    kv_heads = 1
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: set[str] = set()  # keys loaded since the last reset (second-hit)
+        self.tainted: set[str] = set()  # requests given wrong KV since the last reset: their blocks are not stored
+
+    def save(self, meta: KVScopeMetadata) -> None:
+        meta.stores = [spec for spec in meta.stores if spec.request_id not in self.tainted]
+        super().save(meta)
+
+    def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
+                 ) -> Iterable[tuple[int, Block]]:
+        if meta.reset:
+            self.seen.clear()
+            self.tainted.clear()
+        by_request: dict[str, list[tuple[LoadSpec, Block]]] = {}
+        for spec, block in verified:
+            by_request.setdefault(spec.request_id, []).append((spec, block))
+        faults = getattr(meta, "faults", {})
+        out, lines = [], []
+        for request_id, loaded in by_request.items():
+            fault = faults.get(request_id, self.default_fault)
+            written = self._apply(fault, loaded)
+            changed = sum(self._changed(spec, block, new) for (spec, block), new in zip(loaded, written))
+            if changed:
+                self.tainted.add(request_id)
+            out += [(spec.block_id, new) for (spec, _), new in zip(loaded, written) if new is not None]
+            lines.append({"request": request_id, "fault": fault, "loaded": len(loaded), "changed": changed})
+        self._log(lines)
+        return out
+
+    def _apply(self, fault: str, loaded: list[tuple[LoadSpec, Block]]) -> list[Block | None]:
+        """The blocks to write for one request's loads, in load order; None leaves a slot as it is."""
+        blocks = [block for _, block in loaded]
+        keys = {spec.key for spec, _ in loaded}
+        if fault == "shift":
+            return self._shifted(blocks, lambda name, t: t)
+        if fault == "layer":
+            return self._shifted(blocks, lambda name, t: t if name == self._middle() else None)
+        if fault == "head":
+            return self._shifted(blocks, lambda name, t: t.narrow(self._head_dim(t), 0, 1)
+                                 if name == self._middle() else None)
+        if fault == "zeros":
+            return blocks[:-1] + [torch.zeros_like(blocks[-1])]
+        if fault == "stale":
+            return blocks[:-1] + [None]
+        if fault.startswith("noise-"):
+            return [self._noisy(spec.block_id, block, float(fault[len("noise-"):])) for spec, block in loaded]
+        if fault == "second-hit":
+            again = bool(keys & self.seen)
+            self.seen |= keys
+            return self._shifted(blocks, lambda name, t: t) if again else blocks
+        if fault == "foreign":
+            other = self._other_block(keys)
+            return blocks if other is None else blocks[:-1] + [other]
+        self.stats.warn_once("fault", "unknown canary fault %r: loading correct KV", fault)
+        return blocks
+
+    def _changed(self, spec: LoadSpec, block: Block, new: Block | None) -> bool:
+        """Whether the KV cache will hold other bytes than the verified block (None: what the slot holds now)."""
+        return not torch.equal(self.extract([spec.block_id])[0] if new is None else new, block)
+
+    def _shifted(self, blocks: list[Block], part: Part) -> list[Block]:
+        out = [block.clone() for block in blocks]
+        src_views = [self.layout.views(block) for block in blocks]
+        dst_views = [self.layout.views(block) for block in out]
+        for name in src_views[0]:
+            if len(blocks) == 1:
+                src, dst = part(name, src_views[0][name]), part(name, dst_views[0][name])
+                if src is not None and dst is not None:
+                    _late(dst, src, _token_dim(src, self.block_size))
+                continue
+            for j in range(1, len(blocks)):
+                src, dst = part(name, src_views[j - 1][name]), part(name, dst_views[j][name])
+                if src is not None and dst is not None:
+                    dst.copy_(src)
+        return out
+
+    def _middle(self) -> str:
+        return self.layout.entries[len(self.layout.entries) // 2].name
+
+    def _head_dim(self, t: torch.Tensor) -> int:
+        """The axis of the KV heads: the last one of that length that is neither the token axis nor the last."""
+        token = _token_dim(t, self.block_size)
+        return max(d for d in range(t.dim() - 1) if t.shape[d] == self.kv_heads and d != token)
+
+    def _noisy(self, block_id: int, block: Block, scale: float) -> Block:
+        out = block.clone()
+        gen = torch.Generator().manual_seed(block_id)
+        for t in self.layout.views(out).values():
+            noise = torch.randn(t.shape, generator=gen) * t.float().std() * scale
+            t.copy_((t.float() + noise).to(t.dtype))
+        return out
+
+    def _other_block(self, keys: set[str]) -> Block | None:
+        """The most recently used RAM-tier block stored under a key this request does not load."""
+        return None if self.ram is None else self.ram.recent(keys)
+
+    def _log(self, lines: list[dict]) -> None:
+        if not self.fault_log or not lines:
+            return
+        try:
+            with open(self.fault_log, "a") as f:
+                f.write("".join(json.dumps(line) + "\n" for line in lines))
+        except OSError as exc:  # the bench then treats every hit as affected, and says so
+            self.stats.warn_once("fault-log", "cannot write the fault log %s: %s", self.fault_log, exc)
+
+
+class FaultCanary(KVScopeConnector):
+    worker_cls = _FaultWorker
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.get_from_extra_config
+        self.default_fault = extra("fault", "shift")
+        if self.default_fault not in FAULTS:
+            raise ValueError(f"kvscope canary: unknown fault {self.default_fault!r}; known: {', '.join(FAULTS)}")
+        self.faults: dict[str, str] = {}  # scheduler side: request id -> fault asked for
+        if self.worker_side is not None:
+            self.worker_side.default_fault = self.default_fault
+            self.worker_side.fault_log = extra("fault_log", None)
+            self.worker_side.kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = request.kv_transfer_params or {}
+        self.faults[request.request_id] = params.get("kvscope_fault", self.default_fault)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> CanaryMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        for request_id in scheduler_output.finished_req_ids:
+            self.faults.pop(request_id, None)
+        faults = {spec.request_id: self.faults.get(spec.request_id, self.default_fault) for spec in meta.loads}
+        return CanaryMetadata(**vars(meta), faults=faults)

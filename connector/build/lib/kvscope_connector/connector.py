@@ -1,0 +1,225 @@
+"""KVScopeConnector: vLLM V1 KV connector over a verified RAM + filesystem block store.
+
+Scheduler-side (engine core process), see scheduler.py:
+- get_num_new_matched_tokens: leading run of stored blocks after the local hits; side-effect free.
+- update_state_after_alloc:    plan loads into the blocks vLLM allocated.
+- build_connector_meta:        add stores of newly completed prompt blocks and RAM evictions; resets state.
+- get_external_cache_hit_sources, update_connector_output, request_finished, reset_cache.
+Worker-side (each worker process), see worker.py:
+- register_kv_caches, start_load_kv (verified loads), wait_for_save (hands the step's new blocks to the
+  save thread), get_block_ids_with_load_errors (misses vLLM recomputes), get_kv_connector_stats, shutdown.
+
+kv_connector_extra_config keys:
+- ram_bytes (int, default 268435456): RAM tier capacity; 0 turns the tier off.
+- fs_path (str, optional): filesystem tier directory (local, or NFS shared by several servers).
+- fs_bytes (int, optional): filesystem tier capacity; unbounded when absent.
+- fsync (bool, default false): fsync each block before its atomic rename.
+- model_id (str, optional): weights identity to use instead of hashing the model's files.
+The store secret comes from the environment only ($KVSCOPE_STORE_KEY or $KVSCOPE_STORE_KEY_FILE, see
+keys.store_secret): with it every file is signed and a file that is not is never loaded.
+Use it with "kv_load_failure_policy": "recompute", so blocks that fail verification are recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from .keys import fingerprint, secret_id, store_secret, weights_identity
+from .messages import KVScopeMetadata
+from .scheduler import SchedulerSide
+from .store import FsTier, RamTier
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+COUNTERS = ("ram_hits", "fs_hits", "misses", "corrupt", "io_errors", "saves", "save_errors", "load_bytes",
+            "save_bytes", "load_seconds", "save_seconds", "evictions")
+
+
+@dataclass
+class KVScopeStats(KVConnectorStats):
+    """Counters since the last report, summed across workers; vLLM logs them as 'KV Transfer metrics'."""
+
+    data: dict[str, Any] = field(default_factory=lambda: {k: 0 for k in COUNTERS})
+
+    def reset(self):
+        self.data = {k: 0 for k in COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k in COUNTERS:
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in COUNTERS)
+
+
+class KVScopePromMetrics(KVConnectorPromMetrics):
+    """Each counter as a Prometheus counter `kvscope:connector_<name>_total` on /metrics, per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        for name in COUNTERS:
+            counter = self._counter_cls(name=f"kvscope:connector_{name}",
+                                        documentation=f"kvscope connector: {name.replace('_', ' ')}",
+                                        labelnames=labelnames)
+            self.counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for name, per_engine in self.counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
+
+
+def _layout() -> str:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_cache_layout
+
+        return str(get_kv_cache_layout())
+    except Exception:  # the layout helper moved between vLLM versions; the shape check still guards loads
+        return "unknown"
+
+
+def _stack(vllm_config: VllmConfig) -> dict:
+    """What besides the model changes KV bytes: vLLM's version, the platform and the attention backend."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None) or os.environ.get("VLLM_ATTENTION_BACKEND") or "auto"
+    try:
+        capability = current_platform.get_device_capability()
+    except Exception:  # not every platform reports one
+        capability = None
+    return {"vllm": vllm.__version__, "platform": current_platform.device_type, "device_capability": capability,
+            "attention_backend": str(backend)}
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # the scheduler process has no model-parallel group: it looks up rank 0's blocks
+        return 0
+
+
+class KVScopeConnector(KVConnectorBase_V1):
+    worker_cls = WorkerSide
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.get_from_extra_config
+        model = vllm_config.model_config
+        self.block_size = vllm_config.cache_config.block_size
+        rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        secret = store_secret()
+        self.fp = fingerprint(
+            model_config=json.loads(json.dumps(model.hf_config.to_dict(), sort_keys=True, default=str)),
+            weights=extra("model_id", None) or weights_identity(model.model),
+            dtype=str(model.dtype), kv_dtype=str(vllm_config.cache_config.cache_dtype), block_size=self.block_size,
+            layout=_layout(), tp_rank=rank, tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            stack=_stack(vllm_config), signer=secret_id(secret))
+        self.ram_bytes = int(extra("ram_bytes", 256 * 2**20))
+        fs_path = extra("fs_path", None)
+        fs = (FsTier(fs_path, self.fp, extra("fs_bytes", None), bool(extra("fsync", False)), secret=secret)
+              if fs_path else None)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            group = kv_cache_config.kv_cache_groups[0]
+            block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+            self.scheduler_side = SchedulerSide(self.fp, self.block_size, self.ram_bytes // block_bytes, fs)
+        else:
+            # the scheduler decides evictions; the slack covers blocks still in flight
+            ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
+            self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs)
+
+    # Worker-side methods
+
+    def register_kv_caches(self, kv_caches):
+        assert self.worker_side is not None
+        self.worker_side.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVScopeMetadata)
+        self.worker_side.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, done in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # stores start in wait_for_save, after the step computed the blocks
+
+    def wait_for_save(self):
+        assert self.worker_side is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVScopeMetadata)
+        self.worker_side.save(meta)
+
+    def shutdown(self):
+        if self.worker_side is not None:
+            self.worker_side.flush()  # pending saves are written before the server exits
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors() if self.worker_side else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is None:
+            return None
+        stats = self.worker_side.take_stats()
+        out = KVScopeStats(data={k: getattr(stats, k) for k in COUNTERS})
+        return None if out.is_empty() else out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVScopeStats(data=data) if data is not None else KVScopeStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVScopePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # Scheduler-side methods
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        assert self.scheduler_side is not None
+        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        assert self.scheduler_side is not None
+        return self.scheduler_side.hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVScopeMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        if self.scheduler_side is not None and connector_output.invalid_block_ids:
+            self.scheduler_side.load_failed(connector_output.invalid_block_ids)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler_side is not None:
+            self.scheduler_side.finished(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler_side.reset() if self.scheduler_side is not None else None

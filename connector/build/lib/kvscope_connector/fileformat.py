@@ -1,0 +1,91 @@
+"""The on-disk format of one block: a safetensors file (no pickle, no code), one tensor per layer in the
+block's Layout order, so the file's data section is the block's bytes as they are; its header names the
+format, the fingerprint, the key and an XXH3-128 checksum of the bytes.
+
+Files on shared storage are untrusted input: decode() checks every field against what this server
+expects and raises CorruptBlock on anything else. With a store secret (keys.store_secret) each file also
+carries an HMAC-SHA256 of its fingerprint, key and bytes, so only holders of the secret can write a block
+that loads; without one, the checksum is not a defence against a host that can write the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from itertools import zip_longest
+
+import torch
+from safetensors.torch import save as st_save
+
+from .blocks import Block, CorruptBlock, Entry, Layout, checksum
+
+FORMAT_VERSION = "3"  # 3: a block is one byte buffer, checksummed whole (2: per-layer XXH3-128; 1: CRC-32)
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+MAX_HEADER = 1 << 20  # bytes; a block's header names one tensor per layer (a few KiB)
+
+
+def mac(secret: bytes, fingerprint: str, key: str, block: Block) -> str:
+    """HMAC-SHA256 of a block's fingerprint, key and bytes under the store secret."""
+    h = hmac.new(secret, f"{fingerprint}/{key}/".encode(), hashlib.sha256)
+    h.update(block.numpy())
+    return h.hexdigest()
+
+
+def encode(block: Block, layout: Layout, fingerprint: str, key: str, digest: str,
+           secret: bytes | None = None) -> bytes:
+    meta = {"kvscope_format": FORMAT_VERSION, "fingerprint": fingerprint, "key": key, "checksum": digest}
+    if secret is not None:
+        meta["mac"] = mac(secret, fingerprint, key, block)
+    return st_save(layout.views(block), metadata=meta)
+
+
+def _header(data: bytearray) -> tuple[int, dict, list[Entry]]:
+    (n,) = struct.unpack_from("<Q", data, 0)
+    if n > MAX_HEADER:
+        raise ValueError(f"a {n}-byte header")
+    header = json.loads(bytes(data[8:8 + n]))
+    if not isinstance(header, dict):
+        raise TypeError(f"the header is a JSON {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise TypeError("__metadata__ is not a map of strings")
+    found = sorted(Entry(name, _DTYPES.get(info["dtype"]), tuple(info["shape"]), *info["data_offsets"])
+                   for name, info in header.items())
+    return n, meta, found
+
+
+def decode(data: bytearray, fingerprint: str, key: str, layout: Layout,
+           secret: bytes | None = None) -> tuple[Block, str]:
+    """Parse and verify one stored block and return it with its verified checksum; raises CorruptBlock if
+    it is not exactly what this server expects (and, with a secret, not signed with it).
+
+    The block is a view into `data` (no copy); safetensors' layout is read from its JSON header, never
+    executed, and must be this server's Layout byte for byte.
+    """
+    try:
+        n, meta, found = _header(data)
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptBlock(f"unreadable block: {exc}") from exc
+    if meta.get("kvscope_format") != FORMAT_VERSION:
+        raise CorruptBlock(f"format {meta.get('kvscope_format')!r}, expected {FORMAT_VERSION}")
+    if meta.get("fingerprint") != fingerprint or meta.get("key") != key:
+        raise CorruptBlock("fingerprint or key mismatch (a foreign block)")
+    for got, want in zip_longest(found, layout.entries):
+        if got != want:
+            raise CorruptBlock(f"layer {got}, expected {want}")
+    if len(data) != 8 + n + layout.nbytes:
+        raise CorruptBlock(f"{len(data)} bytes, expected {8 + n + layout.nbytes} (truncated or padded)")
+    block = torch.frombuffer(data, dtype=torch.uint8, count=layout.nbytes, offset=8 + n)
+    digest = checksum(block)
+    if digest != meta.get("checksum"):
+        raise CorruptBlock("checksum mismatch")
+    if secret is not None and not hmac.compare_digest(meta.get("mac", ""), mac(secret, fingerprint, key, block)):
+        raise CorruptBlock("unsigned, or not signed with this store's secret")
+    return block, digest

@@ -1,0 +1,163 @@
+"""Scheduler side: which leading blocks of a prompt the store holds, and the per-step load/store plan.
+
+The scheduler is authoritative for the RAM tier's contents: it mirrors the worker's LRU as an index of
+keys and tells the worker what to store, promote and evict. The filesystem tier is looked up on disk,
+because other servers may share it. Loads the worker cannot verify come back as invalid block ids and
+vLLM recomputes them (kv_load_failure_policy "recompute").
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .keys import block_keys
+from .messages import KVScopeMetadata, LoadSpec, StoreSpec, TierName
+from .store import FsTier
+
+try:  # vLLM 0.32+: per-tier hit sources in vllm:prompt_tokens_cached_by_source
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # older vLLM: every external hit is reported as unspecified
+    CacheHitSource = None
+
+
+@dataclass
+class _Req:
+    request_id: str
+    keys: list[str]
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    stored_upto: int = 0  # blocks [0, stored_upto) are in the store or were handed to the worker
+
+
+class SchedulerSide:
+    def __init__(self, fingerprint: str, block_size: int, ram_blocks: int, fs: FsTier | None):
+        self.fp, self.block_size, self.ram_blocks, self.fs = fingerprint, block_size, ram_blocks, fs
+        self.ram_index: OrderedDict[str, None] = OrderedDict()
+        self.reqs: dict[str, _Req] = {}
+        self.plans: dict[str, tuple[int, list[TierName]]] = {}  # request id -> (first block, tier per block)
+        self.meta = KVScopeMetadata()
+        self.inflight: dict[int, LoadSpec] = {}  # block id -> load of the last step
+        self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
+
+    def _req(self, request_id: str, prompt: list[int]) -> _Req:
+        if request_id not in self.reqs:
+            usable = max(0, (len(prompt) - 1) // self.block_size)  # the last prompt token is always computed
+            self.reqs[request_id] = _Req(request_id, block_keys(self.fp, prompt, self.block_size, usable), len(prompt))
+        return self.reqs[request_id]
+
+    def _tier(self, key: str) -> TierName | None:
+        if key in self.ram_index:
+            return TierName.RAM
+        if self.fs is not None and self.fs.contains(key):
+            return TierName.FS
+        return None
+
+    def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens loadable beyond `num_computed_tokens`: the leading run of stored blocks after them."""
+        state = self._req(request.request_id, list(request.prompt_token_ids or []))
+        start = num_computed_tokens // self.block_size
+        tiers: list[TierName] = []
+        for key in state.keys[start:]:
+            tier = self._tier(key)
+            if tier is None:
+                break
+            tiers.append(tier)
+        # NOTE: remembering the plan is the only state this changes; the next call replaces it.
+        self.plans[request.request_id] = (start, tiers)
+        return len(tiers) * self.block_size, False
+
+    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        start, tiers = self.plans.pop(request.request_id, (0, []))
+        n = num_external_tokens // self.block_size
+        if n == 0:
+            return
+        state = self.reqs[request.request_id]
+        block_ids = blocks.get_block_ids()[0]
+        from_ram = sum(t == TierName.RAM for t in tiers[:n]) * self.block_size
+        self.sources[request.request_id] = (from_ram, n * self.block_size - from_ram)
+        specs = [LoadSpec(block_ids[j], state.keys[j], tiers[j - start], request_id=request.request_id, index=j)
+                 for j in range(start, start + n)]
+        # NOTE: touch the RAM hits before promoting the filesystem hits, so this request's own promotions
+        # evict other keys first. A RAM key evicted anyway stays in the worker until this step's loads are
+        # done (evictions are applied after the forward), and a miss there is a recompute, never a crash.
+        for spec in specs:
+            if spec.tier == TierName.RAM and spec.key in self.ram_index:
+                self.ram_index.move_to_end(spec.key)
+        for spec in specs:
+            if spec.tier == TierName.FS and self.ram_blocks > 0:
+                spec.promote = True
+                self._ram_add(spec.key)
+        self.meta.loads += specs
+
+    def hit_sources(self, request, num_external_tokens: int) -> dict:
+        ram, fs = self.sources.pop(request.request_id, (0, 0))
+        if CacheHitSource is None or ram + fs != num_external_tokens:
+            return {}  # vLLM then reports the tokens as external_unspecified
+        return {k: v for k, v in {CacheHitSource.HOST: ram, CacheHitSource.DISK: fs}.items() if v > 0}
+
+    def _ram_add(self, key: str) -> None:
+        self.ram_index[key] = None
+        self.ram_index.move_to_end(key)
+        while len(self.ram_index) > self.ram_blocks:
+            evicted, _ = self.ram_index.popitem(last=False)
+            self.meta.ram_evict.append(evicted)
+
+    def build_meta(self, so) -> KVScopeMetadata:
+        """Add this step's stores: prompt blocks that the step completes and the store lacks."""
+        for new in so.scheduled_new_reqs:
+            state = self._req(new.req_id, list(new.prompt_token_ids or []))
+            state.block_ids = list(new.block_ids[0])
+            self._plan_stores(state, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self.reqs:
+                continue
+            state = self.reqs[req_id]
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids += list(new_ids[0])
+            self._plan_stores(state, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
+        for req_id in so.finished_req_ids:
+            self.finished(req_id)
+        meta, self.meta = self.meta, KVScopeMetadata()
+        self.inflight = {s.block_id: s for s in meta.loads}
+        return meta
+
+    def _plan_stores(self, state: _Req, done_tokens: int) -> None:
+        full = min(done_tokens // self.block_size, len(state.keys), len(state.block_ids))
+        for j in range(state.stored_upto, full):
+            key = state.keys[j]
+            to_ram = self.ram_blocks > 0 and key not in self.ram_index
+            to_fs = self.fs is not None and not self.fs.contains(key)
+            if to_ram:
+                self._ram_add(key)
+            if to_ram or to_fs:
+                self.meta.stores.append(StoreSpec(state.block_ids[j], key, to_ram, to_fs, state.request_id))
+        state.stored_upto = max(state.stored_upto, full)
+
+    def load_failed(self, block_ids: set[int]) -> None:
+        """Blocks the worker could not verify: forget them in the RAM index, and store them again once vLLM
+        has recomputed them (the worker moved bad files aside, so the filesystem lookup misses too)."""
+        for block_id in block_ids:
+            spec = self.inflight.get(block_id)
+            if spec is None:
+                continue
+            if spec.key in self.ram_index:
+                del self.ram_index[spec.key]
+                self.meta.ram_evict.append(spec.key)
+            state = self.reqs.get(spec.request_id)
+            if state is not None:
+                state.stored_upto = min(state.stored_upto, spec.index)
+
+    def finished(self, request_id: str) -> None:
+        self.reqs.pop(request_id, None)
+        self.plans.pop(request_id, None)
+        self.sources.pop(request_id, None)
+
+    def reset(self) -> bool:
+        self.ram_index.clear()
+        self.meta.reset = True
+        return True

@@ -1,0 +1,255 @@
+"""Block storage: a RAM tier in front of a filesystem tier, both verified on every load.
+
+Both tiers answer the same protocol (Tier): contains, get (a verified block with its checksum, None when
+absent, CorruptBlock when stored but not what this server expects), put, discard and clear. Files are the
+format of fileformat.py; writes are atomic (a temp file created exclusively under a random name, optional
+fsync, rename), so a reader on a shared directory never sees a torn block and a planted link is never
+followed. Directories are 0700 and files 0600. Anything that does not verify is a miss: counted, moved
+aside once, never loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .blocks import Block, CorruptBlock, Layout, checksum
+from .fileformat import MAX_HEADER, decode, encode
+
+log = logging.getLogger("kvscope_connector")
+
+
+@dataclass
+class Stats:
+    """Counters of one worker since the last report; see connector.KVScopeStats."""
+
+    ram_hits: int = 0
+    fs_hits: int = 0
+    misses: int = 0
+    corrupt: int = 0  # checksum, header, shape/dtype, fingerprint or truncation failures
+    io_errors: int = 0
+    saves: int = 0
+    save_errors: int = 0
+    load_bytes: int = 0
+    save_bytes: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    evictions: int = 0
+    logged: set = field(default_factory=set)
+
+    def add(self, other: Stats) -> None:
+        for f in fields(self):
+            if f.name != "logged":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def warn_once(self, kind: str, msg: str, *args) -> None:
+        if kind not in self.logged:
+            self.logged.add(kind)
+            log.warning("kvscope connector: " + msg + " (further %s events are counted, not logged)", *args, kind)
+
+
+class Tier(Protocol):
+    def contains(self, key: str) -> bool: ...
+
+    def get(self, key: str) -> tuple[Block, str] | None:
+        """The stored block, verified, with its checksum; None when absent. Raises CorruptBlock when the block
+        fails verification and OSError when the tier cannot be read."""
+
+    def put(self, key: str, block: Block, digest: str) -> int:
+        """Store a block with its checksum; returns how many blocks were evicted to make room."""
+
+    def discard(self, key: str) -> None:
+        """Forget a block that failed verification, so it is neither loaded nor looked up again."""
+
+    def clear(self) -> None: ...
+
+
+class RamTier:
+    """LRU of verified blocks in host memory, bounded in bytes; used by the forward and the save thread."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self.pin = False  # keep blocks in pinned memory (beside a GPU: copies to it need no staging)
+        self.used = 0
+        self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def contains(self, key: str) -> bool:
+        with self.lock:
+            return key in self.blocks
+
+    def put(self, key: str, block: Block, digest: str) -> int:
+        """Store a copy; returns how many blocks were evicted to make room."""
+        size = block.numel()
+        if size > self.capacity:
+            return 0
+        copy = torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(block) if self.pin else block.clone()
+        with self.lock:
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                return 0
+            evicted = 0
+            while self.used + size > self.capacity:
+                self._drop(next(iter(self.blocks)))
+                evicted += 1
+            self.blocks[key] = (copy, digest)
+            self.used += size
+            return evicted
+
+    def get(self, key: str) -> tuple[Block, str] | None:
+        """The block if its bytes still match the checksum it was stored with (a stray write into the tier
+        would otherwise be loaded); the check runs on the caller's thread."""
+        with self.lock:
+            if key not in self.blocks:
+                return None
+            self.blocks.move_to_end(key)
+            block, digest = self.blocks[key]
+        if checksum(block) != digest:
+            raise CorruptBlock("RAM block failed its checksum")
+        return block, digest
+
+    def recent(self, excluding: set[str]) -> Block | None:
+        """The most recently used block stored under a key not in `excluding` (the canary's foreign block)."""
+        with self.lock:
+            return next((block for key, (block, _) in reversed(self.blocks.items()) if key not in excluding), None)
+
+    def discard(self, key: str) -> None:
+        self.drop(key)
+
+    def drop(self, key: str) -> bool:
+        with self.lock:
+            return self._drop(key)
+
+    def _drop(self, key: str) -> bool:
+        entry = self.blocks.pop(key, None)
+        if entry is not None:
+            self.used -= entry[0].numel()
+        return entry is not None
+
+    def clear(self) -> None:
+        with self.lock:
+            self.blocks.clear()
+            self.used = 0
+
+
+class FsTier:
+    """Blocks as files under root/<fingerprint>/<key[:2]>/<key>.safetensors; LRU by access within a byte cap.
+    The scheduler side only looks keys up; the worker side, which knows the Layout, reads and writes."""
+
+    def __init__(self, root: str, fingerprint: str, capacity_bytes: int | None, fsync: bool = False,
+                 layout: Layout | None = None, secret: bytes | None = None):
+        self.dir = Path(root) / fingerprint
+        self.fingerprint = fingerprint
+        self.secret = secret  # signs and verifies every file (fileformat.mac) when set
+        self.capacity = capacity_bytes
+        self.fsync = fsync
+        self.layout = layout  # set by the worker when vLLM registers its KV caches
+        self.sizes: OrderedDict[str, int] = OrderedDict()  # what this process knows is on disk, LRU order
+        self.used = 0
+        self.lock = threading.Lock()  # the accounting is shared by the load threads and the save thread
+        try:
+            for path in sorted(self.dir.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime):
+                self._note(path.stem, path.stat().st_size)
+        except OSError:
+            pass
+
+    def _name(self, key: str) -> str:
+        return f"{self.dir}/{key[:2]}/{key}.safetensors"
+
+    def path(self, key: str) -> Path:
+        return Path(self._name(key))
+
+    def contains(self, key: str) -> bool:
+        return os.path.isfile(self._name(key))  # a stat per block on the scheduler's hot path: no pathlib
+
+    def _note(self, key: str, size: int) -> None:
+        with self.lock:
+            self.used += size - self.sizes.pop(key, 0)
+            self.sizes[key] = size
+
+    def _layout(self) -> Layout:
+        if self.layout is None:
+            raise RuntimeError("kvscope connector: the filesystem tier has no layout before the KV caches exist")
+        return self.layout
+
+    def put(self, key: str, block: Block, digest: str) -> int:
+        """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
+        data = encode(block, self._layout(), self.fingerprint, key, digest, self.secret)
+        final = self.path(key)
+        try:
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+        except FileNotFoundError:
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            for d in (self.dir, final.parent):
+                d.mkdir(mode=0o700, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(8)}.tmp")  # unique across hosts sharing a store
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._note(key, len(data))
+        return self._evict()
+
+    def _evict(self) -> int:
+        evicted = 0
+        with self.lock:
+            while self.capacity is not None and self.used > self.capacity and len(self.sizes) > 1:
+                key, size = self.sizes.popitem(last=False)
+                self.used -= size
+                self.path(key).unlink(missing_ok=True)
+                evicted += 1
+        return evicted
+
+    def get(self, key: str) -> tuple[Block, str] | None:
+        """Read and verify one file; the block is a view into the file's bytes (no second copy). The size is
+        checked against the layout before anything is allocated, and a link is not followed."""
+        layout = self._layout()
+        try:
+            fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptBlock("a symbolic link, not a block file") from exc
+            raise
+        with open(fd, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            size = os.fstat(f.fileno()).st_size
+            if not 0 <= n <= MAX_HEADER or size != 8 + n + layout.nbytes:
+                raise CorruptBlock(f"{size} bytes, expected {8 + max(n, 0) + layout.nbytes} (truncated or padded)")
+            data = bytearray(size)
+            data[:8] = head
+            if f.readinto(memoryview(data)[8:]) != size - 8:
+                raise CorruptBlock("the file shrank while it was read")
+        self._note(key, size)
+        return decode(data, self.fingerprint, key, layout, self.secret)
+
+    def discard(self, key: str) -> None:
+        """Move a block that failed verification aside (`.corrupt`): kept for inspection, never looked up."""
+        try:
+            os.replace(self.path(key), self.path(key).with_suffix(".corrupt"))
+        except OSError:
+            pass
+        with self.lock:
+            self.used -= self.sizes.pop(key, 0)
+
+    def clear(self) -> None:
+        """The filesystem tier outlives a reset: other servers may share it, and its files stay valid."""
