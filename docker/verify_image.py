@@ -6,8 +6,9 @@ What counts as code that runs on compute capability 12.1 (GB10), per CUDA's comp
   sm_120a or sm_120f: arch-specific cubins run only on their exact target;
 - PTX for compute_XY with XY <= 121, which the driver JIT-compiles at first load (slow start, accepted
   as a fallback and reported).
-A library with device code but none of these fails the check, as does a package without any library
-holding device code, or a module that does not import. The table printed at the end lists every library
+A library with device code but none of these fails the check (unless it is built for one other GPU
+generation on purpose, ARCH_SPECIFIC, such as FlashAttention 3 for Hopper), as does a package without any
+library holding device code, or a module that does not import. The table printed at the end lists every library
 inspected, with its SASS and PTX targets.
 
     python3 verify_image.py --arch 121 [--cuobjdump PATH] [--without ucm=/opt/kvscope/ucm-cp312]
@@ -36,6 +37,8 @@ MODULES = {
 # The libraries whose kernels serve a request, per package (globs under the package's folder).
 KERNEL_LIBS = {"torch": ["lib/libtorch_cuda.so"], "vllm": ["_C*.so", "_moe_C*.so", "vllm_flash_attn/*.so"],
                "lmcache": ["c_ops*.so", "cuda_ops*.so"], "ucm": ["**/*.so"]}
+# Libraries built for one GPU generation on purpose, which vLLM selects only there: reported, never a failure.
+ARCH_SPECIFIC = {"_vllm_fa3_C": "FlashAttention 3: Hopper (sm_90a) only; vLLM does not select it elsewhere"}
 _TARGET = re.compile(r"sm_(\d+)([af]?)\b")
 
 
@@ -71,8 +74,10 @@ def inspect(cuobjdump: str, libs: list[Path], arch: int) -> tuple[list[str], lis
         if not elf and not ptx:
             continue  # host code only
         how = verdict(elf, ptx, arch)
-        rows.append(f"| `{lib.name}` | {_names(elf)} | {_names(ptx)} | {how or '**none: cannot run**'} |")
-        if how is None:
+        why_not = next((why for prefix, why in ARCH_SPECIFIC.items() if lib.name.startswith(prefix)), None)
+        cell = how or (f"none ({why_not})" if why_not else "**none: cannot run**")
+        rows.append(f"| `{lib.name}` | {_names(elf)} | {_names(ptx)} | {cell} |")
+        if how is None and why_not is None:
             failures.append(f"{lib}: no code for sm_{arch} (SASS {_names(elf)}, PTX {_names(ptx)})")
     return rows, failures
 

@@ -113,6 +113,10 @@ def test_the_image_check_reads_a_real_library_with_a_real_cuobjdump(tmp_path):
     assert verify_image.inspect(str(cuobjdump), [lib], 90)[0][0].endswith("| native |")
     rows, failures = verify_image.inspect(str(cuobjdump), [lib], 70)  # a V100 would find nothing to run
     assert "**none: cannot run**" in rows[0] and "no code for sm_70" in failures[0]
+    fa3 = tmp_path / "_vllm_fa3_C.abi3.so"  # the same Hopper-less library under FlashAttention 3's name
+    fa3.write_bytes(lib.read_bytes())
+    rows, failures = verify_image.inspect(str(cuobjdump), [fa3], 70)
+    assert "none (FlashAttention 3: Hopper (sm_90a) only" in rows[0] and failures == []  # reported, not failed
     host_only = verify_image.inspect(str(cuobjdump), [Path(sys.executable).resolve()], 121)
     assert host_only == ([], [])  # a library without device code is not listed
 

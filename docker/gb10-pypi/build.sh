@@ -31,7 +31,7 @@ for t in manylinux_2_{41..17} manylinux2014 linux; do platforms+=(--platform "${
   --target "$ctx/site" --only-binary=:all: --python-version 3.13 --implementation cp --abi cp313 \
   "${platforms[@]}" --ignore-requires-python --no-compile \
   "torch==$(pin TORCH_VERSION)" "vllm==$(pin VLLM_VERSION)" "lmcache==$(pin LMCACHE_VERSION)" \
-  "nvidia-cuda-cuobjdump==$(pin CUOBJDUMP_VERSION)" six
+  "nvidia-cuda-cuobjdump==$(pin CUOBJDUMP_VERSION)" six safetensors xxhash  # the last two: the connector's
 "${PYTHON_HOST:-python3}" -m pip --isolated install --quiet --no-index --find-links "$here/wheels" --no-deps \
   --target "$ctx/connector" "$repo/connector"
 cp -r "$ctx/connector/." "$ctx/site/"
