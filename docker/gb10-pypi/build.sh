@@ -7,7 +7,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$(dirname "$here")")
-pin() { awk -v k="$1:" '/^gb10-pypi:/{f=1} f && $1==k {print $2; exit}' "$repo/docker/versions.yaml"; }
+source "$here/pins.sh"
 echo "== base: Debian trixie arm64 from Debian's packages"
 base=${KVSCOPE_BASE:-$("$repo/docker/base/build.sh" linux/arm64 trixie)}  # KVSCOPE_BASE: one made before
 echo "$base"
@@ -23,17 +23,15 @@ tag=${args[0]}
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 echo "== install for linux/arm64, CPython 3.13, on this host (pip's cross-platform install, no emulation)"
-export PIP_CONFIG_FILE=/dev/null  # this host's pip configuration (mirrors, constraints) has no say
-platforms=()
-for t in manylinux_2_{41..17} manylinux2014 linux; do platforms+=(--platform "${t}_aarch64"); done  # trixie: glibc 2.41
 # pip checks Requires-Python against the host's Python, not 3.13: the target's is given and checked by tags
 "${PYTHON_HOST:-python3}" -m pip --isolated install --quiet --no-index --find-links "$here/wheels" \
   --target "$ctx/site" --only-binary=:all: --python-version 3.13 --implementation cp --abi cp313 \
   "${platforms[@]}" --ignore-requires-python --no-compile \
   "torch==$(pin TORCH_VERSION)" "vllm==$(pin VLLM_VERSION)" "lmcache==$(pin LMCACHE_VERSION)" \
   "nvidia-cuda-cuobjdump==$(pin CUOBJDUMP_VERSION)" six safetensors xxhash  # the last two: the connector's
+cp -r "$repo/connector" "$ctx/connector-src"  # pip builds in the source folder: a copy keeps the checkout clean
 "${PYTHON_HOST:-python3}" -m pip --isolated install --quiet --no-index --find-links "$here/wheels" --no-deps \
-  --target "$ctx/connector" "$repo/connector"
+  --target "$ctx/connector" "$ctx/connector-src"
 cp -r "$ctx/connector/." "$ctx/site/"
 rm -rf "$ctx"/site/{torchvision,torchaudio,torchcodec}* "$ctx/site/bin"  # vLLM's media extras; host scripts
 "${PYTHON_HOST:-python3}" -m zipfile -e \
