@@ -93,7 +93,6 @@ class RamTier:
         size = block.numel()
         if size > self.capacity:
             return 0
-        copy = torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(block) if self.pin else block.clone()
         with self.lock:
             if key in self.blocks:
                 self.blocks.move_to_end(key)
@@ -102,6 +101,7 @@ class RamTier:
             while self.used + size > self.capacity:
                 self._drop(next(iter(self.blocks)))
                 evicted += 1
+            copy = torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(block) if self.pin else block.clone()
             self.blocks[key] = (copy, digest)
             self.used += size
             return evicted
