@@ -6,12 +6,7 @@
 # Python > 3.11 requirements (six, setuptools < 81) are named here.
 set -euo pipefail
 cd "$(dirname "$0")"
-export PIP_CONFIG_FILE=/dev/null  # this host's pip configuration (mirrors, constraints) has no say
-pin() { awk -v k="$1:" '/^gb10-pypi:/{f=1} f && $1==k {print $2; exit}' ../versions.yaml; }
-platforms=()
-for tag in manylinux_2_{41..17} manylinux2014 linux; do  # trixie's glibc is 2.41
-  platforms+=(--platform "${tag}_aarch64")
-done
+source ./pins.sh
 pip_download() { "${PYTHON:-python3}" -m pip --isolated download --quiet --only-binary=:all: \
   --index-url "${PYPI_INDEX:-https://pypi.org/simple}" --implementation cp "${platforms[@]}" "$@"; }
 pip_download --dest wheels --python-version 3.13 --abi cp313 --abi abi3 --abi none \
