@@ -9,4 +9,6 @@ parts=$1; site=${2:-/opt/kvscope-site}
 mkdir -p "$site" && cat "$parts"/site.tar.xz.* | xz -d | tar -x -C "$site" --strip-components=1
 purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import site; site.addsitedir('$site')" > "$purelib/kvscope-site.pth"
-python3 -c 'import vllm, locust, ansible, pydantic; print("vllm", vllm.__version__, "ready")'
+# what the GPU configs start, LMCache's multi-process server and the exporter it imports once running among them
+python3 -c 'import vllm, locust, ansible, pydantic, ucm, lmcache.v1.multiprocess.http_server
+import opentelemetry.exporter.prometheus; print("vllm", vllm.__version__, "ready")'
