@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Pack wheels.txt into an offline install for a CUDA host with no registry: a site folder (pip --target for
 # Python 3.12 / x86_64), xz-compressed and split into parts small enough for a 64 MiB transfer each.
-#   docker/cuda-host/pack.sh [OUT=.device] [PART_MIB=25]  (the checkout travels with each part: ~35 MB, and a
+#   docker/cuda-host/pack.sh [OUT=.device] [PART_MIB=20]  (the checkout travels with each part: ~40 MB, and a
 #   call carries 64 MiB in all)
 set -euo pipefail
-out=${1:-.device}; part_mib=${2:-25}
+out=${1:-.device}; part_mib=${2:-20}
 here=$(cd "$(dirname "$0")" && pwd)
 plat=(--python-version 3.12 --implementation cp --only-binary=:all: --platform any)
 for p in manylinux_2_{5,17,24,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do plat+=(--platform "$p"); done
