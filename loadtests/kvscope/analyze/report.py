@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from kvscope.analyze import fidelity, hitrate, html, overview, plots, verdicts
+from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, verdicts
 from kvscope.artifacts import (
     ArtifactError,
     FaultEvent,
@@ -489,6 +489,14 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
         for r in fails.head(10).itertuples():
             lines.append(f"- `{r.config}` / `{r.request_id}` (cached {r.cached_tokens}): {r.reason}")
         lines.append("")
+    prov = provenance.table(a.recs, scores, {s.config: s.block_size for s in run.servers
+                                             if s.role not in ("golden", "canary")})
+    if len(prov):
+        lines += ["Where the wrong hits' KV came from (provenance.py): each loaded block is named by its prefix "
+                  "and was stored by the first request that held it; a passing hit vouches for the blocks it "
+                  "loaded. `wrong_in_load`: wrong hits whose every block also served a right answer; "
+                  "`suspect_blocks`: blocks only wrong hits loaded; `stored_by`: the requests that stored them.",
+                  "", _md_table(prov), ""]
     failed = scores[scores.cls == "failed"]
     if len(failed):
         lines += ["Failed requests (first error of each config):", ""]
