@@ -15,17 +15,17 @@ from collections import Counter
 
 import pandas as pd
 
+from kvscope.analyze import fidelity
 from kvscope.artifacts import Record
 
 COLUMNS = ["config", "scenario", "hits", "wrong_hits", "wrong_in_load", "suspect_blocks", "stored_by", "reading"]
-PASSING = ("identical", "benign")
 
 
 def treatment(config: str, scenario: str, records: list[Record], scores: pd.DataFrame, block_size: int
               ) -> dict | None:
     """One treatment's row, or None when none of its scored hits is wrong."""
     cls = {r.request_id: r.cls for r in scores.itertuples()
-           if r.phase == "measure" and r.cached_tokens > 0 and r.cls in (*PASSING, "FAIL")}
+           if r.phase == "measure" and r.cached_tokens > 0 and r.cls in fidelity.SCORED}
     trace = sorted((r for r in records if r.ok), key=lambda r: r.start_unix_s)
     stored_by: dict[str, str] = {}
     for r in trace:
