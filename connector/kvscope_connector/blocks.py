@@ -1,10 +1,18 @@
 """A block: the KV of one block of tokens in every layer, held as one flat byte buffer whose layers lie one
-after another in name order (a Layout says where), and its checksum."""
+after another in name order (a Layout says where), and its checksum.
+
+Two checksums, one per platform (the fingerprint names it, so servers that use different ones never share a
+store): XXH3-128 on the host beside a CPU KV cache, and mix128 beside a GPU, computed on the GPU from the
+bytes there, so a block's host bytes are touched once, by the copy. Neither is a defence against someone who
+can rewrite the store (fileformat.mac is).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
+import numpy as np
 import torch
 import xxhash
 
@@ -54,3 +62,66 @@ def checksum(block: Block) -> str:
     against foreign ones. It is not a defence against someone who can rewrite the store.
     """
     return xxhash.xxh3_128(block.numpy()).hexdigest()
+
+
+# mix128: each 64-bit word w at position i becomes z = mix(w * K[i]) (K: odd keys, one per position; mix: an
+# xor-shift and an odd multiply), and the digest is two sums of such words, mod 2^64. Every step is a
+# bijection of the word, so a change to any one word always changes the digest; other damage (zeroed,
+# torn, stale, shifted or foreign bytes) goes unseen with a chance near 2^-64 per lane. Written in torch
+# integer ops, it runs on whatever device holds the bytes, one batch of blocks at a time; wrapping int64
+# arithmetic gives the same digest on every device (a test checks it against NumPy's uint64).
+_M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+_MASK = (1 << 64) - 1
+_keys: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def position_keys(words: int) -> np.ndarray:
+    """K: an odd 64-bit key per word position (splitmix64 of the position)."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, words + 1, dtype=np.uint64) * np.uint64(_M1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_M2)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return (z ^ (z >> np.uint64(31))) | np.uint64(1)
+
+
+def _device_keys(words: int, device: torch.device) -> torch.Tensor:
+    key = (words, str(device))
+    if key not in _keys:
+        _keys[key] = torch.from_numpy(position_keys(words).view(np.int64)).to(device)
+    return _keys[key]
+
+
+def _logical_shift(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z >>> bits on int64 (torch shifts signed integers arithmetically)."""
+    out = z >> bits
+    return out.bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def mix_digests(rows: torch.Tensor) -> torch.Tensor:
+    """mix128 of each row of a [n, nbytes] uint8 tensor (nbytes a multiple of 8), on the rows' device:
+    [n, 2] int64, left there (reading it back is the caller's synchronisation point)."""
+    words = rows.view(torch.int64)
+    z = words * _device_keys(words.shape[1], rows.device)
+    z ^= _logical_shift(z, 32)
+    z *= _signed(_M1)
+    first = z.sum(dim=1)
+    z ^= _logical_shift(z, 29)
+    z *= _signed(_M2)
+    return torch.stack([first, z.sum(dim=1)], dim=1)
+
+
+def digest_hex(pair: list[int]) -> str:
+    """One row of mix_digests as 32 hex digits, the form every tier and file stores."""
+    return f"{pair[0] & _MASK:016x}{pair[1] & _MASK:016x}"
+
+
+def mix128(block: Block) -> str:
+    """mix128 of one block, where it lies (the host path's form of the GPU checksum)."""
+    return digest_hex(mix_digests(block.view(1, -1))[0].tolist())
+
+
+CHECKSUMS: dict[str, Callable[[Block], str]] = {"xxh3-128": checksum, "mix128": mix128}

@@ -108,6 +108,13 @@ def _stack(vllm_config: VllmConfig) -> dict:
             "attention_backend": str(backend)}
 
 
+def _checksum() -> str:
+    """The platform's block checksum: mix128 beside a CUDA GPU (computed there), XXH3-128 elsewhere."""
+    from vllm.platforms import current_platform
+
+    return "mix128" if current_platform.device_type == "cuda" else "xxh3-128"
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -127,12 +134,13 @@ class KVScopeConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         secret = store_secret()
+        checksum = _checksum()
         self.fp = fingerprint(
             model_config=json.loads(json.dumps(model.hf_config.to_dict(), sort_keys=True, default=str)),
             weights=extra("model_id", None) or weights_identity(model.model),
             dtype=str(model.dtype), kv_dtype=str(vllm_config.cache_config.cache_dtype), block_size=self.block_size,
             layout=_layout(), tp_rank=rank, tp_size=vllm_config.parallel_config.tensor_parallel_size,
-            stack=_stack(vllm_config), signer=secret_id(secret))
+            stack=_stack(vllm_config), signer=secret_id(secret), checksum=checksum)
         self.ram_bytes = int(extra("ram_bytes", 256 * 2**20))
         fs_path = extra("fs_path", None)
         fs = (FsTier(fs_path, self.fp, extra("fs_bytes", None), bool(extra("fsync", False)), secret=secret)
@@ -146,7 +154,7 @@ class KVScopeConnector(KVConnectorBase_V1):
         else:
             # the scheduler decides evictions; the slack covers blocks still in flight
             ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
-            self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs)
+            self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs, checksum)
 
     # Worker-side methods
 

@@ -1,6 +1,6 @@
 """The on-disk format of one block: a safetensors file (no pickle, no code), one tensor per layer in the
 block's Layout order, so the file's data section is the block's bytes as they are; its header names the
-format, the fingerprint, the key and an XXH3-128 checksum of the bytes.
+format, the fingerprint, the key and the checksum of the bytes (the platform's: blocks.CHECKSUMS).
 
 Files on shared storage are untrusted input: decode() checks every field against what this server
 expects and raises CorruptBlock on anything else. With a store secret (keys.store_secret) each file also
@@ -14,12 +14,13 @@ import hashlib
 import hmac
 import json
 import struct
+from collections.abc import Callable
 from itertools import zip_longest
 
 import torch
 from safetensors.torch import save as st_save
 
-from .blocks import Block, CorruptBlock, Entry, Layout, checksum
+from .blocks import Block, CorruptBlock, Entry, Layout
 
 FORMAT_VERSION = "3"  # 3: a block is one byte buffer, checksummed whole (2: per-layer XXH3-128; 1: CRC-32)
 
@@ -46,7 +47,7 @@ def encode(block: Block, layout: Layout, fingerprint: str, key: str, digest: str
     return st_save(layout.views(block), metadata=meta)
 
 
-def _header(data: bytearray) -> tuple[int, dict, list[Entry]]:
+def _header(data: bytes) -> tuple[int, dict, list[Entry]]:
     (n,) = struct.unpack_from("<Q", data, 0)
     if n > MAX_HEADER:
         raise ValueError(f"a {n}-byte header")
@@ -61,16 +62,18 @@ def _header(data: bytearray) -> tuple[int, dict, list[Entry]]:
     return n, meta, found
 
 
-def decode(data: bytearray, fingerprint: str, key: str, layout: Layout,
-           secret: bytes | None = None) -> tuple[Block, str]:
-    """Parse and verify one stored block and return it with its verified checksum; raises CorruptBlock if
-    it is not exactly what this server expects (and, with a secret, not signed with it).
+def decode(header: bytes, block: Block, fingerprint: str, key: str, layout: Layout, secret: bytes | None = None,
+           checksum: Callable[[Block], str] | None = None) -> tuple[Block, str]:
+    """Check one stored block, read as its header (the 8-byte length and the JSON) and its data, and return
+    the block with its checksum; raises CorruptBlock if it is not exactly what this server expects (and,
+    with a secret, not signed with it).
 
-    The block is a view into `data` (no copy); safetensors' layout is read from its JSON header, never
-    executed, and must be this server's Layout byte for byte.
+    safetensors' layout is read from its JSON header, never executed, and must be this server's Layout byte
+    for byte. With `checksum` the bytes are checked here; without, the header's checksum is returned for
+    the caller to check (on the GPU, after the copy), and the block must not be used until it has.
     """
     try:
-        n, meta, found = _header(data)
+        n, meta, found = _header(header)
     except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptBlock(f"unreadable block: {exc}") from exc
     if meta.get("kvscope_format") != FORMAT_VERSION:
@@ -80,11 +83,11 @@ def decode(data: bytearray, fingerprint: str, key: str, layout: Layout,
     for got, want in zip_longest(found, layout.entries):
         if got != want:
             raise CorruptBlock(f"layer {got}, expected {want}")
-    if len(data) != 8 + n + layout.nbytes:
-        raise CorruptBlock(f"{len(data)} bytes, expected {8 + n + layout.nbytes} (truncated or padded)")
-    block = torch.frombuffer(data, dtype=torch.uint8, count=layout.nbytes, offset=8 + n)
-    digest = checksum(block)
-    if digest != meta.get("checksum"):
+    if len(header) != 8 + n or block.numel() != layout.nbytes:
+        size = len(header) + block.numel()
+        raise CorruptBlock(f"{size} bytes, expected {8 + n + layout.nbytes} (truncated or padded)")
+    digest = meta.get("checksum", "")
+    if checksum is not None and checksum(block) != digest:
         raise CorruptBlock("checksum mismatch")
     if secret is not None and not hmac.compare_digest(meta.get("mac", ""), mac(secret, fingerprint, key, block)):
         raise CorruptBlock("unsigned, or not signed with this store's secret")

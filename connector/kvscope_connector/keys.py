@@ -2,7 +2,8 @@
 
 Two servers share a block only when the fingerprint (model config and weights, dtypes, block size, KV
 layout, tensor-parallel rank and size, the serving stack: vLLM version, platform and attention backend, the
-connector format, and which store secret signs the files) and every token before and inside the block agree.
+connector format, the checksum, and which store secret signs the files) and every token before and inside the
+block agree.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def secret_id(secret: bytes | None) -> str:
 
 
 def fingerprint(*, model_config: dict, weights: str, dtype: str, kv_dtype: str, block_size: int, layout: str,
-                tp_rank: int, tp_size: int, stack: dict | None = None, signer: str = "") -> str:
+                tp_rank: int, tp_size: int, stack: dict | None = None, signer: str = "",
+                checksum: str = "xxh3-128") -> str:
     doc = {"model_config": model_config, "weights": weights, "dtype": dtype, "kv_dtype": kv_dtype,
            "block_size": block_size, "layout": layout, "tp_rank": tp_rank, "tp_size": tp_size,
-           "stack": stack or {}, "signer": signer, "format": FORMAT_VERSION}
+           "stack": stack or {}, "signer": signer, "checksum": checksum, "format": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

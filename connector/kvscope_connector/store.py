@@ -17,6 +17,7 @@ import secrets
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +26,7 @@ import torch
 
 from .blocks import Block, CorruptBlock, Layout, checksum
 from .fileformat import MAX_HEADER, decode, encode
+from .transfer import SlotPool
 
 log = logging.getLogger("kvscope_connector")
 
@@ -61,12 +63,13 @@ class Stats:
 class Tier(Protocol):
     def contains(self, key: str) -> bool: ...
 
-    def get(self, key: str) -> tuple[Block, str] | None:
-        """The stored block, verified, with its checksum; None when absent. Raises CorruptBlock when the block
-        fails verification and OSError when the tier cannot be read."""
+    def get(self, key: str, verify: bool = True) -> tuple[Block, str] | None:
+        """The stored block with its checksum, None when absent; verified, unless the caller checks the
+        checksum itself (on the GPU). Raises CorruptBlock when the block fails verification and OSError when
+        the tier cannot be read."""
 
     def put(self, key: str, block: Block, digest: str) -> int:
-        """Store a block with its checksum; returns how many blocks were evicted to make room."""
+        """Store a copy of a block with its checksum; returns how many blocks were evicted to make room."""
 
     def discard(self, key: str) -> None:
         """Forget a block that failed verification, so it is neither loaded nor looked up again."""
@@ -75,11 +78,14 @@ class Tier(Protocol):
 
 
 class RamTier:
-    """LRU of verified blocks in host memory, bounded in bytes; used by the forward and the save thread."""
+    """LRU of verified blocks in host memory, bounded in bytes; used by the forward and the save thread.
+    Beside a GPU its blocks are slots of the worker's pinned SlotPool, which copies to the GPU read from
+    directly."""
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
-        self.pin = False  # keep blocks in pinned memory (beside a GPU: copies to it need no staging)
+        self.pool: SlotPool | None = None  # set by the worker beside a GPU
+        self.checksum: Callable[[Block], str] = checksum  # the platform's (keys.fingerprint names it)
         self.used = 0
         self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
         self.lock = threading.Lock()
@@ -88,33 +94,38 @@ class RamTier:
         with self.lock:
             return key in self.blocks
 
-    def put(self, key: str, block: Block, digest: str) -> int:
-        """Store a copy; returns how many blocks were evicted to make room."""
+    def put(self, key: str, block: Block, digest: str, owned: bool = False) -> int:
+        """Store a block; returns how many blocks were evicted to make room. An owned block (a pool slot the
+        caller hands over) is kept as it is, or given back to the pool when it is not kept; any other block
+        is copied."""
         size = block.numel()
-        if size > self.capacity:
-            return 0
         with self.lock:
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
+            if size > self.capacity or key in self.blocks:
+                if key in self.blocks:
+                    self.blocks.move_to_end(key)
+                if owned and self.pool is not None:
+                    self.pool.give_back(block)
                 return 0
             evicted = 0
             while self.used + size > self.capacity:
                 self._drop(next(iter(self.blocks)))
                 evicted += 1
-            copy = torch.empty(size, dtype=torch.uint8, pin_memory=True).copy_(block) if self.pin else block.clone()
-            self.blocks[key] = (copy, digest)
+            if not owned:
+                block = self.pool.take().copy_(block) if self.pool is not None else block.clone()
+            self.blocks[key] = (block, digest)
             self.used += size
             return evicted
 
-    def get(self, key: str) -> tuple[Block, str] | None:
-        """The block if its bytes still match the checksum it was stored with (a stray write into the tier
-        would otherwise be loaded); the check runs on the caller's thread."""
+    def get(self, key: str, verify: bool = True) -> tuple[Block, str] | None:
+        """The block and its checksum; with verify, only if its bytes still match that checksum (a stray
+        write into the tier would otherwise be loaded), checked on the caller's thread. Without, the caller
+        checks it (on the GPU, after the copy)."""
         with self.lock:
             if key not in self.blocks:
                 return None
             self.blocks.move_to_end(key)
             block, digest = self.blocks[key]
-        if checksum(block) != digest:
+        if verify and self.checksum(block) != digest:
             raise CorruptBlock("RAM block failed its checksum")
         return block, digest
 
@@ -134,12 +145,14 @@ class RamTier:
         entry = self.blocks.pop(key, None)
         if entry is not None:
             self.used -= entry[0].numel()
+            if self.pool is not None:
+                self.pool.give_back(entry[0])
         return entry is not None
 
     def clear(self) -> None:
         with self.lock:
-            self.blocks.clear()
-            self.used = 0
+            for key in list(self.blocks):
+                self._drop(key)
 
 
 class FsTier:
@@ -154,6 +167,8 @@ class FsTier:
         self.capacity = capacity_bytes
         self.fsync = fsync
         self.layout = layout  # set by the worker when vLLM registers its KV caches
+        self.pool: SlotPool | None = None  # beside a GPU: blocks are read into its pinned slots (set by the worker)
+        self.checksum: Callable[[Block], str] = checksum
         self.sizes: OrderedDict[str, int] = OrderedDict()  # what this process knows is on disk, LRU order
         self.used = 0
         self.lock = threading.Lock()  # the accounting is shared by the load threads and the save thread
@@ -217,9 +232,11 @@ class FsTier:
                 evicted += 1
         return evicted
 
-    def get(self, key: str) -> tuple[Block, str] | None:
-        """Read and verify one file; the block is a view into the file's bytes (no second copy). The size is
-        checked against the layout before anything is allocated, and a link is not followed."""
+    def get(self, key: str, verify: bool = True) -> tuple[Block, str] | None:
+        """Read and check one file. Its size is checked against the layout before anything is allocated, a
+        link is not followed, and the header is checked whole (a store secret's MAC included); the checksum
+        too, unless the caller checks it itself (on the GPU). The block is read into a pool slot where the
+        worker has one (the caller then owns it), else into a buffer of its own."""
         layout = self._layout()
         try:
             fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW)
@@ -235,12 +252,19 @@ class FsTier:
             size = os.fstat(f.fileno()).st_size
             if not 0 <= n <= MAX_HEADER or size != 8 + n + layout.nbytes:
                 raise CorruptBlock(f"{size} bytes, expected {8 + max(n, 0) + layout.nbytes} (truncated or padded)")
-            data = bytearray(size)
-            data[:8] = head
-            if f.readinto(memoryview(data)[8:]) != size - 8:
-                raise CorruptBlock("the file shrank while it was read")
+            header = head + f.read(n)
+            block = self.pool.take() if self.pool is not None else torch.empty(layout.nbytes, dtype=torch.uint8)
+            try:
+                if len(header) != 8 + n or f.readinto(block.numpy()) != layout.nbytes:
+                    raise CorruptBlock("the file shrank while it was read")
+                found = decode(header, block, self.fingerprint, key, layout, self.secret,
+                               self.checksum if verify else None)
+            except BaseException:
+                if self.pool is not None:
+                    self.pool.give_back(block)
+                raise
         self._note(key, size)
-        return decode(data, self.fingerprint, key, layout, self.secret)
+        return found
 
     def discard(self, key: str) -> None:
         """Move a block that failed verification aside (`.corrupt`): kept for inspection, never looked up."""

@@ -1,49 +1,95 @@
 """Worker side: copy blocks between vLLM's paged KV cache and the tiers, verifying every load.
 
-A block travels as one flat byte buffer (store.Layout): one checksum call and, on a GPU, one transfer
-per block rather than one per layer.
+A block travels as one flat byte buffer (blocks.Layout): one checksum and one transfer per block rather than
+one per layer.
 
-Loads run in start_load_kv, before the forward: file reads and their checks run on four load threads while
-the forward thread copies verified blocks into the KV cache. Stores start in wait_for_save, after the
-forward: the step's new blocks are copied out of the KV cache at once (vLLM may reuse them after the
-step), then checksummed and written by one save thread, off the forward path; a load waits only for the
-pending saves of the keys it reads. A block that fails verification is a miss: its id goes back to vLLM
-through get_block_ids_with_load_errors() and vLLM recomputes it.
+Loads run in start_load_kv, before the forward. Beside a GPU each block goes to the GPU as it comes (a RAM
+hit straight from the tier's pinned slot, a file read on a load thread into a pinned slot), on the side
+stream, into a staging buffer on the GPU, a chunk of blocks at a time; each chunk's checksums are checked
+there while the next chunk is on its way, and only blocks that match are written into the KV cache. On the
+CPU the load threads (the forward thread, for RAM hits) check each block on the host, and numpy copies it in.
+
+Stores start in wait_for_save, after the forward. Beside a GPU one gather per layer packs the step's new
+blocks on the GPU, where their checksums are computed, and the copies to the host run on the side stream:
+the forward thread waits for neither. On the CPU the step's blocks are copied out at once and checksummed
+on the save thread. The save thread puts them in RAM and writes the files, in order; a load waits only for
+the pending saves of the keys it reads. A block that fails verification is a miss: its id goes back to vLLM
+through get_block_ids_with_load_errors() and vLLM recomputes it and every block after it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
-from .blocks import Block, CorruptBlock, Layout, checksum
+from .blocks import CHECKSUMS, Block, CorruptBlock, Layout, digest_hex, mix_digests
 from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
 from .store import FsTier, RamTier, Stats, Tier
+from .transfer import Side, SlotPool
 
 MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this a save waits for it
+CHUNK_BYTES = 1 << 26  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
+T = TypeVar("T")
 
 
 class Fetched(NamedTuple):
-    """What a load found under one key: a verified block with its checksum, or why there is none."""
+    """What a load found under one key: a block with its checksum, or why there is none."""
 
     outcome: Outcome
     tier: TierName | None = None  # where it was found (or failed)
     block: Block | None = None
     digest: str = ""
     why: str = ""
+    owned: bool = False  # a pool slot the fetcher filled: given back or handed to the RAM tier once used
+
+
+class Saved(NamedTuple):
+    """One step's blocks on their way to the save thread."""
+
+    blocks: list[Block]
+    digests: torch.Tensor | None = None  # checksums computed on the GPU ([n, 2] int64 on the host); else None
+    ready: torch.cuda.Event | None = None  # the copies to the host are done once it has happened
+
+
+def _chunks(items: Iterable[T], n: int) -> Iterator[list[T]]:
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _past_failure(spec: LoadSpec, first_bad: dict[str, int]) -> bool:
+    """Whether a block lies at or after its request's first failed block (vLLM recomputes those)."""
+    return spec.request_id in first_bad and spec.index >= first_bad[spec.request_id]
 
 
 class WorkerSide:
-    def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None):
+    device_checks = True  # beside a GPU, checksum on the GPU; the canary, which rewrites blocks on the host, says no
+
+    def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None,
+                 checksum: str = "xxh3-128", on_device: bool | None = None):
+        """`checksum` is the platform's (CHECKSUMS); `on_device` forces where blocks are checked (None: on
+        the GPU beside one, else on the host)."""
         self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
+        self.checksum_name, self.checksum = checksum, CHECKSUMS[checksum]
+        self.forced = on_device
+        self.on_device = False  # set by register()
         self.layers: dict[str, torch.Tensor] = {}
         self._layout: Layout | None = None  # where each layer lies in a block; set by register()
         self.device = torch.device("cpu")
+        self.side = Side(self.device)
+        self.pool: SlotPool | None = None  # host slots of the blocks, with on-device checks
+        self.chunk = 1  # blocks per staged chunk
         self.rows: dict[str, np.ndarray] = {}  # CPU caches as [num_blocks, bytes] arrays
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
@@ -59,11 +105,19 @@ class WorkerSide:
         contiguous caches; vLLM's CPU backend allocates them so."""
         self.layers = dict(sorted(kv_caches.items()))
         self._layout = Layout({name: t[0] for name, t in self.layers.items()})
+        self.device = next(iter(self.layers.values())).device
+        gpu = self.device.type == "cuda"
+        self.on_device = (gpu and self.device_checks) if self.forced is None else self.forced
+        if self.on_device and self.checksum_name != "mix128":
+            raise ValueError(f"kvscope connector: {self.checksum_name} cannot be computed on the GPU (mix128 can)")
+        self.side = Side(self.device)
+        self.pool = SlotPool(self.layout.nbytes, self.side, pinned=gpu) if self.on_device else None
+        self.chunk = max(1, CHUNK_BYTES // self.layout.nbytes)
+        for tier in (self.ram, self.fs):
+            if tier is not None:
+                tier.pool, tier.checksum = self.pool, self.checksum
         if self.fs is not None:
             self.fs.layout = self.layout
-        self.device = next(iter(self.layers.values())).device
-        if self.ram is not None:
-            self.ram.pin = self.device.type == "cuda"  # host-to-device copies straight from the tier
         if self.device.type == "cpu":
             bad = [name for name, t in self.layers.items() if not t.is_contiguous()]
             if bad:
@@ -82,11 +136,18 @@ class WorkerSide:
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks packed on the KV cache's device, [blocks, bytes]: one gather per layer."""
+        idx, n = self._index(block_ids), len(block_ids)
+        packed = torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device)
+        for e in self.layout.entries:
+            packed[:, e.start:e.end] = self.layers[e.name].index_select(0, idx).view(n, -1).view(torch.uint8)
+        return packed
+
     def extract(self, block_ids: list[int]) -> list[Block]:
-        """The blocks' host copies. On the CPU numpy copies each layer's row into a buffer per block; on a
-        GPU one gather per layer into a packed [blocks, bytes] buffer, then one copy of it into pinned
-        memory (block by block, a GPU model's 36 layers x 60 blocks would be 2160 synchronous copies per
-        prompt; a fresh pageable buffer of hundreds of MB costs more in page faults than the copy)."""
+        """The blocks' host copies, now. On the CPU numpy copies each layer's row into a buffer per block; on
+        a GPU one gather per layer, then one copy into pinned memory (block by block, a GPU model's 36 layers
+        x 60 blocks would be 2160 synchronous copies per prompt)."""
         if not block_ids:
             return []
         if self.device.type == "cpu":
@@ -96,19 +157,39 @@ class WorkerSide:
                 for e in self.layout.entries:
                     row[e.start:e.end] = self.rows[e.name][block_id]
             return blocks
-        idx, n = self._index(block_ids), len(block_ids)
-        packed = torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device)
-        for e in self.layout.entries:
-            packed[:, e.start:e.end] = self.layers[e.name].index_select(0, idx).view(n, -1).view(torch.uint8)
-        host = torch.empty((n, self.layout.nbytes), dtype=torch.uint8, pin_memory=True)
+        packed = self._gather(block_ids)
+        host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(packed)
         return list(host)
 
+    def copy_out(self, block_ids: list[int]) -> Saved:
+        """The blocks on their way to the host. With on-device checks, a chunk at a time: gathered on the GPU,
+        checksummed there and copied into pool slots, both on the side stream; nothing here waits for them."""
+        if not self.on_device:
+            return Saved(self.extract(block_ids))
+        assert self.pool is not None
+        slots, sums = [], []
+        for chunk in _chunks(block_ids, self.chunk):
+            packed = self._gather(chunk)
+            taken = [self.pool.take() for _ in chunk]
+            with self.side.after_current():
+                sums.append(mix_digests(packed))
+                for row, slot in zip(packed, taken):
+                    slot.copy_(row, non_blocking=True)
+            self.side.keep(packed)
+            slots += taken
+        if not slots:
+            return Saved([])
+        with self.side.after_current():
+            found = torch.cat(sums)
+            digests = torch.empty(found.shape, dtype=torch.int64, pin_memory=self.pool.pinned)
+            digests.copy_(found, non_blocking=True)
+        return Saved(slots, digests, self.side.mark())
+
     def inject(self, items: Iterable[tuple[int, Block]]) -> int:
-        """Write verified blocks into the KV cache as they come; returns how many. On the CPU numpy copies
-        each layer's bytes straight into its row. On a GPU each block is copied to the device as it comes
-        (asynchronously, from pinned memory: the RAM tier's blocks are pinned, others are pinned first),
-        overlapping the verification of the next ones; then one index_copy_ per layer, on the same stream."""
+        """Write host-verified blocks into the KV cache as they come; returns how many. On the CPU numpy
+        copies each layer's bytes straight into its row. On a GPU each block is copied to the device as it
+        comes (from pinned memory), then one index_copy_ per layer, on the same stream."""
         if self.device.type == "cpu":
             count = 0
             for block_id, block in items:
@@ -118,42 +199,50 @@ class WorkerSide:
                 count += 1
             return count
         ids, on_device = [], []
-        for block_id, block in items:  # each block goes over as soon as it is verified
+        for block_id, block in items:
             src = block if block.is_pinned() else block.pin_memory()
             on_device.append(src.to(self.device, non_blocking=True))
             ids.append(block_id)
         if ids:
-            blocks, idx = torch.stack(on_device), self._index(ids)
-            for e in self.layout.entries:
-                layer = blocks[:, e.start:e.end].view(e.dtype).view(len(ids), *e.shape)
-                self.layers[e.name].index_copy_(0, idx, layer)
+            self._write(torch.stack(on_device), ids)
         return len(ids)
+
+    def _write(self, rows: torch.Tensor, block_ids: list[int]) -> None:
+        """Blocks staged on the KV cache's device ([blocks, bytes]) into their slots: one index_copy_ per layer."""
+        idx, n = self._index(block_ids), len(block_ids)
+        for e in self.layout.entries:
+            self.layers[e.name].index_copy_(0, idx, rows[:, e.start:e.end].view(e.dtype).view(n, *e.shape))
 
     # Loads
 
-    @staticmethod
-    def _fetch(tier: Tier, name: TierName, key: str) -> Fetched:
-        """Get and verify one block from one tier; runs on a load thread or inline, so it only returns what
-        happened (whatever it raises, a block that cannot be loaded is a miss, never a crash)."""
+    def _fetch(self, tier: Tier, name: TierName, key: str, verify: bool) -> Fetched:
+        """Get one block from one tier (and check it, with verify); runs on a load thread or inline, so it
+        only returns what happened (whatever it raises, a block that cannot be loaded is a miss)."""
         hit = Outcome.RAM_HIT if name == TierName.RAM else Outcome.FS_HIT
         try:
-            found = tier.get(key)
+            found = tier.get(key, verify)
         except OSError as exc:
             return Fetched(Outcome.IO, name, why=str(exc))
         except Exception as exc:  # CorruptBlock, or anything an unforeseen file makes the parser raise
             why = str(exc) if isinstance(exc, CorruptBlock) else f"{type(exc).__name__}: {exc}"
             return Fetched(Outcome.CORRUPT, name, why=why)
-        return Fetched(Outcome.MISS, name) if found is None else Fetched(hit, name, *found)
+        if found is None:
+            return Fetched(Outcome.MISS, name)
+        return Fetched(hit, name, *found, owned=name == TierName.FS and self.pool is not None)
 
     def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:
-        """Count an outcome; discard what failed verification; promote filesystem hits to RAM."""
+        """Count an outcome; discard what failed verification; promote filesystem hits to RAM (handing an
+        owned slot over, or giving it back). Returns the block, or None for a miss."""
         outcome, why = result.outcome, result.why
         if outcome == Outcome.RAM_HIT:
             self.stats.ram_hits += 1
         elif outcome == Outcome.FS_HIT:
             self.stats.fs_hits += 1
-            if spec.promote and self.ram is not None:  # decode verified the checksum: no second pass
-                self.stats.evictions += self.ram.put(spec.key, result.block, result.digest)
+            assert result.block is not None
+            if spec.promote and self.ram is not None:  # verified already: no second pass
+                self.stats.evictions += self.ram.put(spec.key, result.block, result.digest, owned=result.owned)
+            elif result.owned:
+                self._release(result)
         elif outcome == Outcome.MISS:
             self.stats.misses += 1
         elif outcome == Outcome.IO:
@@ -163,37 +252,55 @@ class WorkerSide:
             self.stats.corrupt += 1
             self.stats.warn_once("corrupt", "%s block %s rejected: %s", result.tier, spec.key, why)
             self._tier(result.tier).discard(spec.key)
-        return result.block
+        return result.block if outcome in (Outcome.RAM_HIT, Outcome.FS_HIT) else None
+
+    def _release(self, result: Fetched) -> None:
+        if result.owned and self.pool is not None and result.block is not None:
+            self.pool.give_back(result.block)
 
     def _tier(self, name: TierName | None) -> Tier:
         tier = self.ram if name == TierName.RAM else self.fs
         assert tier is not None
         return tier
 
-    def fetch_all(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block | None]]:
-        """Verified blocks in load order, or None for a miss. File reads and their checks run on the load
-        threads (reads, hashing and tensor copies release the GIL) while the caller injects earlier blocks.
-        Beside a GPU, whose host cores are otherwise idle, RAM hits are checked on the load threads too; on
-        the CPU they are checked here, as the model's threads want the cores (handing the hashing over
-        cost more than it saved)."""
+    def fetch_all(self, loads: list[LoadSpec], verify: bool = True) -> Iterator[tuple[LoadSpec, Fetched]]:
+        """What each load finds, in load order, checked on the host with verify. File reads run on the load
+        threads (reads, hashing and tensor copies release the GIL) while the caller uses earlier blocks; with
+        on-device checks at most two chunks ahead, as each holds a pool slot. Checked RAM hits beside a GPU
+        run on the load threads too; on the CPU here, as the model's threads want the cores (handing the
+        hashing over cost more than it saved); unchecked ones are a lookup, here."""
         ram, fs = self.ram, self.fs
         in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
-        inline = self.device.type == "cpu"
-        jobs = {}
-        for spec in loads:
+        threaded_ram = verify and self.device.type != "cpu"
+        ahead = 2 * self.chunk if self.on_device else len(loads)
+        queued: deque[tuple[LoadSpec, Future | None]] = deque()
+
+        def queue(spec: LoadSpec) -> None:
+            job = None
             if ram is not None and spec.key in in_ram:
-                if not inline:
-                    jobs[spec.key] = self.loaders.submit(self._fetch, ram, TierName.RAM, spec.key)
+                if threaded_ram:
+                    job = self.loaders.submit(self._fetch, ram, TierName.RAM, spec.key, verify)
             elif fs is not None:
-                jobs[spec.key] = self.loaders.submit(self._fetch, fs, TierName.FS, spec.key)
-        for spec in loads:
-            if spec.key in jobs:
-                result = jobs[spec.key].result()
+                job = self.loaders.submit(self._fetch, fs, TierName.FS, spec.key, verify)
+            queued.append((spec, job))
+
+        pending = iter(loads)
+        for spec in pending:
+            queue(spec)
+            if len(queued) >= ahead:
+                break
+        while queued:
+            spec, job = queued.popleft()
+            if job is not None:
+                result = job.result()
             elif ram is not None and spec.key in in_ram:
-                result = self._fetch(ram, TierName.RAM, spec.key)
+                result = self._fetch(ram, TierName.RAM, spec.key, verify)
             else:
                 result = Fetched(Outcome.MISS)
-            yield spec, self._settle(spec, result)
+            for more in pending:
+                queue(more)
+                break
+            yield spec, result
 
     def begin_step(self, meta: KVScopeMetadata) -> None:
         """Wait for the pending saves of the keys this step loads (all of them before a reset), then apply a
@@ -210,24 +317,93 @@ class WorkerSide:
     def load(self, meta: KVScopeMetadata) -> None:
         self.begin_step(meta)
         started = time.perf_counter()
-
-        def verified() -> Iterator[tuple[LoadSpec, Block]]:
-            broken: set[str] = set()  # requests with a failed block: vLLM recomputes from that block on
-            for spec, block in self.fetch_all(meta.loads):
-                if block is None:
-                    self.load_errors.add(spec.block_id)
-                    broken.add(spec.request_id)
-                elif spec.request_id not in broken:
-                    yield spec, block
-
-        self.stats.load_bytes += self.block_bytes() * self.inject(self.to_write(meta, verified()))
+        if self.on_device:
+            written = self._load_on_device(meta.loads)
+        else:
+            written = self.inject(self.to_write(meta, self._verified(meta.loads)))
+        self.stats.load_bytes += self.block_bytes() * written
         self.stats.load_seconds += time.perf_counter() - started
+
+    def _verified(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block]]:
+        """Host-checked blocks in load order; a request stops at its first block that fails."""
+        broken: set[str] = set()  # requests with a failed block: vLLM recomputes from that block on
+        for spec, result in self.fetch_all(loads):
+            block = self._settle(spec, result)
+            if block is None:
+                self.load_errors.add(spec.block_id)
+                broken.add(spec.request_id)
+            elif spec.request_id not in broken:
+                yield spec, block
 
     def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
                  ) -> Iterable[tuple[int, Block]]:
-        """What goes into the KV cache for a step's verified blocks: each block as it comes. The one hook
+        """What goes into the KV cache for a step's host-checked blocks: each block as it comes. The one hook
         the fault-injection canaries override (canary.py)."""
         return ((spec.block_id, block) for spec, block in verified)
+
+    def _load_on_device(self, loads: list[LoadSpec]) -> int:
+        """Loads checked on the GPU: each block is copied into a staging chunk as it comes; a full chunk is
+        checked (and its good blocks written) while the next one fills. Returns how many were written."""
+        if not loads:
+            return 0
+        n = min(self.chunk, len(loads))
+        chunks = [torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        first_bad: dict[str, int] = {}  # request -> index of its first block that failed: none from there on
+        written, filling = 0, 0
+        staged: list[tuple[LoadSpec, Fetched]] = []
+        previous: tuple[torch.Tensor, list[tuple[LoadSpec, Fetched]], torch.cuda.Event | None] | None = None
+        for spec, got in self.fetch_all(loads, verify=False):
+            if got.block is None:
+                self._settle(spec, got)
+                self._failed(spec, first_bad)
+                continue
+            if _past_failure(spec, first_bad):
+                self._release(got)
+                continue
+            if len(staged) == n:  # this chunk is full: check the one before while it arrives
+                arrived = self.side.mark()
+                if previous is not None:
+                    written += self._check_and_write(*previous, first_bad)
+                previous, filling, staged = (chunks[filling], staged, arrived), 1 - filling, []
+            with self.side.after_current():  # after the writes that read this chunk's buffer last time
+                chunks[filling][len(staged)].copy_(got.block, non_blocking=True)
+            staged.append((spec, got))
+        arrived = self.side.mark()
+        if previous is not None:
+            written += self._check_and_write(*previous, first_bad)
+        written += self._check_and_write(chunks[filling], staged, arrived, first_bad)
+        for chunk in chunks:  # its copies are done (checked above); no reuse before the side stream's queue
+            self.side.keep(chunk)
+        return written
+
+    def _failed(self, spec: LoadSpec, first_bad: dict[str, int]) -> None:
+        self.load_errors.add(spec.block_id)
+        first_bad[spec.request_id] = min(spec.index, first_bad.get(spec.request_id, spec.index))
+
+    def _check_and_write(self, chunk: torch.Tensor, staged: list[tuple[LoadSpec, Fetched]],
+                         arrived: torch.cuda.Event | None, first_bad: dict[str, int]) -> int:
+        """Check one staged chunk's checksums on the GPU (reading them back is the one wait) and write the
+        blocks that match, up to each request's first failure, into the KV cache."""
+        if not staged:
+            return 0
+        Side.wait(arrived)
+        rows = chunk[:len(staged)]
+        found = [digest_hex(pair) for pair in mix_digests(rows).tolist()]
+        keep, ids = [], []
+        for row, ((spec, got), digest) in enumerate(zip(staged, found)):
+            if digest != got.digest:
+                self._release(got)
+                self._settle(spec, got._replace(outcome=Outcome.CORRUPT, why="checksum mismatch (on the GPU)"))
+                self._failed(spec, first_bad)
+            elif _past_failure(spec, first_bad):
+                self._release(got)
+            else:
+                self._settle(spec, got)
+                keep.append(row)
+                ids.append(spec.block_id)
+        if ids:
+            self._write(rows if len(keep) == len(staged) else rows[keep], ids)
+        return len(ids)
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
@@ -236,38 +412,46 @@ class WorkerSide:
     # Saves
 
     def save(self, meta: KVScopeMetadata) -> None:
-        """Copy this step's new blocks out of the KV cache, then hand them to the save thread."""
+        """Send this step's new blocks towards the host, then hand them to the save thread."""
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()
-        blocks = self.extract([spec.block_id for spec in meta.stores])
-        held = self.block_bytes() * len(blocks)
+        saved = self.copy_out([spec.block_id for spec in meta.stores])
+        held = self.block_bytes() * len(saved.blocks)
         while self.saving and sum(b for _, _, b in self.saving) + held > MAX_PENDING_BYTES:
             self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
-        job = self.saver.submit(self._store, meta.ram_evict, meta.stores, blocks, time.perf_counter() - started)
+        job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
 
-    def _store(self, evict: list[str], stores: list[StoreSpec], blocks: list[Block], seconds: float) -> Stats:
-        """On the save thread: apply RAM evictions, checksum and store the blocks; returns what it counted."""
+    def _store(self, evict: list[str], stores: list[StoreSpec], saved: Saved, seconds: float) -> Stats:
+        """On the save thread: wait for the blocks to reach the host, apply RAM evictions, store the blocks
+        (checksummed here unless the GPU did it); returns what it counted."""
         started = time.perf_counter()
         stats = Stats(logged=self.logged)
+        if saved.ready is not None:
+            saved.ready.synchronize()
+        digests = None if saved.digests is None else [digest_hex(pair) for pair in saved.digests.tolist()]
         for key in evict:
             if self.ram is not None and self.ram.drop(key):
                 stats.evictions += 1
-        for spec, block in zip(stores, blocks):
-            digest = checksum(block)
-            if spec.to_ram and self.ram is not None:
-                stats.evictions += self.ram.put(spec.key, block, digest)
+        for i, (spec, block) in enumerate(zip(stores, saved.blocks)):
+            digest = self.checksum(block) if digests is None else digests[i]
+            stored = True
             if spec.to_fs and self.fs is not None:
                 try:
                     stats.evictions += self.fs.put(spec.key, block, digest)
                 except OSError as exc:
+                    stored = False
                     stats.save_errors += 1
                     stats.warn_once("save", "cannot write block %s: %s", spec.key, exc)
-                    continue
-            stats.saves += 1
-            stats.save_bytes += block.numel()
+            if spec.to_ram and self.ram is not None:  # last: the tier may give an owned slot back at once
+                stats.evictions += self.ram.put(spec.key, block, digest, owned=self.pool is not None)
+            elif self.pool is not None:
+                self.pool.give_back(block)
+            if stored:
+                stats.saves += 1
+                stats.save_bytes += block.numel()
         stats.save_seconds = seconds + time.perf_counter() - started
         return stats
 

@@ -20,14 +20,23 @@ def caches(num_blocks=8, seed=0):
     return {f"layer{i}": torch.randn(num_blocks, 2, B, 6, generator=gen) for i in range(2)}
 
 
-def worker(tmp_path, ram=True, fs=True):
-    w = WorkerSide(FP, B, RamTier(1 << 20) if ram else None, FsTier(str(tmp_path), FP, None) if fs else None)
+@pytest.fixture(params=["host", "device"])
+def checks(request):
+    """Where loads are checked: on the host (the CPU's way), or as beside a GPU (staged, checked with mix128
+    after the copy, host blocks in pool slots), here on the CPU's tensors."""
+    return request.param
+
+
+def worker(tmp_path, ram=True, fs=True, checks="host"):
+    on_device = checks == "device"
+    w = WorkerSide(FP, B, RamTier(1 << 20) if ram else None, FsTier(str(tmp_path), FP, None) if fs else None,
+                   checksum="mix128" if on_device else "xxh3-128", on_device=on_device)
     w.register(caches())
     return w
 
 
-def test_store_then_load_into_another_block_from_each_tier(tmp_path):
-    w = worker(tmp_path)
+def test_store_then_load_into_another_block_from_each_tier(tmp_path, checks):
+    w = worker(tmp_path, checks=checks)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True)]))
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
     assert all(torch.equal(t[5], t[1]) for t in w.layers.values())
@@ -38,8 +47,8 @@ def test_store_then_load_into_another_block_from_each_tier(tmp_path):
     assert w.take_load_errors() == set()
 
 
-def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with(tmp_path):
-    w = worker(tmp_path)
+def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with(tmp_path, checks):
+    w = worker(tmp_path, checks=checks)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs", promote=True)]))
     w.load(KVScopeMetadata(loads=[LoadSpec(6, "k1", "ram")]))
@@ -47,8 +56,8 @@ def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with
     assert (w.stats.fs_hits, w.stats.ram_hits, w.stats.corrupt) == (1, 1, 0) and w.take_load_errors() == set()
 
 
-def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key(tmp_path):
-    w = worker(tmp_path)
+def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key(tmp_path, checks):
+    w = worker(tmp_path, checks=checks)
     gate = threading.Event()
     w.saver.submit(gate.wait)  # the save thread is busy
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True)]))
@@ -59,8 +68,8 @@ def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key
     assert w.take_load_errors() == set() and (w.stats.saves, w.stats.ram_hits) == (1, 1)
 
 
-def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path):
-    w = worker(tmp_path, fs=False)
+def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path, checks):
+    w = worker(tmp_path, fs=False, checks=checks)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=False)]))
     w.flush()
     w.ram.blocks["k1"][0][0] += 1  # a stray write into the tier's copy
@@ -70,19 +79,19 @@ def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path):
     assert w.take_load_errors() == {5} and w.stats.corrupt == 1 and not w.ram.contains("k1")
 
 
-def test_beside_a_gpu_ram_hits_are_checked_on_the_load_threads_and_a_changed_one_is_a_miss(tmp_path):
+def test_host_checks_beside_a_gpu_run_on_the_load_threads_and_a_changed_ram_block_is_a_miss(tmp_path):
     w = worker(tmp_path, fs=False)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", True, False), StoreSpec(2, "k2", True, False)]))
     w.flush()
     w.ram.blocks["k2"][0][0] += 1
     w.device = torch.device("cuda")  # fetch_all only picks its threads by it; nothing touches a GPU here
-    got = list(w.fetch_all([LoadSpec(5, "k1", "ram"), LoadSpec(6, "k2", "ram")]))
-    assert torch.equal(got[0][1], w.ram.get("k1")[0]) and got[1][1] is None
+    got = list(w._verified([LoadSpec(5, "k1", "ram", request_id="a"), LoadSpec(6, "k2", "ram", request_id="b")]))
+    assert [spec.key for spec, _ in got] == ["k1"] and torch.equal(got[0][1], w.ram.get("k1")[0])
     assert (w.stats.ram_hits, w.stats.corrupt) == (1, 1) and not w.ram.contains("k2")
 
 
-def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
-    w = worker(tmp_path, ram=False)
+def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path, checks):
+    w = worker(tmp_path, ram=False, checks=checks)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
     w.flush()
     path = w.fs.path("k1")
@@ -97,8 +106,8 @@ def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path):
 
 
 @pytest.mark.parametrize("header", [b"7", b'{"__metadata__": ["x"]}', b'{"a": "b"}', b'{"__metadata__": {"k": 1}}'])
-def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_path, header):
-    w = worker(tmp_path, ram=False)
+def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_path, checks, header):
+    w = worker(tmp_path, ram=False, checks=checks)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
     w.flush()
     path = w.fs.path("k1")
@@ -110,8 +119,8 @@ def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_p
     assert path.with_suffix(".corrupt").exists()
 
 
-def test_whatever_a_tier_raises_on_a_load_is_a_counted_miss(tmp_path):
-    w = worker(tmp_path, ram=False)
+def test_whatever_a_tier_raises_on_a_load_is_a_counted_miss(tmp_path, checks):
+    w = worker(tmp_path, ram=False, checks=checks)
 
     def broken(key):
         raise AttributeError("'list' object has no attribute 'get'")
@@ -121,14 +130,14 @@ def test_whatever_a_tier_raises_on_a_load_is_a_counted_miss(tmp_path):
     assert w.take_load_errors() == {5} and w.stats.corrupt == 1
 
 
-def test_a_vanished_block_is_a_counted_miss(tmp_path):
-    w = worker(tmp_path, ram=False)
+def test_a_vanished_block_is_a_counted_miss(tmp_path, checks):
+    w = worker(tmp_path, ram=False, checks=checks)
     w.load(KVScopeMetadata(loads=[LoadSpec(3, "never-stored", "fs")]))
     assert w.take_load_errors() == {3} and w.stats.misses == 1
 
 
-def test_blocks_after_a_failed_one_are_not_written_as_vllm_recomputes_them(tmp_path):
-    w = worker(tmp_path, fs=False)
+def test_blocks_after_a_failed_one_are_not_written_as_vllm_recomputes_them(tmp_path, checks):
+    w = worker(tmp_path, fs=False, checks=checks)
     w.save(KVScopeMetadata(stores=[StoreSpec(2, "k2", True, False)]))
     before = w.layers["layer0"][6].clone()
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram", request_id="r", index=0),
@@ -233,3 +242,57 @@ def test_promotions_cannot_crash_a_plan_whose_ram_hits_they_evict(tmp_path):
     assert [(x.block_id, x.tier, x.promote) for x in meta.loads] == [
         (10, "fs", True), (11, "fs", True), (12, "ram", False), (13, "ram", False)]
     assert set(meta.ram_evict) == {keys[2], keys[3]} and list(s.ram_index) == keys[:2]
+
+
+def slots_out(w):
+    """Pool slots neither free nor given back: held by the RAM tier, or leaked."""
+    pool = w.pool
+    return pool.per_segment * len(pool.segments) - len(pool.free) - len(pool.returned)
+
+
+def test_checked_on_the_gpu_a_request_keeps_its_blocks_before_a_failure_in_a_later_chunk(tmp_path):
+    w = worker(tmp_path, fs=False, checks="device")
+    w.chunk = 2  # five loads span three staged chunks
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1, 2, 4)]))  # no k3
+    w.flush()
+    before = {i: w.layers["layer0"][i].clone() for i in (6, 7)}
+    loads = [LoadSpec(3 + i, f"k{i}", "ram", request_id="r", index=i) for i in range(5)]
+    w.load(KVScopeMetadata(loads=loads))
+    assert all(torch.equal(t[3 + i], t[i]) for t in w.layers.values() for i in (0, 1, 2))
+    assert w.take_load_errors() == {6} and torch.equal(w.layers["layer0"][7], before[7])
+    assert (w.stats.ram_hits, w.stats.misses) == (3, 1) and slots_out(w) == 4
+
+
+def test_checked_on_the_gpu_a_corrupt_block_stops_its_request_and_no_other(tmp_path):
+    w = worker(tmp_path, ram=False, checks="device")
+    w.chunk = 2
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
+    w.flush()
+    path = w.fs.path("k1")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last value: the header's checksum no longer matches
+    path.write_bytes(bytes(data))
+    before = w.layers["layer0"][5].clone()
+    w.load(KVScopeMetadata(loads=[LoadSpec(4, "k0", "fs", request_id="a", index=0),
+                                  LoadSpec(5, "k1", "fs", request_id="a", index=1),
+                                  LoadSpec(6, "k2", "fs", request_id="b", index=0),
+                                  LoadSpec(7, "k3", "fs", request_id="b", index=1)]))
+    assert w.take_load_errors() == {5} and torch.equal(w.layers["layer0"][5], before)
+    assert all(torch.equal(t[4], t[0]) and torch.equal(t[6], t[2]) and torch.equal(t[7], t[3])
+               for t in w.layers.values())
+    assert (w.stats.fs_hits, w.stats.corrupt) == (3, 1) and path.with_suffix(".corrupt").exists()
+    assert slots_out(w) == 0  # every file's slot went back to the pool
+
+
+def test_checked_on_the_gpu_saves_carry_the_checksum_computed_there_and_ram_keeps_the_slot(tmp_path):
+    from kvscope_connector.blocks import mix128
+
+    w = worker(tmp_path, checks="device")
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True), StoreSpec(2, "k2", False, True)]))
+    w.flush()
+    block, digest = w.ram.get("k1")
+    assert digest == mix128(w.extract([1])[0]) and w.fs.contains("k1")
+    assert any(block.data_ptr() == s.data_ptr() for s in w.pool.segments[0].view(w.pool.per_segment, -1))
+    assert slots_out(w) == 1  # k2's slot went back once its file was written
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k2", "fs", promote=True, request_id="r")]))
+    assert w.ram.contains("k2") and slots_out(w) == 2 and all(torch.equal(t[5], t[2]) for t in w.layers.values())

@@ -4,12 +4,14 @@ import os
 import stat
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
 from kvscope_connector import keys
-from kvscope_connector.blocks import CorruptBlock, Layout, checksum
+from kvscope_connector.blocks import CorruptBlock, Layout, checksum, digest_hex, mix128, mix_digests, position_keys
 from kvscope_connector.store import FsTier, RamTier
+from kvscope_connector.transfer import SEGMENT_BYTES, Side, SlotPool
 
 
 def layers(seed=0, width=8):
@@ -58,7 +60,7 @@ def test_fingerprint_covers_everything_that_changes_kv_bytes():
     for field, other in (("model_config", {"hidden_size": 512}), ("weights", "w2"), ("dtype", "bfloat16"),
                          ("kv_dtype", "fp8"), ("block_size", 32), ("layout", "NHD"), ("tp_rank", 1), ("tp_size", 2),
                          ("stack", {**stack, "vllm": "0.33.0"}), ("stack", {**stack, "attention_backend": "FLASH"}),
-                         ("signer", keys.secret_id(b"s" * 16))):
+                         ("signer", keys.secret_id(b"s" * 16)), ("checksum", "mix128")):
         assert keys.fingerprint(**{**base, field: other}) != fp, field
 
 
@@ -225,3 +227,69 @@ def test_a_bad_block_is_moved_aside(tmp_path):
     write(fs, "ab12", block())
     fs.discard("ab12")
     assert not fs.contains("ab12") and list(tmp_path.rglob("*.corrupt"))
+
+
+def mix128_reference(data: bytes) -> str:
+    """mix128 in NumPy's wrapping uint64 arithmetic, written from its definition (blocks.py)."""
+    w = np.frombuffer(data, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = w * position_keys(len(w))
+        z ^= z >> np.uint64(32)
+        z *= np.uint64(0x9E3779B97F4A7C15)
+        first = int(z.sum(dtype=np.uint64))
+        z ^= z >> np.uint64(29)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        return f"{first:016x}{int(z.sum(dtype=np.uint64)):016x}"
+
+
+def test_mix128_is_its_definition_batched_or_not():
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 256, (5, 4096), dtype=torch.uint8, generator=gen)
+    batched = mix_digests(rows).tolist()
+    for row, pair in zip(rows, batched):
+        assert mix128(row) == mix128_reference(row.numpy().tobytes()) == digest_hex(pair)
+
+
+def test_mix128_sees_every_flipped_bit_moved_words_and_zeroed_or_foreign_blocks():
+    gen = torch.Generator().manual_seed(4)
+    b = torch.randint(0, 256, (8192,), dtype=torch.uint8, generator=gen)
+    digest, seen = mix128(b), set()
+    for bit in range(0, 8192 * 8, 61):  # a bit in every byte position class, low and high bits of words
+        flipped = b.clone()
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        seen.add(mix128(flipped))
+    assert digest not in seen and len(seen) == len(range(0, 8192 * 8, 61))
+    words = b.view(torch.int64)
+    swapped = words.clone()
+    swapped[[3, 700]] = swapped[[700, 3]]
+    late = torch.cat([words[:1], words[:-1]])  # every word one position late
+    others = [swapped.view(torch.uint8), late.view(torch.uint8), torch.zeros_like(b), block().repeat(32)[:8192]]
+    assert digest not in {mix128(x) for x in others}
+
+
+def test_slot_pool_hands_out_distinct_slots_in_power_of_two_segments_and_reuses_returned_ones():
+    pool = SlotPool(4_718_592, Side(torch.device("cpu")), pinned=False)  # a Qwen3-4B block of bf16 KV
+    slots = [pool.take() for _ in range(pool.per_segment + 1)]
+    assert len(pool.segments) == 2 and {s.numel() for s in pool.segments} <= {SEGMENT_BYTES} | {
+        pool.per_segment * 4_718_592}
+    assert len({s.data_ptr() for s in slots}) == len(slots) and all(s.numel() == 4_718_592 for s in slots)
+    pool.give_back(slots[0])
+    assert pool.take().data_ptr() == slots[0].data_ptr() and len(pool.segments) == 2
+
+
+def test_ram_tier_in_pool_slots_keeps_owned_blocks_and_gives_back_what_it_drops():
+    b = block()
+    ram = RamTier(capacity_bytes=2 * LAYOUT.nbytes)
+    ram.pool = SlotPool(LAYOUT.nbytes, Side(torch.device("cpu")), pinned=False)
+    mine = ram.pool.take().copy_(b)
+    ram.put("k1", mine, checksum(b), owned=True)
+    assert ram.get("k1")[0].data_ptr() == mine.data_ptr()  # kept, not copied
+    twice = ram.pool.take().copy_(b)
+    ram.put("k1", twice, checksum(b), owned=True)  # already stored: the slot goes back
+    ram.put("k2", b, checksum(b))  # not owned: copied into a slot of the pool
+    ram.put("k3", b, checksum(b))  # evicts k1
+    pool = ram.pool
+    held = lambda: pool.per_segment * len(pool.segments) - len(pool.free) - len(pool.returned)  # noqa: E731
+    assert held() == 2 and not ram.contains("k1")
+    ram.clear()
+    assert held() == 0 and ram.used == 0

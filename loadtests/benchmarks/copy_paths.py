@@ -1,14 +1,17 @@
 """Benchmark: where a hit's and a save's time goes on this machine's device, step by step.
 
 A KV cache shaped like the Qwen3-4B shape (36 layers x [blocks, 2, 32 tokens, 8 KV heads, 128] bf16, 4.7 MB
-per block) on the GPU (or the CPU), and a 2.3k-token prompt's 72 blocks. Times, each the median of ROUNDS:
-the save path's copy out of the KV cache (WorkerSide.extract: gather per layer into one packed buffer,
-one device-to-host copy), the checksum of every block, the RAM tier's put (a clone); the load path's
-RAM-tier get + checksum (WorkerSide.fetch_all: on the load threads beside a GPU), its write into the
-KV cache (WorkerSide.inject: one host-to-device copy per block from the pinned RAM tier, index_copy_ per
-layer; numpy row copies on the CPU), and both as one hit. Beside them the physical limit: one pinned
-host-to-device copy of the same bytes; the ratio of the two is the load-throughput goal (>= 0.7). Prints ms
-and GB/s per step: what to make faster next. Checks that the injected blocks equal the extracted ones.
+per block) on the GPU (or the CPU), and one prompt's blocks (72: ~2.3k tokens; --blocks 512: ~16k). Each
+time is the median of ROUNDS, after one round of warm-up:
+- the limit: one pinned host-to-device copy of the same bytes;
+- each checksum alone: mix128 where the KV cache is, XXH3-128 on one host thread;
+- a RAM hit and a file hit (from the page cache) through WorkerSide.load, into the KV cache: checked on the
+  GPU (the connector's way beside a GPU), and the RAM hit also checked on the host (XXH3-128 on the four
+  load threads, its way before);
+- a save: the forward thread's part (WorkerSide.save returning; the copies run on) and the whole save
+  (the blocks stored in RAM).
+Prints ms and GB/s per step and each load's throughput against the copy's (goal >= 0.7), and checks that
+every load wrote the saved blocks' bytes.
 
     python loadtests/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
 """
@@ -16,15 +19,18 @@ and GB/s per step: what to make faster next. Checks that the injected blocks equ
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import numpy as np
 import torch
 
-from kvscope_connector.blocks import checksum
-from kvscope_connector.messages import LoadSpec
-from kvscope_connector.store import RamTier
+from kvscope_connector.blocks import checksum, mix_digests
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.store import FsTier, RamTier
 from kvscope_connector.worker import WorkerSide
+
+FP = "f" * 32
 
 
 def timed(fn, rounds: int, sync) -> float:
@@ -39,55 +45,87 @@ def timed(fn, rounds: int, sync) -> float:
     return float(np.median(out))
 
 
+def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide:
+    """A worker on its own Qwen3-4B-shaped KV cache of 3 x blocks, the first third random, and one tier."""
+    n = args.blocks
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches = {f"model.layers.{i}.self_attn.attn":
+              torch.randn(3 * n, 2, 32, 8, 128, device=dev, generator=gen).to(torch.bfloat16)
+              for i in range(args.layers)}
+    ram, fs = (None, FsTier(fs_root, FP, None)) if fs_root else (RamTier(1 << 40), None)
+    w = WorkerSide(FP, 32, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device)
+    w.register(caches)
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", fs is None, fs is not None) for i in range(n)]))
+    w.flush()
+    return w
+
+
+def loads(n: int, tier: str) -> KVScopeMetadata:
+    return KVScopeMetadata(loads=[LoadSpec(n + i, f"k{i}", tier, request_id="r", index=i) for i in range(n)])
+
+
+def check(w: WorkerSide, n: int, what: str) -> None:
+    assert not w.take_load_errors(), f"{what}: load errors"
+    assert all(torch.equal(t[n:2 * n], t[:n]) for t in w.layers.values()), f"{what} wrote other bytes than saved"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=72)
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     dev = torch.device(args.device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    gpu = dev.type == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     n = args.blocks
-    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(3 * n, 2, 32, 8, 128, device=dev).to(torch.bfloat16)
-              for i in range(args.layers)}
-    worker = WorkerSide("f" * 32, 32, RamTier(1 << 40), None)
-    worker.register(caches)
-    src, dst = list(range(n)), list(range(n, 2 * n))
-    blocks = worker.extract(src)
-    digests = [checksum(b) for b in blocks]
-    for i, (b, d) in enumerate(zip(blocks, digests)):
-        worker.ram.put(f"k{i}", b, d)
-    held = [worker.ram.get(f"k{i}")[0] for i in range(n)]
-    loads = [LoadSpec(d, f"k{i}", "ram") for i, d in enumerate(dst)]
-    total = worker.block_bytes() * n
-
-    pinned_ram = RamTier(1 << 40)
-    pinned_ram.pin = worker.ram.pin  # as the connector's own tier: pinned beside a GPU
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    on_gpu = worker(args, dev, on_device=True)
+    on_host = worker(args, dev, on_device=False)
+    tmp = tempfile.TemporaryDirectory(prefix="kvscope-copy-paths-")
+    from_file = worker(args, dev, on_device=True, fs_root=tmp.name)
+    total = on_gpu.block_bytes() * n
+    packed = on_gpu._gather(list(range(n)))
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=gpu)
     device_copy = torch.empty(total, dtype=torch.uint8, device=dev)
-    limit = "limit: one host-to-device copy of the same bytes" + (" (pinned)" if dev.type == "cuda" else "")
-    whole = "load: a whole RAM hit (fetch_all + inject)"
+    one_block = on_host.extract([0])[0]
+    stores = KVScopeMetadata(stores=[StoreSpec(i, f"s{i}", True, False) for i in range(n)])
+
+    limit = "limit: one host-to-device copy of the same bytes" + (" (pinned)" if gpu else "")
+    hits = {"load: RAM hit, checked on the GPU (mix128)": (on_gpu, "ram"),
+            "load: file hit (page cache), checked on the GPU": (from_file, "fs"),
+            "load: RAM hit, checked on the host (XXH3, 4 threads)": (on_host, "ram")}
     steps = {
-        "save: extract (gather + device-to-host)": lambda: worker.extract(src),
-        "save: checksum (XXH3-128)": lambda: [checksum(b) for b in blocks],
-        "save: RAM tier put (copy)": lambda: [pinned_ram.put(f"p{i}", b, d) or pinned_ram.drop(f"p{i}")
-                                              for i, (b, d) in enumerate(zip(blocks, digests))],
-        "load: RAM get (checksum included), on this thread": lambda: [worker.ram.get(f"k{i}") for i in range(n)],
-        "load: the same through fetch_all": lambda: list(worker.fetch_all(loads)),
-        "load: inject": lambda: worker.inject(list(zip(dst, held))),
-        whole: lambda: worker.inject((spec.block_id, b) for spec, b in worker.fetch_all(loads)),
         limit: lambda: device_copy.copy_(host, non_blocking=True),
+        "checksum: mix128 on the device": lambda: mix_digests(packed).cpu(),
+        "checksum: XXH3-128 on one host thread": lambda: [checksum(one_block) for _ in range(n)],
+        **{name: (lambda w=w, tier=tier: w.load(loads(n, tier))) for name, (w, tier) in hits.items()},
+        "save: until stored in RAM": lambda: on_gpu.save(stores) or on_gpu.flush(),
     }
-    print(f"{n} blocks x {worker.block_bytes() / 1e6:.1f} MB = {total / 1e6:.0f} MB on {dev}"
-          + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
-          + f"; RAM tier {'pinned' if worker.ram.pin else 'pageable'}; median of {args.rounds} rounds")
-    took = {}
-    for name, fn in steps.items():
-        took[name] = timed(fn, args.rounds, sync)
-        print(f"{name:<52} {took[name] * 1e3:8.1f} ms  {total / took[name] / 1e9:6.1f} GB/s")
-    print(f"\nload throughput / the copy's = {took[limit] / took[whole]:.2f}  (goal >= 0.7)")
-    assert all(torch.equal(t[n:2 * n], t[:n]) for t in caches.values()), "inject wrote other bytes than extract read"
+    print(f"{n} blocks x {on_gpu.block_bytes() / 1e6:.1f} MB = {total / 1e6:.0f} MB on {dev}"
+          + (f" ({torch.cuda.get_device_name(dev)})" if gpu else "") + f"; median of {args.rounds} rounds")
+    took = {name: timed(fn, args.rounds, sync) for name, fn in steps.items()}
+    took["save: the forward thread's part"] = forward_part(on_gpu, stores, args.rounds)
+    for name, seconds in took.items():
+        print(f"{name:<56} {seconds * 1e3:8.1f} ms  {total / seconds / 1e9:6.1f} GB/s")
+    for name, (w, _) in hits.items():
+        check(w, n, name)
+    print()
+    for name in hits:
+        print(f"{name + ': throughput / the copy':<72} = {took[limit] / took[name]:.2f}  (goal >= 0.7)")
+    tmp.cleanup()
+
+
+def forward_part(w: WorkerSide, stores: KVScopeMetadata, rounds: int) -> float:
+    """How long save() holds the forward thread (the copies to the host and the save thread run on)."""
+    out = []
+    for _ in range(rounds + 1):
+        w.flush()
+        t = time.perf_counter()
+        w.save(stores)
+        out.append(time.perf_counter() - t)
+    w.flush()
+    return float(np.median(out[1:]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""The connector's GPU path on a real GPU (skipped where there is none; run on the H200, docs/gpu.md): the
+side stream, pinned pool slots, mix128 on the device, staged and checked loads."""
+
+import pytest
+import torch
+
+from kvscope_connector.blocks import mix_digests
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.store import FsTier, RamTier
+from kvscope_connector.worker import WorkerSide
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FP = "g" * 32
+
+
+def worker(tmp_path, ram=True):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = {f"layer{i}": torch.randn(64, 2, 32, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+              for i in range(3)}
+    w = WorkerSide(FP, 32, RamTier(1 << 30) if ram else None, None if ram else FsTier(str(tmp_path), FP, None),
+                   checksum="mix128")
+    w.register(caches)
+    w.chunk = 3  # eight loads span three staged chunks
+    return w
+
+
+def test_mix128_on_the_gpu_is_mix128_on_the_host():
+    rows = torch.randint(0, 256, (6, 1 << 16), dtype=torch.uint8)
+    assert torch.equal(mix_digests(rows.cuda()).cpu(), mix_digests(rows))
+
+
+@pytest.mark.parametrize("ram", [True, False])
+def test_blocks_saved_from_the_gpu_load_back_exactly_from_pinned_slots(tmp_path, ram):
+    w = worker(tmp_path, ram)
+    assert w.on_device and w.pool.segments == [] and w.side.stream is not None
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", ram, not ram) for i in range(8)]))
+    w.flush()
+    assert all(s.is_pinned() for s in w.pool.segments)
+    w.load(KVScopeMetadata(loads=[LoadSpec(16 + i, f"k{i}", "ram" if ram else "fs", request_id="r", index=i)
+                                  for i in range(8)]))
+    torch.cuda.synchronize()
+    assert w.take_load_errors() == set()
+    assert all(torch.equal(t[16:24], t[:8]) for t in w.layers.values())
+
+
+def test_a_changed_pinned_slot_is_caught_on_the_gpu_and_stops_its_request(tmp_path):
+    w = worker(tmp_path)
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in range(8)]))
+    w.flush()
+    w.ram.blocks["k4"][0][100] ^= 1  # one bit of one block in host memory
+    before = w.layers["layer0"][20:24].clone()
+    w.load(KVScopeMetadata(loads=[LoadSpec(16 + i, f"k{i}", "ram", request_id="r", index=i) for i in range(8)]))
+    torch.cuda.synchronize()
+    assert w.take_load_errors() == {20} and w.stats.corrupt == 1 and not w.ram.contains("k4")
+    assert all(torch.equal(t[16:20], t[:4]) for t in w.layers.values())
+    assert torch.equal(w.layers["layer0"][20:24], before)
