@@ -92,6 +92,8 @@ def _device_keys(words: int, device: torch.device) -> torch.Tensor:
     key = (words, str(device))
     if key not in _keys:
         _keys[key] = torch.from_numpy(position_keys(words).view(np.int64)).to(device)
+        if device.type == "cuda":  # once: every stream that uses the keys finds them there
+            torch.cuda.synchronize(device)
     return _keys[key]
 
 

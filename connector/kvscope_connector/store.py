@@ -85,6 +85,7 @@ class RamTier:
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self.pool: SlotPool | None = None  # set by the worker beside a GPU
+        self.pin = False  # without a pool beside a GPU (host checks): copies in pinned memory of their own
         self.checksum: Callable[[Block], str] = checksum  # the platform's (keys.fingerprint names it)
         self.used = 0
         self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
@@ -110,8 +111,10 @@ class RamTier:
             while self.used + size > self.capacity:
                 self._drop(next(iter(self.blocks)))
                 evicted += 1
-            if not owned:
-                block = self.pool.take().copy_(block) if self.pool is not None else block.clone()
+            if self.pool is not None and not owned:
+                block = self.pool.take().copy_(block)
+            elif not owned:
+                block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin).copy_(block)
             self.blocks[key] = (block, digest)
             self.used += size
             return evicted

@@ -116,6 +116,8 @@ class WorkerSide:
         for tier in (self.ram, self.fs):
             if tier is not None:
                 tier.pool, tier.checksum = self.pool, self.checksum
+        if self.ram is not None:
+            self.ram.pin = gpu and not self.on_device  # host-checked blocks go to the GPU from pinned memory
         if self.fs is not None:
             self.fs.layout = self.layout
         if self.device.type == "cpu":

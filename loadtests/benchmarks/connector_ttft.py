@@ -1,19 +1,23 @@
-"""Benchmark: warm TTFT of kvscope's connector against a peer cache and against a cold baseline, side by side.
+"""Benchmark: warm TTFT of kvscope's connector configs against peer caches and a cold baseline, side by side
+and per prompt length, and the TTFT of a miss under load against baseline's.
 
-Needs baseline, the peer (default apc; offload-cpu, vLLM's own CPU offloading, on a GPU) and CONFIG (default
-kvscope-fs) deployed (make deploy). N distinct prompts of each length in --tokens (one length, ~2.3k
-tokens, by default; a sweep such as 2048,8192,16384,32768 needs a --max-model-len and a KV cache that hold
-it), one request at a time: each prompt cold on baseline, then primed on the peer and CONFIG and sent to
-both again REPEATS times, alternating, so a noisy moment of a shared machine falls on both sides; then, after
-pushing CONFIG's RAM tier past capacity with other prompts, every prompt again ("after eviction": from
-the filesystem tier where CONFIG has one). The tier hits of each phase are read from CONFIG's /metrics.
-Priming right before the warm requests keeps the prompt in every cache whatever the capacity. Each
-measured request waits PAUSE seconds first, so OpenMP threads still spinning in another server after its
-last request do not slow this one (on 2 cores they would). Prints medians, the interquartile spread and
-the ratios per length (on the CPU: <= 1.15 of apc and <= 0.35 of cold for kvscope-fs from RAM; on a GPU:
-kvscope-ram <= 1.2 of offload-cpu at >= 8k tokens and <= 0.3 of cold at 16k).
+Needs baseline, the peers and the configs deployed (make deploy; on a GPU host docker/cuda-host/connector-
+bench.sh). For each length in --tokens (in the served model's tokens, cut with its tokenizer), N distinct
+prompts, one request at a time: each prompt is primed on every config and peer, then sent REPEATS times to
+baseline (cold) and to each of them (warm), in turn, so a noisy moment falls on all of them. Priming right
+before the warm requests keeps the prompt in every cache whatever its capacity. With --eviction, CONFIG's
+RAM tier is then pushed past capacity with other prompts and every prompt sent again ("after eviction":
+hits from its filesystem tier). The connector's tier hits of each phase come from its /metrics. Each
+measured request waits PAUSE seconds first (on a 2-core CPU, OpenMP threads still spinning in another
+server would slow it). Then, with --load-users U, U closed-loop streams of distinct fresh prompts (every one
+a miss, every one saved) against baseline and each config in turn: what the connector's saves cost a miss.
 
-    .venv/bin/python loadtests/benchmarks/connector_ttft.py [--config kvscope-fs] [--peer apc] [--tokens 2300]
+Prints medians with the interquartile range and n, the ratios, and the goals against what was measured: on
+a GPU kvscope-ram <= 1.2x offload-cpu-tier at every length >= 8k and <= 0.3x cold at 16k, kvscope-fs <=
+1.5x offload-cpu-tier at >= 8k, a miss under load <= 1.05x baseline's; on the CPU kvscope-fs <= 1.15x apc
+and <= 0.35x cold.
+
+    .venv/bin/python loadtests/benchmarks/connector_ttft.py [--configs kvscope-fs] [--peers apc] [--tokens 2300]
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -32,7 +37,13 @@ from kvscope.artifacts import Deployment, Manifest, Request, read_json
 from kvscope.run.metrics import delta, scrape
 from kvscope.run.records import new_record, parse_stream, request_body
 
-CHARS_PER_TOKEN = 3.9  # pydoc's English prose in the tiny model's (Qwen3's) tokenizer: 9000 chars ~ 2.3k tokens
+CHARS_PER_TOKEN = 3.9  # pydoc's prose in the tiny model's tokenizer, where the model's tokenizer is not at hand
+COLD = "cold baseline"
+# (config, against, shortest length, longest length, the most the ratio may be): the goals of docs/benchmarks.md
+GOALS = {"cuda": [("kvscope-ram", "offload-cpu-tier", 8000, None, 1.2), ("kvscope-ram", COLD, 16000, 17000, 0.3),
+                  ("kvscope-fs", "offload-cpu-tier", 8000, None, 1.5)],
+         "cpu": [("kvscope-fs", "apc", 0, None, 1.15), ("kvscope-fs", COLD, 0, None, 0.35)]}
+MISS_GOAL = 1.05  # a miss under load against baseline's, every config
 
 
 def ttft(server: Manifest, prompt: str) -> tuple[float, int]:
@@ -43,18 +54,38 @@ def ttft(server: Manifest, prompt: str) -> tuple[float, int]:
                                   headers=auth.headers())
     rec = new_record(req, "bench", time.time())
     t0 = time.perf_counter()
-    with urllib.request.urlopen(http, timeout=300) as resp:
+    with urllib.request.urlopen(http, timeout=600) as resp:
         parse_stream(((time.perf_counter(), line) for line in resp), t0, rec, server.block_size)
     if not rec.ok:
         raise RuntimeError(f"{server.config}: {rec.error}")
     return rec.ttft_s, rec.cached_tokens or 0
 
 
-def evict_ram(server: Manifest, prompts: list[str]) -> None:
-    """Push a RAM tier of up to ~16 prompts' KV past capacity with other prompts, so hits come from disk."""
-    for i in range(4):
-        for p in prompts:
-            ttft(server, f"[evict {i}] {p}")
+class Prompts:
+    """Distinct prompts of an exact length in the served model's tokens (pydoc's prose, a unique first line)."""
+
+    def __init__(self, model_path: str):
+        self.text = " ".join(topics[k] for k in sorted(topics))
+        tokenizer = Path(model_path) / "tokenizer.json"
+        self.tok = None
+        if tokenizer.is_file():
+            from tokenizers import Tokenizer
+
+            self.tok = Tokenizer.from_file(str(tokenizer))
+            self.ids = self.tok.encode(self.text).ids
+        self.used = 0
+
+    def make(self, head: str, tokens: int) -> str:
+        if self.tok is None:
+            chars = int(tokens * CHARS_PER_TOKEN)
+            start = self.used % max(1, len(self.text) - chars)
+            self.used += chars
+            return head + (self.text * (2 + chars // len(self.text)))[start:start + chars]
+        need = tokens - len(self.tok.encode(head).ids)
+        ids = (self.ids * (2 + need // len(self.ids)))
+        start = self.used % len(self.ids)
+        self.used += need
+        return head + self.tok.decode(ids[start:start + need])
 
 
 def tier_hits(server: Manifest, before: dict[str, float]) -> str:
@@ -64,69 +95,106 @@ def tier_hits(server: Manifest, before: dict[str, float]) -> str:
 
 def spread(xs) -> str:
     q1, q2, q3 = np.percentile(xs, [25, 50, 75])
-    return f"median {q2 * 1000:7.1f} ms  (IQR {q1 * 1000:.1f}-{q3 * 1000:.1f})"
+    return f"median {q2 * 1000:8.1f} ms  (IQR {q1 * 1000:.1f}-{q3 * 1000:.1f}, n={len(xs)})"
 
 
-def measure(args, base: Manifest, peer: Manifest, fs: Manifest, tokens: int) -> None:
-    """One prompt length: cold on baseline, warm on the peer and on CONFIG, then CONFIG after eviction."""
-    ram_phase, disk_phase = f"warm {args.config}", f"warm {args.config} (after eviction)"
-    text = " ".join(topics[k] for k in sorted(topics))
-    chars = int(tokens * CHARS_PER_TOKEN)
-    text = text * (1 + chars * args.prompts // len(text))  # long prompts share text; their first block differs
-    prompts = [f"[benchmark prompt {i}, {tokens} tokens] " + text[i * chars:(i + 1) * chars]
-               for i in range(args.prompts)]
+def measure(args, base: Manifest, peers: list[Manifest], configs: list[Manifest], prompts: Prompts,
+            tokens: int) -> dict[str, float]:
+    """One prompt length: cold on baseline, warm on every peer and config (and after eviction). Returns the
+    median TTFT of each phase."""
+    texts = [prompts.make(f"[benchmark prompt {i}, {tokens} tokens] ", tokens) for i in range(args.prompts)]
+    servers = configs + peers
 
     def measured(server: Manifest, p: str) -> tuple[float, int]:
         time.sleep(args.pause)
         return ttft(server, p)
 
-    phases: dict[str, list[tuple[float, int]]] = {name: [] for name in ("cold baseline", f"warm {peer.config}",
-                                                                      ram_phase)}
-    hits = {}
-    before = scrape(f"http://{fs.host}:{fs.port}")
-    for p in prompts:
-        phases["cold baseline"].append(measured(base, p))
-        ttft(peer, p)
-        ttft(fs, p)
+    phases: dict[str, list[tuple[float, int]]] = {COLD: [], **{s.config: [] for s in peers + configs}}
+    before = {s.config: scrape(f"http://{s.host}:{s.port}") for s in configs}
+    for p in texts:
+        for s in servers:
+            ttft(s, p)  # prime
         for _ in range(args.repeats):
-            phases[f"warm {peer.config}"].append(measured(peer, p))
-            phases[ram_phase].append(measured(fs, p))
-    hits[ram_phase] = tier_hits(fs, before)  # primes included
-    if not args.no_eviction:
-        evict_ram(fs, prompts[:4])
-        before = scrape(f"http://{fs.host}:{fs.port}")
-        phases[disk_phase] = [measured(fs, p) for p in prompts]
-        hits[disk_phase] = tier_hits(fs, before)
-    rows = {name: [t for t, _ in got] for name, got in phases.items()}
-    print(f"\n== ~{tokens} tokens: {len(prompts)} prompts, {args.repeats} warm requests each")
+            phases[COLD].append(measured(base, p))
+            for s in servers:
+                phases[s.config].append(measured(s, p))
+    hits = {s.config: tier_hits(s, before[s.config]) for s in configs}  # primes included
+    if args.eviction:
+        for s in configs:
+            for i in range(4):
+                for p in texts[:4]:
+                    ttft(s, f"[evict {i}] {p}")
+            before = {s.config: scrape(f"http://{s.host}:{s.port}")}
+            phases[f"{s.config} (after eviction)"] = [measured(s, p) for p in texts]
+            hits[f"{s.config} (after eviction)"] = tier_hits(s, before[s.config])
+    print(f"\n== {tokens} tokens: {len(texts)} prompts, {args.repeats} requests each per server")
     for name, got in phases.items():
-        print(f"{name:<36} median cached tokens {int(np.median([c for _, c in got]))}"
+        print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}"
               + (f"; connector hits by tier: {hits[name]}" if name in hits else ""))
-    for name, xs in rows.items():
-        print(f"{name:<36} {spread(xs)}")
-    med = {k: float(np.median(v)) for k, v in rows.items()}
-    for name in (n for n in (ram_phase, disk_phase) if n in med):
-        print(f"{name + ' / warm ' + peer.config:<52} = {med[name] / med[f'warm {peer.config}']:.2f}")
-        print(f"{name + ' / cold baseline':<52} = {med[name] / med['cold baseline']:.2f}")
+    med = {name: float(np.median([t for t, _ in got])) for name, got in phases.items()}
+    for name in (n for n in med if n.split(" (")[0] in {c.config for c in configs}):
+        for other in [p.config for p in peers] + [COLD]:
+            print(f"{name + ' / ' + other:<56} = {med[name] / med[other]:.2f}")
+    return med
+
+
+def under_load(args, server: Manifest, prompts: Prompts, tag: str) -> list[tuple[float, int]]:
+    """TTFTs and cached tokens of --load-users closed-loop streams of fresh prompts (all misses),
+    --load-requests each."""
+    texts = [[prompts.make(f"[load {tag} {server.config} user {u} request {k}] ", args.load_tokens)
+              for k in range(args.load_requests)] for u in range(args.load_users)]
+    time.sleep(args.pause)
+    with ThreadPoolExecutor(args.load_users) as pool:
+        return [got for stream in pool.map(lambda ps: [ttft(server, p) for p in ps], texts) for got in stream]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--deployment", default="runs/local/deployment.json")
-    ap.add_argument("--config", default="kvscope-fs", help="the kvscope connector config to measure")
-    ap.add_argument("--peer", default="apc", help="the cache it is set against (apc; offload-cpu on a GPU)")
+    ap.add_argument("--configs", default="kvscope-fs", help="kvscope connector configs to measure, comma-separated")
+    ap.add_argument("--peers", default="apc", help="caches to set them against (on a GPU: offload-cpu-tier,apc)")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", default="2300", help="prompt lengths in tokens, comma-separated (a sweep)")
-    ap.add_argument("--repeats", type=int, default=3, help="warm requests per prompt and server")
+    ap.add_argument("--repeats", type=int, default=3, help="requests per prompt and server")
     ap.add_argument("--pause", type=float, default=1.5, help="seconds of quiet before each measured request")
-    ap.add_argument("--no-eviction", action="store_true", help="skip the after-eviction phase")
+    ap.add_argument("--eviction", action="store_true", help="also measure each config after evicting its RAM tier")
+    ap.add_argument("--load-users", type=int, default=0, help="concurrent streams of misses (0: no load phase)")
+    ap.add_argument("--load-requests", type=int, default=4, help="misses per stream")
+    ap.add_argument("--load-tokens", type=int, default=8192)
+    ap.add_argument("--load-rounds", type=int, default=2)
+    ap.add_argument("--load-configs", default=None, help="configs measured under load (default: --configs)")
     args = ap.parse_args()
     deployed = {s.config: s for s in read_json(Path(args.deployment), Deployment).servers}
-    base, peer, fs = deployed["baseline"], deployed[args.peer], deployed[args.config]
-    for server in (base, peer, fs):
+    base = deployed["baseline"]
+    peers = [deployed[name] for name in args.peers.split(",") if name]
+    configs = [deployed[name] for name in args.configs.split(",")]
+    prompts = Prompts(base.model_path)
+    for server in [base, *peers, *configs]:
         ttft(server, "warm-up " * 50)
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        measure(args, base, peer, fs, tokens)
+    lengths = [int(t) for t in args.tokens.split(",")]
+    medians = {tokens: measure(args, base, peers, configs, prompts, tokens) for tokens in lengths}
+    misses: dict[str, list[tuple[float, int]]] = {}
+    if args.load_users:
+        print(f"\n== misses under load: {args.load_users} streams x {args.load_requests} fresh prompts of "
+              f"{args.load_tokens} tokens, {args.load_rounds} rounds, servers in turn (each round starting one later)")
+        loaded = [base] + ([deployed[name] for name in args.load_configs.split(",")] if args.load_configs else configs)
+        for r in range(args.load_rounds):
+            for server in loaded[r % len(loaded):] + loaded[:r % len(loaded)]:
+                misses.setdefault(server.config, []).extend(under_load(args, server, prompts, f"round {r}"))
+        for name, got in misses.items():
+            print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}")
+    print("\n== goals (measured in this run)")
+    for config, other, shortest, longest, most in GOALS.get(base.platform, []):
+        for tokens, med in medians.items():
+            if config in med and other in med and tokens >= shortest and (longest is None or tokens <= longest):
+                ratio = med[config] / med[other]
+                print(f"{config} / {other} at {tokens} tokens: {ratio:.2f} (goal <= {most}: "
+                      f"{'met' if ratio <= most else 'NOT met'})")
+    miss = {name: float(np.median([t for t, _ in got])) for name, got in misses.items()}
+    for name in (n for n in miss if n != base.config):
+        ratio = miss[name] / miss[base.config]
+        print(f"{name} miss under load / baseline's: {ratio:.2f} (goal <= {MISS_GOAL}: "
+              f"{'met' if ratio <= MISS_GOAL else 'NOT met'})")
 
 
 if __name__ == "__main__":

@@ -38,10 +38,12 @@ DEFAULT_SHAPE = {
 
 # A Qwen3-4B-shaped model for GPU hosts, where a 2k-token prefill, not scheduling, dominates TTFT (~14 GB in
 # fp32 on disk; serve it in bf16 with the flag override {"dtype": "bfloat16"}). 9 such servers fit one H200.
+# Its context is Qwen3-4B's own (40960 positions), for the long-context sweep.
 SHAPES = {
     "tiny": DEFAULT_SHAPE,
     "qwen3-4b": {**DEFAULT_SHAPE, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 40960},
 }
 
 
@@ -52,7 +54,7 @@ def training_text() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
-def build_tokenizer(out: Path, vocab_size: int):
+def build_tokenizer(out: Path, vocab_size: int, max_len: int = DEFAULT_SHAPE["max_position_embeddings"]):
     # NOTE: rayon's parallel merge counting can order ties differently between runs; one thread keeps
     # the merges, and so tokenizer.json, identical on every build.
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -76,7 +78,7 @@ def build_tokenizer(out: Path, vocab_size: int):
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
-                "model_max_length": DEFAULT_SHAPE["max_position_embeddings"],
+                "model_max_length": max_len,
                 "clean_up_tokenization_spaces": False,
                 "chat_template": CHAT_TEMPLATE,
             },
@@ -154,7 +156,7 @@ def build(out: Path, seed: int = 0, std: float = 0.1, shape_name: str = "tiny") 
     for stale in out.iterdir():
         if stale.is_file():
             stale.unlink()
-    tok = build_tokenizer(out, shape["vocab_size"])
+    tok = build_tokenizer(out, shape["vocab_size"], shape["max_position_embeddings"])
     shape["vocab_size"] = tok.get_vocab_size()
     (out / "config.json").write_text(json.dumps(qwen3_config(shape, tok, std), indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(

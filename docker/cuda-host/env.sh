@@ -1,0 +1,15 @@
+# Sourced by the CUDA-host scripts, from the repository root: the host's Python sees the harness and the
+# connector from the checkout, Ansible the repository's configuration and the cuda-host inventory.
+export PYTHONPATH="$PWD/loadtests:$PWD/connector${PYTHONPATH:+:$PYTHONPATH}" ANSIBLE_CONFIG=ansible/ansible.cfg
+export PYTHONUNBUFFERED=1
+inv=ansible/inventories/cuda-host
+deploy() {  # deploy CONFIGS [OVERRIDES_JSON]: configs that do not start are reported as crashed
+  local overrides=${2:-"{}"}
+  python3 -m ansible playbook -i $inv ansible/deploy.yml -e vllm_configs="$1" -e "{\"vllm_flag_overrides\": $overrides}"
+  echo "deploy exit $?"
+}
+teardown() { python3 -m ansible playbook -i $inv ansible/teardown.yml; }
+model() {  # model SHAPE: build it once under models/SHAPE and point the inventory at it
+  export KVSCOPE_MODEL_DIR="$PWD/models/$1"
+  [ -f "$KVSCOPE_MODEL_DIR/model.safetensors" ] || python3 -m kvscope.cli build-model --shape "$1" --out "$KVSCOPE_MODEL_DIR"
+}
