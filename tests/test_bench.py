@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pandas as pd
@@ -234,3 +235,30 @@ def test_a_load_sweep_with_repeats_runs_every_treatment_at_each_load_and_reports
                                                      "repeat-867@u2#2"]
     assert sorted(pd.read_csv(run / "sweep.csv").query("config == 'apc'").users) == [1, 2]
     assert (run / "load_sweep.png").exists() and "over 2" in pd.read_csv(run / "overview.csv").speedup_repeats[1]
+
+
+def test_reset_wipes_a_store_the_live_server_is_still_writing(tmp_path):
+    # H200, 2026-12-01: kvscope-fs's save thread still wrote blocks from the treatment before while the reset
+    # removed their folder ("Directory not empty"), which stopped the whole run
+    store = tmp_path / "stores" / "kvscope-fs" / "blocks"
+    (store / "fingerprint").mkdir(parents=True)
+
+    def saver():  # a connector's save thread for half a second: new block files, one folder per key prefix
+        i, end = 0, time.monotonic() + 0.5
+        while time.monotonic() < end:
+            folder = store / "fingerprint" / f"{i % 7:02x}"
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{i}.safetensors").write_bytes(b"x" * 4096)
+            except FileNotFoundError:
+                pass  # removed under it; the connector counts such a write as a save error
+            i += 1
+
+    writer = threading.Thread(target=saver)
+    writer.start()
+    time.sleep(0.05)
+    server = Treatment.model_construct(host="127.0.0.1", port=9, stores={"blocks": str(store)}, store_reset="wipe",
+                                       run_dir=str(tmp_path))
+    row = reset(server)
+    writer.join()
+    assert row["stores_wiped"] == ["blocks"] and "stores_refused" not in row

@@ -1,23 +1,20 @@
 #!/usr/bin/env bash
-# On the CUDA host, from the repository root: kvscope's connector against vLLM's own CPU offload, the GPU
-# prefix cache and recomputing, on the Qwen3-4B shape in bf16 served with CUDA graphs (no --enforce-eager),
-# in one run: the connector's GPU tests, copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy),
-# connector_ttft.py (the prompt-length sweep and misses under load), then a bench of the same servers
+# On the CUDA host, from the repository root: kvscope's connector against vLLM's own CPU offload and
+# recomputing, on the Qwen3-4B shape in bf16 served with CUDA graphs (no --enforce-eager), in one run:
+# connector_ttft.py (the prompt-length sweep and misses under load), the connector's GPU tests,
+# copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
 # (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR.
 #   docker/cuda-host/connector-bench.sh OUT_DIR [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}
 . "$(dirname "$0")/env.sh"
-configs=baseline,control,apc,offload-cpu-tier,kvscope-ram,kvscope-fs
+configs=baseline,control,offload-cpu-tier,kvscope-ram,kvscope-fs
 # bf16; CUDA graphs for up to 32 sequences (capture stays short); a context and a GPU KV cache that hold a
-# 32k-token prompt; six servers' start-up memory checks within one GPU
+# 32k-token prompt; the servers' start-up memory checks within one GPU
 overrides='{"dtype": "bfloat16", "enforce-eager": false, "max-num-seqs": 32, "max-model-len": 33792,
-  "kv-cache-memory-bytes": 6442450944, "gpu-memory-utilization": 0.14}'
+  "kv-cache-memory-bytes": 6442450944, "gpu-memory-utilization": 0.15}'
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
-python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
-echo "GPU tests exit $?"
-for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
 model qwen3-4b
 deploy "$configs" "$overrides" > "$out/deploy.log" 2>&1
 tail -1 "$out/deploy.log"
@@ -27,13 +24,16 @@ sys.exit(len(d["failed"]) > 0)'; then  # CUDA graphs failed somewhere: measure i
   teardown > /dev/null 2>&1
   deploy "$configs" "${overrides/\"enforce-eager\": false/\"enforce-eager\": true}" > "$out/deploy-eager.log" 2>&1
 fi
-cp runs/cuda-host/deployment.json "$out/" 2>/dev/null
+cp runs/cuda-host/deployment.json "$out/"
 python3 loadtests/benchmarks/connector_ttft.py --deployment runs/cuda-host/deployment.json \
-  --configs kvscope-ram,kvscope-fs --peers offload-cpu-tier,apc --tokens "$tokens" --prompts 3 --repeats 3 \
+  --configs kvscope-ram,kvscope-fs --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
   --pause 0.3 --load-users 8 --load-configs kvscope-ram > "$out/connector_ttft.txt" 2>&1
 echo "connector_ttft exit $?"
+python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
+echo "GPU tests exit $?"
+for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
 python3 -m kvscope.cli bench --deployment runs/cuda-host/deployment.json --configs "$configs" \
   --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report > "$out/bench.log" 2>&1
 echo "bench exit $?"
-cp -r "results/$run_id" "$out/" 2>/dev/null
+cp -r "results/$run_id" "$out/"
 teardown > /dev/null 2>&1

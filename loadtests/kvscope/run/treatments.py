@@ -78,11 +78,31 @@ def reset(server: Treatment) -> dict:
         if root is None or path == root or not path.is_relative_to(root):
             refused.append(name)  # a manifest pointing outside the run's stores folder: wipe nothing there
             continue
-        for child in path.glob("*"):
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        wiped.append(name)
+        if why := _wipe(path):
+            refused.append(f"{name}: {why}")
+        else:
+            wiped.append(name)
     row = {"reset_prefix_cache_http": status, "stores_wiped": wiped}
     return {**row, "stores_refused": refused} if refused else row
+
+
+def _wipe(path: Path, passes: int = 20) -> str:
+    """Remove everything under a store folder; "" when done, else why not. The live server may still be
+    writing there (a connector's saves from the treatment before and from the warm-up land a moment after
+    the reset), so what vanishes or refills meanwhile is removed again, a pass at a time."""
+    error: OSError | None = None
+    for _ in range(passes):
+        try:
+            for child in path.glob("*"):
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink(missing_ok=True)
+            return ""
+        except OSError as exc:  # a file gone before its removal, or a folder refilled during it
+            error = exc
+            time.sleep(0.25)
+    return f"still being written after {passes} passes ({error})"
 
 
 def warm_up(server: Treatment) -> None:
