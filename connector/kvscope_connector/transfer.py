@@ -87,7 +87,3 @@ class SlotPool:
         segment = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         self.segments.append(segment)
         self.free += list(segment.view(self.per_segment, self.block_bytes))
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(s.numel() for s in self.segments)
