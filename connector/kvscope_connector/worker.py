@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -96,7 +97,7 @@ class WorkerSide:
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
-        self.loaders = ThreadPoolExecutor(max_workers=LOAD_THREADS["cpu"], thread_name_prefix="kvscope-load")
+        self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
         self.saving: list[tuple[Future, set[str], int]] = []  # (job, keys it stores, bytes it holds), oldest first
@@ -112,8 +113,8 @@ class WorkerSide:
         self.on_device = (gpu and self.device_checks) if self.forced is None else self.forced
         if self.on_device and self.checksum_name != "mix128":
             raise ValueError(f"kvscope connector: {self.checksum_name} cannot be computed on the GPU (mix128 can)")
-        if gpu:
-            self.loaders = ThreadPoolExecutor(max_workers=LOAD_THREADS["cuda"], thread_name_prefix="kvscope-load")
+        self.loaders = ThreadPoolExecutor(max_workers=LOAD_THREADS["cuda" if gpu else "cpu"],
+                                          thread_name_prefix="kvscope-load")
         self.side = Side(self.device)
         self.pool = SlotPool(self.layout.nbytes, self.side, pinned=gpu) if self.on_device else None
         self.chunk = max(1, CHUNK_BYTES // self.layout.nbytes)
@@ -275,7 +276,8 @@ class WorkerSide:
         on-device checks at most two chunks ahead, as each holds a pool slot. Checked RAM hits beside a GPU
         run on the load threads too; on the CPU here, as the model's threads want the cores (handing the
         hashing over cost more than it saved); unchecked ones are a lookup, here."""
-        ram, fs = self.ram, self.fs
+        ram, fs, loaders = self.ram, self.fs, self.loaders
+        assert loaders is not None, "register() first"
         in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
         threaded_ram = verify and self.device.type != "cpu"
         ahead = 2 * self.chunk if self.on_device else len(loads)
@@ -285,16 +287,14 @@ class WorkerSide:
             job = None
             if ram is not None and spec.key in in_ram:
                 if threaded_ram:
-                    job = self.loaders.submit(self._fetch, ram, TierName.RAM, spec.key, verify)
+                    job = loaders.submit(self._fetch, ram, TierName.RAM, spec.key, verify)
             elif fs is not None:
-                job = self.loaders.submit(self._fetch, fs, TierName.FS, spec.key, verify)
+                job = loaders.submit(self._fetch, fs, TierName.FS, spec.key, verify)
             queued.append((spec, job))
 
         pending = iter(loads)
-        for spec in pending:
+        for spec in islice(pending, ahead):
             queue(spec)
-            if len(queued) >= ahead:
-                break
         while queued:
             spec, job = queued.popleft()
             if job is not None:
@@ -303,9 +303,8 @@ class WorkerSide:
                 result = self._fetch(ram, TierName.RAM, spec.key, verify)
             else:
                 result = Fetched(Outcome.MISS)
-            for more in pending:
+            if (more := next(pending, None)) is not None:
                 queue(more)
-                break
             yield spec, result
 
     def begin_step(self, meta: KVScopeMetadata) -> None:
