@@ -25,6 +25,7 @@ USERS     ?= 2
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
 USER_ARGS  = -e kvscope_matrix=$(abspath $(MATRIX)) $(if $(strip $(MODEL)),-e kvscope_model_dir=$(abspath $(MODEL))) \
+  $(if $(EXACT),-e kvscope_exact=true) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 
@@ -99,7 +100,7 @@ bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up 
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
 	KVSCOPE_COMMAND="make $(MAKECMDGOALS) $(MAKEOVERRIDES)" $(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
-	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume) $(if $(SLO),--slo $(SLO)) $(if $(REPEATS),--repeats $(REPEATS)); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
+	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume) $(if $(EXACT),--exact) $(if $(SLO),--slo $(SLO)) $(if $(REPEATS),--repeats $(REPEATS)); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50]
 	$(KVSCOPE) report $(RUN) $(if $(SLO),--slo $(SLO))

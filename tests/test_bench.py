@@ -104,7 +104,7 @@ def test_every_canary_fault_is_caught_and_every_other_config_passes(short_run):
         assert row.affected_hits > 0 and row.detected == row.affected_hits, (fault, row.to_dict())
         assert row.unaffected_fail == 0 and row.fault_log == "kept", fault
     scorer = json.loads((run / "run.json").read_text())["scorer"]
-    assert scorer["noise_nats"] is not None and scorer["tolerance_nats"] < 1e-3  # measured: fp32 on CPU
+    assert scorer["direct_noise_nats"] is not None and scorer["tolerance_nats"] < 1e-3  # measured: fp32 on CPU
     assert "detection power" in out.stdout.lower()
     summary = pd.read_csv(run / "summary.csv")
     apc = summary[(summary.config == "apc")]

@@ -135,6 +135,24 @@ def test_corrupt_truncated_and_foreign_blocks_are_misses_and_counted(connector_r
         assert tokens == golden(p) and cached > 0
 
 
+def test_blocks_computed_in_the_step_a_load_failed_are_never_served_later(connector_run, golden):
+    # The step whose load fails still computes the rest of the prompt, on top of the block it lacked; those
+    # blocks must not be stored (they were, verified and signed: a longer prompt then loaded them).
+    run_dir, _ = connector_run
+    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+    text = prompts("after-fail", 1)[0]
+    a, b, c = text[:800], text[:1600], text
+    earlier = set(block_files(store))
+    complete(port, a)
+    first = min(set(block_files(store)) - earlier, key=lambda f: f.stat().st_mtime_ns)  # a's first block
+    data = bytearray(first.read_bytes())
+    data[-9] ^= 0xFF
+    first.write_bytes(bytes(data))
+    assert complete(port, b, 32)[0] == golden(b, 32)  # a's first block fails: b is recomputed
+    tokens, cached = complete(port, c, 32)  # loads a's blocks and b's: every one must be right
+    assert cached > 0 and tokens == golden(c, 32)
+
+
 def test_store_removed_mid_run_keeps_serving_and_refills(connector_run, golden):
     run_dir, _ = connector_run
     port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")

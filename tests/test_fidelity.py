@@ -5,7 +5,12 @@ import pytest
 from kvscope.analyze import fidelity
 from kvscope.artifacts import Record
 
-TOL = 1e-4
+TOL = fidelity.Tolerance(1e-4, 1e-4)
+EXACT = fidelity.Tolerance(0.0, 1e-4, exact=True)
+
+
+def tol(nats):
+    return fidelity.Tolerance(nats, nats)
 
 
 def rec(tokens, tops=None, config="c", ok=True, text="", needle=None, prompt_sha="p", cached=64, rid="r"):
@@ -29,8 +34,8 @@ def test_identical_tokens_and_logprobs():
 
 def test_logprobs_within_the_tolerance_are_identical_and_beyond_it_fail():
     gold = rec([1, 2, 3])
-    assert fidelity.score(gold, rec([1, 2, 3], tops=shifted([1, 2, 3], 0.5 * TOL)), TOL).cls == "identical"
-    s = fidelity.score(gold, rec([1, 2, 3], tops=shifted([1, 2, 3], 3 * TOL)), TOL)
+    assert fidelity.score(gold, rec([1, 2, 3], tops=shifted([1, 2, 3], 0.5 * TOL.direct)), TOL).cls == "identical"
+    s = fidelity.score(gold, rec([1, 2, 3], tops=shifted([1, 2, 3], 3 * TOL.direct)), TOL)
     # wrong KV that leaves every greedy token as it was: the case token comparison alone misses
     assert s.cls == "FAIL" and "logprob off by 0.0003 nat at token 0" in s.reason
 
@@ -73,9 +78,9 @@ def test_records_from_before_token_ids_compare_only_the_chosen_tokens_logprob():
     # by text, '' may name two different tokens: only the best logprobs (the same chosen id) are compared
     gold = rec([1, 2], tops=[[["a", -0.1], ["", -3.0]], [["b", -0.2], ["", -2.2]]])
     cand = rec([1, 2], tops=[[["a", -0.1], ["", -5.0]], [["b", -0.2], ["", -4.2]]])
-    assert fidelity.score(gold, cand, 1e-4).cls == "identical"
+    assert fidelity.score(gold, cand, tol(1e-4)).cls == "identical"
     cand = rec([1, 2], tops=[[["a", -0.1], ["", -5.0]], [["b", -0.3], ["", -4.2]]])
-    assert fidelity.score(gold, cand, 1e-4).cls == "FAIL"
+    assert fidelity.score(gold, cand, tol(1e-4)).cls == "FAIL"
 
 
 def test_a_near_tie_flip_golden_did_not_score_is_unverified_not_benign():
@@ -145,23 +150,45 @@ def test_unscorable_requests_are_counted_apart():
 def test_records_from_before_token_ids_still_score_by_their_token_text():
     gold = rec([1, 2], tops=[[["a", -0.1], ["x", -3.0]], [["b", -0.2], ["c", -2.2]]])
     cand = rec([1, 9], tops=[[["a", -0.1], ["x", -3.0]], [["q", -0.2], ["b", -2.0]]])
-    assert fidelity.score(gold, cand, 2e-3).cls == "FAIL"
+    assert fidelity.score(gold, cand, tol(2e-3)).cls == "FAIL"
 
 
-def test_the_noise_floor_is_the_largest_difference_from_the_control_and_from_golden_rescored():
+def test_two_floors_the_control_for_direct_comparisons_and_golden_rescored_for_continuations():
     golden = {"r@measure": rec([1, 2]), "q@measure": rec([1, 2], rid="q")}
     control = [rec([1, 2], tops=shifted([1, 2], 2e-6)), rec([1, 5], tops=shifted([1, 5], 9.0), rid="q")]
     calibration = {"r@measure": (0, [{1: -0.1 + 5e-6, 999: -3.0}, {2: -0.1}])}
     # a control answer counts up to its split; one 9 nat off is what this run measured (a broken control:
     # the canaries' power drops and the gate fails on them)
-    assert fidelity.noise(golden, control, calibration) == pytest.approx(9.0)
-    assert fidelity.noise(golden, control[:1], calibration) == pytest.approx(5e-6)
-    assert fidelity.noise(golden, [], {}) is None
+    direct = fidelity.direct_noise(golden, control)
+    assert fidelity.floor(direct) == pytest.approx(9.0)
+    assert [(d.request, d.position) for d in direct] == [("r@measure", 0), ("q@measure", 0)]
+    assert fidelity.floor(fidelity.direct_noise(golden, control[:1])) == pytest.approx(2e-6)
+    cont = fidelity.continuation_noise(golden, calibration)
+    assert fidelity.floor(cont) == pytest.approx(5e-6) and cont[0].pair == "golden re-scored vs golden"
+    assert fidelity.floor(fidelity.direct_noise(golden, [])) is None
 
 
-def test_the_tolerance_follows_the_measurement_with_a_floor_and_is_assumed_without_one():
-    assert fidelity.tolerance(1e-5, "float32")[0] == pytest.approx(3e-5)
-    assert fidelity.tolerance(0.0, "float32")[0] == fidelity.FLOOR_NATS["float32"]
-    assert fidelity.tolerance(0.2, "bfloat16")[0] == pytest.approx(0.6)
-    tol, source = fidelity.tolerance(None, "bfloat16")
-    assert tol == fidelity.ASSUMED_NATS["bfloat16"] and "assumed" in source
+def test_the_tolerances_follow_their_floors_with_a_least_value_and_are_assumed_without_one():
+    t, _ = fidelity.tolerance(1e-5, 0.5, "float32")
+    assert t.direct == pytest.approx(3e-5) and t.continuation == pytest.approx(1.5) and not t.exact
+    assert fidelity.tolerance(0.0, 0.0, "float32")[0].direct == fidelity.FLOOR_NATS["float32"]
+    assert fidelity.tolerance(0.2, None, "bfloat16")[0].direct == pytest.approx(0.6)
+    t, source = fidelity.tolerance(None, None, "bfloat16")
+    assert t.direct == fidelity.ASSUMED_NATS["bfloat16"] and "assumed" in source
+
+
+def test_exact_mode_tolerates_nothing_and_never_widens_for_a_noisy_control():
+    t, source = fidelity.tolerance(0.47, 0.47, "bfloat16", exact=True)
+    assert t.direct == 0.0 and t.band == 0.0 and t.exact and "exact" in source
+    gold = rec([1, 2, 3])
+    assert fidelity.score(gold, rec([1, 2, 3]), t).cls == "identical"
+    s = fidelity.score(gold, rec([1, 2, 3], tops=shifted([1, 2, 3], 1e-7)), t)
+    assert s.cls == "FAIL" and "bitwise" in s.reason
+
+
+def test_in_exact_mode_a_split_fails_even_at_a_near_tie_golden_would_score_as_benign():
+    gold, cand = rec([1, 2, 3, 4], tops=NEAR_GOLD), rec([1, 9, 7, 8], tops=NEAR_CAND)
+    continuation = (1, [{9: -0.70001, 2: -0.70003}, {7: -0.3, 3: -2.0}, {8: -0.3, 4: -2.0}])
+    assert fidelity.score(gold, cand, TOL, continuation).cls == "benign"
+    s = fidelity.score(gold, cand, EXACT, continuation)
+    assert s.cls == "FAIL" and "never splits" in s.reason and s.first_divergence == 1

@@ -78,7 +78,7 @@ def test_report_passes_when_the_canary_fails_and_the_rest_are_identical(tmp_path
     page = (run / "report.html").read_text()  # one self-contained page: every plot inline, nothing fetched
     assert page.count('src="data:image/png;base64,') == 4 and "<table>" in page and 'src="http' not in page
     scorer = json.loads((run / "run.json").read_text())["scorer"]
-    assert scorer["version"] == fidelity.SCORER_VERSION and scorer["noise_nats"] == 0.0
+    assert scorer["version"] == fidelity.SCORER_VERSION and scorer["direct_noise_nats"] == 0.0
 
 
 def test_gate_fails_on_a_candidate_fail_and_on_a_silent_canary(tmp_path):

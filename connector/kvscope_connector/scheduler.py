@@ -28,6 +28,7 @@ class _Req:
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0  # blocks [0, stored_upto) are in the store or were handed to the worker
+    loaded_upto: int = 0  # blocks [0, loaded_upto) come from vLLM's cache or from loads
 
 
 class SchedulerSide:
@@ -73,6 +74,7 @@ class SchedulerSide:
         if n == 0:
             return
         state = self.reqs[request.request_id]
+        state.loaded_upto = start + n
         block_ids = blocks.get_block_ids()[0]
         from_ram = sum(t == TierName.RAM for t in tiers[:n]) * self.block_size
         self.sources[request.request_id] = (from_ram, n * self.block_size - from_ram)
@@ -140,15 +142,19 @@ class SchedulerSide:
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Blocks the worker could not verify: forget them in the RAM index, and store them again once vLLM
-        has recomputed them (the worker moved bad files aside, so the filesystem lookup misses too)."""
+        has recomputed them (the worker moved bad files aside, so the filesystem lookup misses too). The
+        blocks the request computed beyond its loads in that step were not stored (worker.save): forget
+        them too, so they are stored once recomputed."""
         for block_id in block_ids:
             spec = self.inflight.get(block_id)
             if spec is None:
                 continue
-            if spec.key in self.ram_index:
-                del self.ram_index[spec.key]
-                self.meta.ram_evict.append(spec.key)
             state = self.reqs.get(spec.request_id)
+            later = state.keys[state.loaded_upto:] if state is not None else []
+            for key in [spec.key, *later]:
+                if key in self.ram_index:
+                    del self.ram_index[key]
+                    self.meta.ram_evict.append(key)
             if state is not None:
                 state.stored_upto = min(state.stored_upto, spec.index)
 

@@ -14,7 +14,9 @@ blocks on the GPU, where their checksums are computed, and the copies to the hos
 the forward thread waits for neither. On the CPU the step's blocks are copied out at once and checksummed
 on the save thread. The save thread puts them in RAM and writes the files, in order; a load waits only for
 the pending saves of the keys it reads. A block that fails verification is a miss: its id goes back to vLLM
-through get_block_ids_with_load_errors() and vLLM recomputes it and every block after it.
+through get_block_ids_with_load_errors() and vLLM recomputes it and every block after it. The blocks such a
+request computes in that step were computed on top of the block it lacked: they are not stored (vLLM
+recomputes them too, and they are stored then).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class WorkerSide:
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
+        self.broken: set[str] = set()  # requests with a failed load this step: their new blocks are not stored
         self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
@@ -320,6 +323,7 @@ class WorkerSide:
             self._collect(wait_upto=last)
 
     def load(self, meta: KVScopeMetadata) -> None:
+        self.broken = set()
         self.begin_step(meta)
         started = time.perf_counter()
         if self.on_device:
@@ -331,13 +335,12 @@ class WorkerSide:
 
     def _verified(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block]]:
         """Host-checked blocks in load order; a request stops at its first block that fails."""
-        broken: set[str] = set()  # requests with a failed block: vLLM recomputes from that block on
         for spec, result in self.fetch_all(loads):
             block = self._settle(spec, result)
-            if block is None:
+            if block is None:  # vLLM recomputes from this block on
                 self.load_errors.add(spec.block_id)
-                broken.add(spec.request_id)
-            elif spec.request_id not in broken:
+                self.broken.add(spec.request_id)
+            elif spec.request_id not in self.broken:
                 yield spec, block
 
     def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
@@ -383,6 +386,7 @@ class WorkerSide:
 
     def _failed(self, spec: LoadSpec, first_bad: dict[str, int]) -> None:
         self.load_errors.add(spec.block_id)
+        self.broken.add(spec.request_id)
         first_bad[spec.request_id] = min(spec.index, first_bad.get(spec.request_id, spec.index))
 
     def _check_and_write(self, chunk: torch.Tensor, staged: list[tuple[LoadSpec, Fetched]],
@@ -417,7 +421,9 @@ class WorkerSide:
     # Saves
 
     def save(self, meta: KVScopeMetadata) -> None:
-        """Send this step's new blocks towards the host, then hand them to the save thread."""
+        """Send this step's new blocks towards the host, then hand them to the save thread; none of a request
+        whose load failed this step."""
+        meta.stores = [spec for spec in meta.stores if spec.request_id not in self.broken]
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()

@@ -176,6 +176,40 @@ def new_req(rid, tokens, block_ids, computed=0):
               scheduled=len(tokens) - computed)
 
 
+def test_blocks_a_request_computes_in_the_step_its_load_failed_are_not_stored(tmp_path, checks):
+    # They were computed on top of the block it lacked: stored, a later hit would load them, verified.
+    w = worker(tmp_path, checks=checks)
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "gone", "ram", request_id="r", index=0)]))
+    w.save(KVScopeMetadata(stores=[StoreSpec(6, "r-later", True, True, request_id="r"),
+                                   StoreSpec(7, "q-new", True, True, request_id="q")]))
+    w.flush()
+    assert not w.ram.contains("r-later") and not w.fs.contains("r-later")
+    assert w.ram.contains("q-new") and w.fs.contains("q-new")
+    w.load(KVScopeMetadata())  # the next step: the recomputed blocks are stored
+    w.save(KVScopeMetadata(stores=[StoreSpec(6, "r-later", True, True, request_id="r")]))
+    w.flush()
+    assert w.ram.contains("r-later")
+
+
+def test_scheduler_forgets_the_blocks_a_request_computed_beyond_a_failed_load_so_they_are_stored_again():
+    s = SchedulerSide(FP, B, ram_blocks=8, fs=None)
+    tokens = list(range(4 * B + 1))  # 4 usable blocks; 2 stored earlier
+    keys = block_keys(FP, tokens, B, 4)
+    s._ram_add(keys[0])
+    s._ram_add(keys[1])
+    assert s.lookup(request("r", tokens), 0) == (2 * B, False)
+    s.after_alloc(request("r", tokens), NS(get_block_ids=lambda: ([10, 11, 12, 13, 14],)), 2 * B)
+    step = s.build_meta(sched_output([new_req("r", tokens, [10, 11, 12, 13, 14], computed=2 * B)]))
+    assert [x.key for x in step.stores] == keys[2:]  # planned: the worker drops them (its load failed)
+    s.load_failed({10})
+    assert list(s.ram_index) == [keys[1]]
+    recompute = NS(req_ids=["r"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[0])
+    meta = s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={"r": 4 * B + 1},
+                           scheduled_cached_reqs=recompute, finished_req_ids=set()))
+    assert set(meta.ram_evict) == {keys[0], keys[2], keys[3]}
+    assert [x.key for x in meta.stores] == [keys[0], keys[2], keys[3]]
+
+
 def test_scheduler_plans_stores_then_finds_them_and_plans_loads(tmp_path):
     s = SchedulerSide(FP, B, ram_blocks=2, fs=FsTier(str(tmp_path), FP, None))
     tokens = list(range(11))  # 2 usable blocks: (11 - 1) // 4

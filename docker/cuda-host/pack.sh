@@ -1,34 +1,48 @@
 #!/usr/bin/env bash
-# Pack wheels.txt (and wheels-connectors.txt, unless CONNECTORS=0) into an offline install for a CUDA host
-# with no registry: a site folder (pip --target for Python 3.12 / x86_64), xz-compressed and split into parts
-# small enough for one transfer each, and the list of modules bootstrap.sh checks.
-#   [CONNECTORS=0] docker/cuda-host/pack.sh [OUT=.device] [PART_MIB=20]
+# Pack the wheel lists into an offline install for a CUDA host with no registry, one set at a time: a site
+# folder per set (pip --target for Python 3.12 / x86_64), xz-compressed and split into parts small enough for
+# one transfer each, and the modules bootstrap.sh checks. Sets: `base` (wheels.txt: vLLM, the harness,
+# Ansible) and `connectors` (wheels-connectors.txt: UCM, LMCache; with LMCACHE_WHEEL=path, that LMCache wheel,
+# e.g. one built for the host's torch, replaces PyPI's). Each set is packed on its own, so one can be
+# re-packed without the other.
+#   [SETS="base connectors"] [LMCACHE_WHEEL=path] docker/cuda-host/pack.sh [OUT=.device] [PART_MIB=20]
 set -euo pipefail
 out=${1:-.device}; part_mib=${2:-20}
 here=$(cd "$(dirname "$0")" && pwd)
-lists=("$here/wheels.txt"); imports="vllm locust ansible pydantic"
-if [ "${CONNECTORS:-1}" != 0 ]; then
-  lists+=("$here/wheels-connectors.txt")
-  # LMCache's multi-process server and the exporter it imports once running among them
-  imports+=" ucm lmcache.v1.multiprocess.http_server opentelemetry.exporter.prometheus"
-fi
 plat=(--python-version 3.12 --implementation cp --only-binary=:all: --platform any)
 for p in manylinux_2_{5,17,24,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do plat+=(--platform "$p"); done
-rm -rf "$out/whl" && mkdir -p "$out/whl" "$out/parts"  # only these lists, no wheels of an older one
-cat "${lists[@]}" | grep -v '^#' | grep . | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/whl"
-rm -rf "$out/site"
-python3 -m pip install -q --no-deps --no-compile --target "$out/site" "${plat[@]}" "$out"/whl/*.whl
-# The playbooks' collections (ansible.posix for NFS mounts, community.docker for containers), from the harness
-# venv's `ansible` package (make setup): the whole package would be ~50 MB more, Galaxy may be unreachable.
-harness=$(cd "$here/../.." && pwd)/.venv
-cols=$("$harness/bin/python" -c 'import ansible_collections; print(list(ansible_collections.__path__)[0])')
-for c in ansible/posix community/docker; do
-  mkdir -p "$out/site/ansible_collections/$c" && cp -a "$cols/$c/." "$out/site/ansible_collections/$c/"
+
+pack_set() {  # pack_set NAME LIST IMPORTS
+  local name=$1 list=$2 imports=$3 work="$out/$1" parts="$out/parts/$1"
+  rm -rf "$work" "$parts" && mkdir -p "$work/whl" "$parts"  # only this list, no wheels of an older one
+  local names; names=$(grep -v '^#' "$list" | grep . | { if [ -n "${LMCACHE_WHEEL:-}" ]; then grep -v '^lmcache=='; else cat; fi; })
+  echo "$names" | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/whl"
+  if [ "$name" = connectors ] && [ -n "${LMCACHE_WHEEL:-}" ]; then cp "$LMCACHE_WHEEL" "$work/whl/"; fi
+  python3 -m pip install -q --no-deps --no-compile --target "$work/site" "${plat[@]}" "$work"/whl/*.whl
+  if [ "$name" = base ]; then
+    # The playbooks' collections (ansible.posix for NFS mounts, community.docker for containers), from the
+    # harness venv's `ansible` package (make setup): the whole package would be ~50 MB more.
+    local cols; cols=$("$here/../../.venv/bin/python" -c 'import ansible_collections; print(list(ansible_collections.__path__)[0])')
+    for c in ansible/posix community/docker; do
+      mkdir -p "$work/site/ansible_collections/$c" && cp -a "$cols/$c/." "$work/site/ansible_collections/$c/"
+    done
+  fi
+  echo "packing $name: $(du -sh "$work/site" | cut -f1) unpacked"
+  tar -C "$work" -cf - site | xz -T0 -6 > "$work/site.tar.xz"
+  local size n
+  size=$(stat -c %s "$work/site.tar.xz"); n=$(( (size + part_mib * 1048576 - 1) / (part_mib * 1048576) ))
+  split -n "$n" -d "$work/site.tar.xz" "$parts/site.tar.xz."
+  sha256sum "$work/site.tar.xz" | cut -d' ' -f1 > "$parts/SHA256"
+  echo "$imports" > "$parts/IMPORTS"
+  ls -l "$parts"
+}
+
+for set in ${SETS:-base connectors}; do
+  case $set in
+    base) pack_set base "$here/wheels.txt" "vllm locust ansible pydantic" ;;
+    # LMCache's multi-process server and the exporter it imports once running among them
+    connectors) pack_set connectors "$here/wheels-connectors.txt" \
+      "ucm lmcache.v1.multiprocess.http_server opentelemetry.exporter.prometheus" ;;
+    *) echo "pack.sh: unknown set $set (base, connectors)" >&2; exit 2 ;;
+  esac
 done
-tar -C "$out" -cf - site | xz -T0 -6 > "$out/site.tar.xz"
-rm -f "$out"/parts/site.tar.xz.*
-size=$(stat -c %s "$out/site.tar.xz"); n=$(( (size + part_mib * 1048576 - 1) / (part_mib * 1048576) ))
-split -n "$n" -d "$out/site.tar.xz" "$out/parts/site.tar.xz."
-sha256sum "$out/site.tar.xz" | cut -d' ' -f1 > "$out/parts/SHA256"
-echo "$imports" > "$out/parts/IMPORTS"
-ls -l "$out/parts"

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 SCHEMA_VERSION = 1
 Role = Literal["golden", "control", "candidate", "canary"]
+Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
 A = TypeVar("A", bound="Artifact")
 
 
@@ -56,6 +57,7 @@ class RenderedServer(Artifact):
     faults: list[str] = Field(default_factory=list)
     install: list[str] = Field(default_factory=list)  # the config's packages, installed before the server starts
     upstream: list[str] = Field(default_factory=list)  # upstream reports about this path, for the report
+    exact: bool = False  # served batch-invariant (the platform's exact mode)
 
     @model_validator(mode="before")
     @classmethod
@@ -174,7 +176,8 @@ class FaultEvent(Artifact):
     request: str  # vLLM's request id: '<prefix>-<records.request_key>-<8 chars>'
     fault: str
     loaded: int
-    changed: int  # blocks whose written bytes differ from the verified block
+    changed: int  # blocks the KV cache held otherwise than verified, after the write
+    inherited: int = 0  # blocks loaded that an earlier request computed on top of wrong KV
 
 
 class StatusRow(Artifact):
@@ -205,6 +208,7 @@ class RunInfo(Artifact):
     load: dict[str, Any]
     kv_capacity_tokens_for_sizing: int | None = None
     scorer: dict[str, Any] | None = None
+    mode: Mode = "normal"
     interrupted: str | None = None  # why the bench stopped early; the treatments in status.jsonl are intact
 
     def golden(self) -> Treatment:

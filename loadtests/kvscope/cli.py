@@ -88,7 +88,7 @@ def cmd_bench(args) -> int:
                                 processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
                                 command=os.environ.get("KVSCOPE_COMMAND") or "kvscope " + shlex.join(sys.argv[1:]),
                                 run_id=args.run_id, remote=remote, resume=args.resume,
-                                endpoints=endpoints)
+                                endpoints=endpoints, exact=args.exact)
     except treatments.Interrupted as exc:
         if exc.exit_code == 1:
             traceback.print_exception(exc.__cause__)
@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-id", default=None)
     s.add_argument("--resume", action="store_true", help="continue the run folder of --run-id")
     s.add_argument("--report", action="store_true", help="score and write the report when the run ends")
+    s.add_argument("--exact", action="store_true",
+                   help="the servers serve batch-invariant (deployed with EXACT=1): equal means bitwise equal; "
+                        "deployed servers in exact mode are scored so without it")
     _gate_options(s)
     s.set_defaults(func=cmd_bench)
 

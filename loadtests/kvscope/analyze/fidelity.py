@@ -2,18 +2,26 @@
 
 Tokens alone are a weak test: a random-weight model's next-token distributions are flat, and wrong KV often
 leaves the greedy tokens as they were. So wherever the tokens agree, the top-5 logprobs are compared too
-(by token id), against a tolerance measured in the run itself (noise_floor): a correct cache is as close
-to golden as a second cache-off server (the control) is, and wrong KV moves logprobs far beyond that.
+(by token id), against tolerances measured in the run itself (two floors, because two comparisons differ):
+- direct: a candidate's decoded logprobs against golden's, as far as a second cache-off server (the
+  control) differs from golden;
+- continuation: after a split, golden's view of the candidate's answer (a prefill of prompt + answer,
+  prompt_logprobs: another kernel path than decoding) against the candidate's, as far as golden's own
+  answers scored so differ from golden's decoding.
+In exact mode (every server batch-invariant, EXACT=1) a correct cache is bitwise equal to golden: the direct
+tolerance is 0, whatever the control shows (a control that differs says the stack is not invariant, and the
+verdicts say so; the tolerance is never widened), and a split from golden is itself a failure.
 
 Classes, per answer:
 - identical: the same token ids as golden, every logprob within the tolerance.
 - benign:    the tokens split at a near tie, and the rest of the answer is what golden itself would say
              after that token: golden scored the candidate's answer (prompt + answer, prompt_logprobs; safe
-             on a cache-off server) and every candidate logprob is within the tolerance of golden's, every
-             candidate token within the tie band (2 x tolerance) of golden's best.
-- FAIL:      a logprob beyond the tolerance, a split at a clear margin, a continuation golden finds less
-             likely than its own, a degenerate answer that golden did not give ("a a a a"), or a needle that
-             golden found and the candidate lost.
+             on a cache-off server) and every candidate logprob is within the continuation tolerance of
+             golden's, every candidate token within its tie band (2 x that tolerance) of golden's best.
+             Never in exact mode.
+- FAIL:      a logprob beyond the tolerance, a split at a clear margin (any split in exact mode), a
+             continuation golden finds less likely than its own, a degenerate answer that golden did not give
+             ("a a a a"), or a needle that golden found and the candidate lost.
 Not scored, and never counted as identical: `failed` (the request failed), `no-golden` (golden's answer is
 missing or failed), `input-differs` (the server saw other prompt tokens, e.g. a later turn after an earlier
 turn diverged), `no-token-ids` (the server sent no token ids: nothing to compare), `unverified` (a split at a
@@ -23,12 +31,13 @@ near tie that golden could not score: no continuation was recorded).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from kvscope.artifacts import Record
 from kvscope.run.continuations import first_divergence
 from kvscope.run.records import request_key
 
-SCORER_VERSION = 2
+SCORER_VERSION = 3
 # A correct cache may differ from golden by more than the control did on its answers (another batch mix,
 # the cached-prefix kernel path): the tolerance is this multiple of the largest difference measured.
 NOISE_FACTOR = 3.0
@@ -48,6 +57,33 @@ SCORED = ("identical", "benign", "FAIL")
 UNSCORED = ("failed", "no-golden", "input-differs", "no-token-ids", "unverified")
 
 Alts = dict  # token (an id; a string in records made before scorer 2) -> logprob, at one position
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far an answer may lie from golden's, in nat (module docstring)."""
+
+    direct: float  # a candidate's decoding against golden's
+    continuation: float  # golden's prompt_logprobs view of an answer against the candidate's decoding
+    exact: bool = False  # bitwise: direct is 0 and a split from golden fails
+
+    @property
+    def band(self) -> float:
+        """A split at golden margin within this is a near tie (decoding against decoding)."""
+        return 2 * self.direct
+
+    @property
+    def continuation_band(self) -> float:
+        return 2 * self.continuation
+
+
+class Deviation(NamedTuple):
+    """One measured difference behind a noise floor: which servers, which request, where, how much."""
+
+    pair: str  # "control vs golden", or "golden re-scored vs golden"
+    request: str  # records.request_key
+    position: int | None
+    nats: float
 
 
 @dataclass
@@ -135,17 +171,16 @@ def _chosen(rec: Record, i: int):
     return max(a, key=lambda t: a[t])
 
 
-def score(golden: Record | None, cand: Record, tol: float,
+def score(golden: Record | None, cand: Record, tol: Tolerance,
           continuation: tuple[int, list[Alts]] | None = None) -> Score:
-    """Classify one answer. `tol`: the run's logprob tolerance (nat). `continuation`: (start, golden's
-    logprobs of the candidate's answer position by position from start), when golden scored it."""
+    """Classify one answer. `tol`: the run's tolerances. `continuation`: (start, golden's logprobs of the
+    candidate's answer position by position from start), when golden scored it."""
     needle = cand.needle
     s = Score(cand.config, cand.scenario, cand.phase, cand.request_id, "", None, None, None,
               repetition(cand.output_token_ids), is_degenerate(cand.output_token_ids),
               None if needle is None or golden is None else needle in golden.output_text,
               None if needle is None else needle in cand.output_text,
               cand.cached_tokens, cand.prompt_tokens, cand.ttft_s, "")
-    band = 2 * tol
     if not cand.ok:
         s.cls, s.reason = "failed", cand.error or "failed"
         return s
@@ -166,19 +201,25 @@ def score(golden: Record | None, cand: Record, tol: float,
         s.cls, s.reason = "FAIL", f"degenerate answer (repetition {s.repetition:.2f}); golden's is not"
     elif s.needle_golden and not s.needle_candidate:
         s.cls, s.reason = "FAIL", "golden's answer has the needle fact, the candidate's does not"
-    elif s.max_dev is not None and s.max_dev > tol:
-        s.cls, s.reason = "FAIL", f"logprob off by {s.max_dev:.3g} nat at token {at} (tolerance {tol:.3g})"
+    elif s.max_dev is not None and s.max_dev > tol.direct:
+        s.cls, s.reason = "FAIL", (f"logprob differs by {s.max_dev:.3g} nat at token {at} (exact: bitwise equal "
+                                   "expected)" if tol.exact else
+                                   f"logprob off by {s.max_dev:.3g} nat at token {at} (tolerance {tol.direct:.3g})")
     elif i is None:
         s.cls = "identical"
+    elif tol.exact:
+        s.golden_margin = _margin(alts(golden, i))
+        s.cls, s.reason = "FAIL", f"tokens differ from golden's at token {i} (exact: a correct cache never splits)"
     else:
         tf = continuation[1] if continuation is not None and continuation[0] == i else None
-        s.cls, s.reason = _split(golden, cand, i, tol, band, tf, s)
+        s.cls, s.reason = _split(golden, cand, i, tol, tf, s)
     return s
 
 
-def _split(golden: Record, cand: Record, i: int, tol: float, band: float, continuation, s: Score) -> tuple[str, str]:
+def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s: Score) -> tuple[str, str]:
     """Class and reason of an answer whose tokens split from golden's at position i."""
     g, c = alts(golden, i), alts(cand, i)
+    band = tol.band
     s.golden_margin = _margin(g)
     if s.golden_margin is None or s.golden_margin > band:
         margin = "unknown" if s.golden_margin is None else f"{s.golden_margin:.3g}"
@@ -193,52 +234,73 @@ def _split(golden: Record, cand: Record, i: int, tol: float, band: float, contin
                             f"(tie band {band:.3g})")
         return "unverified", f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden did not " \
                              "score the rest of the answer"
+    cband = tol.continuation_band
     for j, tf in enumerate(continuation, start=i):  # golden's view lists the candidate's own token too
         if j >= len(cand.output_token_ids):
             break
         gap, dev = _gap(tf, cand.output_token_ids[j]), deviation(tf, alts(cand, j))
-        if gap is None or gap > band:
+        if gap is None or gap > cband:
             return "FAIL", (f"near tie at token {i}; token {j} is {'unlisted' if gap is None else f'{gap:.3g} nat'}"
-                            f" below golden's best for the same text (tie band {band:.3g})")
-        if dev is not None and dev > tol:
-            return "FAIL", f"near tie at token {i}; logprob off by {dev:.3g} nat at token {j} (tolerance {tol:.3g})"
+                            f" below golden's best for the same text (tie band {cband:.3g})")
+        if dev is not None and dev > tol.continuation:
+            return "FAIL", (f"near tie at token {i}; logprob off by {dev:.3g} nat at token {j} (tolerance "
+                            f"{tol.continuation:.3g})")
         s.max_dev = max(s.max_dev or 0.0, dev or 0.0)
     return "benign", f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden scores the rest alike"
 
 
-def noise(golden: dict[str, Record], others: list[Record],
-          calibration: dict[str, tuple[int, list[Alts]]]) -> float | None:
-    """The run's noise floor: the largest logprob difference, where the tokens agree, between golden's
-    answers and (a) the control's answers to the same requests, (b) golden's own answers scored again by
-    golden (the prompt_logprobs path that continuations use); keyed by records.request_key. None when the
-    run measured neither. A broken control inflates it: the canaries' detection power then drops, and the
-    gate fails on them (verdicts.py)."""
-    found: list[float | None] = []
-    for rec in others:
-        gold = golden.get(request_key(rec.request_id, rec.phase))
+def direct_noise(golden: dict[str, Record], control: list[Record]) -> list[Deviation]:
+    """Where the control's answers differ from golden's, where the tokens agree (one per answer compared:
+    its largest difference); golden keyed by records.request_key."""
+    found = []
+    for rec in control:
+        key = request_key(rec.request_id, rec.phase)
+        gold = golden.get(key)
         if gold is None or not (rec.ok and gold.ok) or rec.prompt_sha != gold.prompt_sha:
             continue
         i = first_divergence(gold.output_token_ids, rec.output_token_ids)
         n = len(rec.output_token_ids) if i is None else i
-        found.append(max_deviation((p, alts(gold, p), alts(rec, p)) for p in range(n))[0])
+        dev, at = max_deviation((p, alts(gold, p), alts(rec, p)) for p in range(n))
+        if dev is not None:
+            found.append(Deviation("control vs golden", key, at, dev))
+    return found
+
+
+def continuation_noise(golden: dict[str, Record], calibration: dict[str, tuple[int, list[Alts]]]) -> list[Deviation]:
+    """Where golden's own answers, scored again by golden (the prompt_logprobs path continuations use),
+    differ from golden's decoding."""
+    found = []
     for key, (start, tf) in calibration.items():
         gold = golden.get(key)
         if gold is not None:
-            found.append(max_deviation((start + p, alts(gold, start + p), a) for p, a in enumerate(tf))[0])
-    measured = [d for d in found if d is not None]
-    return max(measured) if measured else None
+            dev, at = max_deviation((start + p, alts(gold, start + p), a) for p, a in enumerate(tf))
+            if dev is not None:
+                found.append(Deviation("golden re-scored vs golden", key, at, dev))
+    return found
 
 
-def tolerance(measured: float | None, dtype: str | None) -> tuple[float, str]:
-    """The logprob tolerance of a run and where it came from."""
+def floor(found: list[Deviation]) -> float | None:
+    """The largest measured difference; None when nothing was measured. A broken control inflates the
+    direct floor: the canaries' detection power then drops, and the gate fails on them (verdicts.py)."""
+    return max((d.nats for d in found), default=None)
+
+
+def tolerance(direct: float | None, continuation: float | None, dtype: str | None,
+              exact: bool = False) -> tuple[Tolerance, str]:
+    """The run's tolerances and where they came from. Exact mode: direct 0, never widened."""
     dtype = dtype or "float32"
-    if measured is None:
-        return ASSUMED_NATS.get(dtype, ASSUMED_NATS["float32"]), "assumed (the run has no control)"
-    floor = FLOOR_NATS.get(dtype, FLOOR_NATS["float32"])
-    return max(NOISE_FACTOR * measured, floor), f"{NOISE_FACTOR:g} x the measured noise {measured:.3g} nat"
+    least = FLOOR_NATS.get(dtype, FLOOR_NATS["float32"])
+    assumed = ASSUMED_NATS.get(dtype, ASSUMED_NATS["float32"])
+    cont = assumed if continuation is None else max(NOISE_FACTOR * continuation, least)
+    if exact:
+        return Tolerance(0.0, cont, exact=True), "exact mode: bitwise equal to golden, or FAIL"
+    if direct is None:
+        return Tolerance(assumed, cont), "assumed (the run has no control)"
+    return (Tolerance(max(NOISE_FACTOR * direct, least), cont),
+            f"{NOISE_FACTOR:g} x the noise the control measured, {direct:.3g} nat")
 
 
-def score_all(golden: list[Record], candidate: list[Record], tol: float,
+def score_all(golden: list[Record], candidate: list[Record], tol: Tolerance,
               continuations: dict[str, tuple[int, list[Alts]]] | None = None) -> list[dict]:
     """Scores of a config's answers in one scenario; continuations keyed by records.request_key."""
     by_key = {request_key(r.request_id, r.phase): r for r in golden}

@@ -84,9 +84,11 @@ def _pairs(run: RunInfo, recs: dict, config: str, repeat: int | None = None
     return pairs, hits
 
 
-def advice(v, speed: tuple[float, float, float] | None, detected: str) -> str:
-    """One sentence a team can act on, from a verdict row and its speed-up on hits."""
+def advice(v, speed: tuple[float, float, float] | None, detected: str, exact: bool = False) -> str:
+    """One sentence a team can act on, from a verdict row and its speed-up on hits (none in exact mode)."""
     if v.verdict == "PASS" and v.role == "candidate":
+        if exact:
+            return f"safe on {v.verified_hits} verified hits, each bitwise equal to golden's"
         if speed is None:
             return f"safe on {v.verified_hits} verified hits"
         point, low, high = speed
@@ -107,18 +109,22 @@ def advice(v, speed: tuple[float, float, float] | None, detected: str) -> str:
 def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFrame, power: pd.DataFrame,
           slo: dict[str, float] | None = None) -> pd.DataFrame:
     """One row per config: verdict, advice, hit TTFT against golden with n and CI, hit rates, throughput,
-    TPOT, and with an SLO the share of requests that met it."""
+    TPOT, and with an SLO the share of requests that met it. In exact mode no speed: batch-invariant serving
+    is slower than what a team runs (the report says to measure speed in normal mode)."""
+    exact = run.mode == "exact"
     rows = []
     for v in verdicts.itertuples():
         pairs, hits = _pairs(run, recs, v.config)
+        if exact:
+            pairs = []
         speed = ratio_ci(pairs)
         part = summary[summary.config == v.config] if len(summary) else summary
         caught = power[power.config == v.config] if len(power) else power
         detected = (f"{int(caught.detected.iloc[0])} of {int(caught.affected_hits.iloc[0])} hits it broke"
                     if len(caught) else "")
         mine = [r for (c, _), rs in recs.items() if c == v.config for r in rs]
-        req_s, tok_s = throughput(mine)
-        tpots = [t for r in mine if r.ok and r.phase == "measure" and (t := tpot(r)) is not None]
+        req_s, tok_s = throughput(mine) if not exact else (None, None)
+        tpots = [t for r in mine if r.ok and r.phase == "measure" and (t := tpot(r)) is not None and not exact]
         met = goodput(mine, slo or {})
         repeats = int(run.load.get("repeats", 1))
         each: list[float] = []  # the speed-up of each repeat alone
@@ -126,9 +132,9 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
             if (ci := ratio_ci(_pairs(run, recs, v.config, r)[0])) is not None:
                 each.append(ci[0])
         rows.append({
-            "config": v.config, "role": v.role, "verdict": v.verdict, "advice": advice(v, speed, detected),
+            "config": v.config, "role": v.role, "verdict": v.verdict, "advice": advice(v, speed, detected, exact),
             "hits": len(hits),
-            "hit_ttft_p50_ms": round(float(np.median(hits)) * 1000, 2) if hits else None,
+            "hit_ttft_p50_ms": round(float(np.median(hits)) * 1000, 2) if hits and not exact else None,
             "golden_ttft_p50_ms": round(float(np.median([g for g, _ in pairs])) * 1000, 2) if pairs else None,
             "speedup_hits": round(speed[0], 2) if speed else None,
             "speedup_ci95": f"{speed[1]:.2f}–{speed[2]:.2f}" if speed else None,

@@ -87,19 +87,30 @@ def served_dtype(server: Treatment) -> str | None:
 
 
 def noise_floor(run: RunInfo, recs: dict, folder: Path) -> dict:
-    """The run's logprob tolerance, from its control and golden's own answers scored again by golden."""
+    """The run's tolerances and what they rest on: the control against golden (the direct floor), golden's
+    own answers scored again by golden (the continuation floor), and the largest differences behind each."""
     golden = run.golden().config
     by_key = {f"{r.request_id}@{r.phase}": r for (c, _), rs in recs.items() if c == golden for r in rs}
     control = [r for s in run.servers if s.role == "control" for sc in run.scenarios
                for r in recs.get((s.config, sc), [])]
     calibration = {k: v for sc in run.scenarios for k, v in continuations.load(folder, golden, sc).items()}
-    measured = fidelity.noise(by_key, control, calibration)
-    tol, source = fidelity.tolerance(measured, served_dtype(run.golden()))
-    return {"noise_nats": measured, "tolerance_nats": tol, "tie_band_nats": 2 * tol, "source": source,
-            "control_answers": len(control), "golden_rescored": len(calibration)}
+    direct, cont = fidelity.direct_noise(by_key, control), fidelity.continuation_noise(by_key, calibration)
+    tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), served_dtype(run.golden()),
+                                     exact=run.mode == "exact")
+    nonzero = sorted((d for d in direct + cont if d.nats > 0), key=lambda d: -d.nats)
+    return {"mode": run.mode, "direct_noise_nats": fidelity.floor(direct),
+            "continuation_noise_nats": fidelity.floor(cont), "tolerance_nats": tol.direct,
+            "continuation_tolerance_nats": tol.continuation, "tie_band_nats": tol.band, "source": source,
+            "control_answers": len(control), "control_differing": sum(d.nats > 0 for d in direct),
+            "golden_rescored": len(calibration), "largest_differences": [d._asdict() for d in nonzero[:5]]}
 
 
-def score_run(run: RunInfo, recs: dict, folder: Path, tol: float) -> pd.DataFrame:
+def tolerance_of(floor: dict) -> fidelity.Tolerance:
+    return fidelity.Tolerance(floor["tolerance_nats"], floor["continuation_tolerance_nats"],
+                              exact=floor["mode"] == "exact")
+
+
+def score_run(run: RunInfo, recs: dict, folder: Path, tol: fidelity.Tolerance) -> pd.DataFrame:
     golden = run.golden().config
     rows = []
     for (config, scenario), records in recs.items():
@@ -207,7 +218,7 @@ def fault_changes(folder: Path, config: str, scenarios) -> dict[str, int] | None
     for path in (p for p in paths if p.exists()):
         for event in read_jsonl(path, FaultEvent):
             key = key_from_server_id(event.request)
-            out[key] = out.get(key, 0) + event.changed
+            out[key] = out.get(key, 0) + event.changed + event.inherited
     return out
 
 
@@ -291,7 +302,7 @@ def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     folder = Path(folder)
     run, status, recs = _load(folder)
     floor = noise_floor(run, recs, folder)
-    scores = score_run(run, recs, folder, floor["tolerance_nats"])
+    scores = score_run(run, recs, folder, tolerance_of(floor))
     summary = summarize(run, status, recs, scores)
     canaries = [s for s in run.servers if s.role == "canary"]
     power = verdicts.power(canaries, scores, {s.config: fault_changes(folder, s.config, run.scenarios)
@@ -393,6 +404,10 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
              "speedup_repeats": "speed-up per repeat"}
     heads = {k: v for k, v in heads.items() if k in ov}
     lines += [_md_table(ov[list(heads)].rename(columns=heads)), ""]
+    if run.mode == "exact":
+        lines += ["**Exact mode**: every server served batch-invariant, which is slower than normal serving, so this "
+                  "report gives fidelity only: no speed-up, TTFT or throughput here. Measure speed with the same "
+                  "workload in normal mode (without `EXACT=1`); `make compare` puts the two runs side by side.", ""]
     lines += ["`hits`: measured requests that reused cached tokens; TTFT p50 of those hits and of golden's answers "
               "to the same requests; speed-up = golden / config on those requests (above 1: faster), with a 95 % "
               "bootstrap interval; hit rates are token shares, measured per request and for an ideal LRU of the "
@@ -418,12 +433,8 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.upstream)
               for s in run.servers if s.upstream]
     lines += ["", "## How strong the verdict is", ""]
-    measured = "not measured" if floor["noise_nats"] is None else f"{floor['noise_nats']:.3g} nat"
-    lines += [f"- Noise floor: the control's answers ({floor['control_answers']}) and golden's own answers scored "
-              f"again by golden ({floor['golden_rescored']}) differ from golden's by at most **{measured}**. "
-              f"Tolerance: **{floor['tolerance_nats']:.3g} nat** ({floor['source']}); tie band "
-              f"{floor['tie_band_nats']:.3g} nat. `max_dev` above: a config's largest difference from golden.",
-              f"- A PASS needs every expected answer scored and at least "
+    lines += _floor_lines(floor)
+    lines += [f"- A PASS needs every expected answer scored and at least "
               f"{(run.scorer or {}).get('min_verified_hits', verdicts.MIN_VERIFIED_HITS)} verified cache hits.", ""]
     if len(a.power):
         lines += ["Detection power (`power.csv`): each canary treatment serves wrong KV of one fault class; "
@@ -519,6 +530,37 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `power.csv`, `scores.csv` (one row per request and "
               "config).", ""]
     return "\n".join(lines)
+
+
+def _nat(x: float | None) -> str:
+    return "not measured" if x is None else f"{x:.3g} nat"
+
+
+def _floor_lines(floor: dict) -> list[str]:
+    """The mode, the two floors and the tolerances, and where the largest differences came from."""
+    exact = floor["mode"] == "exact"
+    lines = [f"- Mode: **{'exact' if exact else 'normal'}**" + (
+        " (every server batch-invariant: a correct cache is bitwise equal to golden; any difference FAILs, and so "
+        "does a split)." if exact else " (a correct cache lies within the noise the control measures; `EXACT=1` "
+        "serves batch-invariant, where equal means bitwise equal).")]
+    lines.append(f"- Direct floor: the control's answers ({floor['control_answers']}) differ from golden's by at "
+                 f"most **{_nat(floor['direct_noise_nats'])}** ({floor['control_differing']} of them differ at all). "
+                 f"Tolerance: **{floor['tolerance_nats']:.3g} nat** ({floor['source']}); tie band "
+                 f"{floor['tie_band_nats']:.3g} nat. `max_dev` above: a config's largest difference from golden.")
+    if exact and floor["control_differing"]:
+        lines.append(f"- **Exact mode does not hold on this stack**: {floor['control_differing']} of the control's "
+                     "answers are not bitwise equal to golden's, so this stack (vLLM build, attention backend, "
+                     "flags) is not batch-invariant; the tolerance stays 0, and the FAILs below may be that, not "
+                     "wrong KV. The control's verdict fails the gate.")
+    lines.append(f"- Continuation floor (after a split, golden scores the answer by prefill): golden's own answers "
+                 f"({floor['golden_rescored']}) scored so differ from its decoding by at most "
+                 f"**{_nat(floor['continuation_noise_nats'])}**; tolerance {floor['continuation_tolerance_nats']:.3g} "
+                 "nat" + (" (unused in exact mode: a split fails)." if exact else "."))
+    if floor["largest_differences"]:
+        lines.append("- Largest differences behind the floors: " + "; ".join(
+            f"{d['pair']}, `{d['request']}` token {d['position']}: {d['nats']:.3g} nat"
+            for d in floor["largest_differences"]) + ".")
+    return lines
 
 
 def _imports(servers) -> list[str]:

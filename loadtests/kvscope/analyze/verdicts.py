@@ -110,9 +110,13 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         problems = reference_problems + [f"{counts.get('failed', 0)} failed answers"] * bool(counts.get("failed"))
         return ("INVALID", "; ".join(problems)) if problems else ("GOLDEN", "cache-off reference")
     if counts.get("FAIL"):
-        first = sc[sc.cls == "FAIL"].iloc[0]
+        fails = sc[sc.cls == "FAIL"]
         scored = int(sc.cls.isin(fidelity.SCORED).sum())
-        return "FAIL", f"{counts['FAIL']} of {scored} scored answers; first: {first.reason}"
+        why = f"{counts['FAIL']} of {scored} scored answers; first: {fails.iloc[0].reason}"
+        misses = int((fails.cached_tokens.fillna(0) == 0).sum())
+        if misses and role in ("candidate", "canary"):
+            why += f"; {misses} of them cache misses, which differ from golden without any cached KV"
+        return "FAIL", why
     incomplete = [f"scenario {s} did not run" for s in expected if s not in ran]
     present = sc.groupby("scenario").size().to_dict()
     incomplete += [f"{s}: {present.get(s, 0)} of {n} answers recorded" for s, n in expected.items()

@@ -69,9 +69,20 @@ def _check_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
     return flags
 
 
+class ExactMode(Strict):
+    """How a platform serves batch-invariant, so that a correct cache is bitwise equal to golden (EXACT=1)."""
+
+    flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags every server gets in exact mode")
+    env: dict[EnvName, str] = Field(default_factory=dict, description="environment every server gets in exact mode")
+
+    _flags = field_validator("flags")(_check_flags)
+
+
 class PlatformDefaults(Strict):
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags every config gets")
     env: dict[EnvName, str] = Field(default_factory=dict, description="environment every server gets")
+    exact: ExactMode | None = Field(
+        default=None, description="batch-invariant serving (EXACT=1); none: the platform has no exact mode")
 
     _flags = field_validator("flags")(_check_flags)
 

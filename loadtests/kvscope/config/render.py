@@ -68,15 +68,20 @@ def parse_overrides(text: str) -> dict:
 
 def render(
     matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str,
-    overrides: dict | None = None, port_offset: int = 0,
+    overrides: dict | None = None, port_offset: int = 0, exact: bool = False,
 ) -> RenderedServer:
     """Everything a runtime needs to start `cfg`; `port_offset` moves its port (a second deployment beside
-    one on the matrix's ports). The model is served under its folder's name."""
+    one on the matrix's ports); `exact`: serve batch-invariant (the platform's exact mode over the config's
+    own flags and environment). The model is served under its folder's name."""
     defaults = matrix.platforms[platform]
+    if exact and defaults.exact is None:
+        raise ConfigError(f"platform '{platform}': no exact mode in the matrix (field 'platforms.{platform}.exact'); "
+                          "vLLM's batch-invariant mode needs a GPU of compute capability 8.0 or more")
+    mode = defaults.exact if exact and defaults.exact is not None else None
     stores = store_paths(cfg, store_root)
     port = cfg.port + port_offset
     args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
-    flags = {**defaults.flags, **cfg.flags, **(overrides or {})}
+    flags = {**defaults.flags, **cfg.flags, **(mode.flags if mode else {}), **(overrides or {})}
     if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
         raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
                           + "; ".join(errors))
@@ -84,13 +89,13 @@ def render(
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]
-    env = {**defaults.env, **cfg.env}
+    env = {**defaults.env, **cfg.env, **(mode.env if mode else {})}
     if cfg.python_path:  # a connector from the user's own directory, ahead of the platform's path
         env["PYTHONPATH"] = ":".join(cfg.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return RenderedServer(config=cfg.name, role=cfg.role, port=port, platform=platform,
                           served_model_name=model_dir.name, server_args=args, env=env, stores=stores,
                           store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages),
-                          upstream=list(cfg.upstream))
+                          upstream=list(cfg.upstream), exact=mode is not None)
 
 
 def model_errors(model_dir: Path) -> list[str]:

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from kvscope import HARNESS, auth
 from kvscope.artifacts import (
     Deployment,
+    Mode,
     Failure,
     RunInfo,
     StatusRow,
@@ -250,6 +251,19 @@ def _done(status_path: Path) -> set[tuple[str, str]]:
     return {(row.config, row.scenario) for row in read_jsonl(status_path, StatusRow)}
 
 
+def serving_mode(servers_: list[Treatment], exact: bool) -> Mode:
+    """'exact' when every server serves batch-invariant, 'normal' when none does; anything else is refused
+    before a request is sent (one exact server beside normal ones proves nothing bitwise)."""
+    plain = sorted({s.deployed_as or s.config for s in servers_ if not s.exact})
+    if exact and plain:
+        raise ConfigError(f"--exact: {', '.join(plain)} were deployed without exact mode; deploy them with "
+                          "EXACT=1 (make deploy EXACT=1)")
+    if plain and len(plain) < len({s.deployed_as or s.config for s in servers_}):
+        raise ConfigError(f"{', '.join(plain)} serve in normal mode, the others batch-invariant (EXACT=1): deploy "
+                          "them all in one mode")
+    return "normal" if plain else "exact"
+
+
 def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[str, tuple[str, int, int]]:
     """Label -> (scenario, users, repeat) of every treatment column of a run: a scenario's name alone, with
     `@u<users>` under a load sweep and `#<repeat>` when repeated (each repeat replays the same requests)."""
@@ -260,9 +274,10 @@ def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int | list[int] = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
         command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False,
-        endpoints: list[Treatment] | None = None, repeats: int = 1) -> Path:
+        endpoints: list[Treatment] | None = None, repeats: int = 1, exact: bool = False) -> Path:
     """Run every scenario on every chosen server, deployed (`deployments`) or given as `endpoints`, at each
-    load of `users` and `repeats` times; return the run folder."""
+    load of `users` and `repeats` times; return the run folder. `exact`: the servers serve batch-invariant
+    (deployed with EXACT=1, or endpoints their owner serves so), and the run is scored exactly."""
     levels = [users] if isinstance(users, int) else list(users)
     if not levels or min(levels) < 1 or repeats < 1:
         raise ConfigError(f"--users {levels} and --repeats {repeats}: each must be at least 1")
@@ -281,6 +296,9 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if not any(s.role == "golden" for s in chosen):
         raise ConfigError("no golden config (role 'golden', e.g. baseline) among the configs: fidelity needs it")
     chosen = treatments(chosen)
+    if endpoints is not None and exact:  # the owner of the endpoints says so; the control pair checks it
+        chosen = [s.model_copy(update={"exact": True}) for s in chosen]
+    mode = serving_mode(chosen, exact)
     all_scenarios = load_scenarios(scenarios_file)
     unknown = [n for n in scenario_names if n not in all_scenarios]
     if unknown:
@@ -315,7 +333,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                        for label, (name, u, r) in labels.items()},
             load={"users": levels[0] if len(levels) == 1 else levels, "repeats": repeats, "processes": processes,
                   "rate_sessions_per_s": rate, "locust_worker_hosts": (remote or {}).get("hosts", [])},
-            kv_capacity_tokens_for_sizing=capacity))
+            kv_capacity_tokens_for_sizing=capacity, mode=mode))
 
     opts = {"processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
     status_path = folder / "status.jsonl"
