@@ -28,8 +28,8 @@ from tokenizers import Tokenizer
 from kvscope import HARNESS, auth
 from kvscope.artifacts import (
     Deployment,
-    Mode,
     Failure,
+    Mode,
     RunInfo,
     StatusRow,
     Treatment,
