@@ -25,7 +25,7 @@ USERS     ?= 2
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
 USER_ARGS  = -e kvscope_matrix=$(abspath $(MATRIX)) $(if $(strip $(MODEL)),-e kvscope_model_dir=$(abspath $(MODEL))) \
-  $(if $(EXACT),-e kvscope_exact=true) \
+  $(if $(EXACT),-e vllm_exact=true) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 

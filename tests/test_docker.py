@@ -170,6 +170,18 @@ def test_the_manifest_probe_imports_each_connectors_modules_in_the_servers_envir
                                            ["kvscope-fs", "lmcache-cpu", "offload-cpu"])).read())
     modules = {s["config"]: connector_modules(s["server_args"]) for s in rendered["kvscope_servers"]}
     assert modules == {"kvscope-fs": ["kvscope_connector"], "offload-cpu": [],
-                       "lmcache-cpu": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.c_ops"]}
-    found = connector_imports(str(REPO / ".venv-vllm" / "bin" / "python"), ["kvscope_connector", "lmcache.c_ops"])
-    assert found == {"kvscope_connector": "ok", "lmcache.c_ops": "ModuleNotFoundError: No module named 'lmcache'"}
+                       "lmcache-cpu": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.cuda_ops"]}
+    found = connector_imports(str(REPO / ".venv-vllm" / "bin" / "python"), ["kvscope_connector", "lmcache.cuda_ops"])
+    assert found == {"kvscope_connector": "ok", "lmcache.cuda_ops": "ModuleNotFoundError: No module named 'lmcache'"}
+
+
+def test_the_lmcache_module_probed_is_the_compiled_extension_its_wheel_ships():
+    # The probe named lmcache.c_ops, which LMCache 0.5.6 does not have: every report said "No module named"
+    # whether or not its kernels loaded (on the H200 they did not: an ABI mismatch with torch 2.11).
+    from kvscope.deploy.servers import CONNECTOR_MODULES
+
+    wheel = next((REPO / ".venv" / "kernel-wheels").glob("lmcache-0.5.6-*.whl"))
+    shipped = {n.split("/")[1].split(".")[0] for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")}
+    compiled = {m.split(".", 1)[1] for ms in CONNECTOR_MODULES.values() for m in ms if m.startswith("lmcache.")
+                and not m.startswith("lmcache.integration")}
+    assert compiled and compiled <= shipped and "cuda_ops" in compiled

@@ -339,9 +339,9 @@ def test_a_connector_module_that_does_not_import_is_named_in_the_report(tmp_path
     run = make_run(tmp_path / "run1", four())
     doc = json.loads((run / "run.json").read_text())
     doc["servers"][2]["connector_imports"] = {"lmcache.integration.vllm.vllm_v1_adapter": "ok",
-                                              "lmcache.c_ops": "ImportError: undefined symbol: _ZN3c10"}
+                                              "lmcache.cuda_ops": "ImportError: undefined symbol: _ZN3c10"}
     (run / "run.json").write_text(json.dumps(doc))
     report.write(run, min_hits=1)
     md = (run / "report.md").read_text()
-    assert ("connector modules of apc: `lmcache.integration.vllm.vllm_v1_adapter` ok, `lmcache.c_ops` "
+    assert ("connector modules of apc: `lmcache.integration.vllm.vllm_v1_adapter` ok, `lmcache.cuda_ops` "
             "**does not import**: ImportError: undefined symbol: _ZN3c10") in md

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the CUDA host: for each set pack.sh made (a folder of parts under PARTS_DIR), join its parts, check them
 # and unpack them into one site folder; make that folder a site dir of the host's Python (a .pth, so
-# packages' own .pth hooks such as UCM's ucm_patch.pth run too), then import what the sets serve (IMPORTS).
+# packages' own .pth hooks such as UCM's ucm_patch.pth run too); install PARTS_DIR/wheels/*.whl over them
+# (e.g. an LMCache built for the host's torch); then import what the sets serve (IMPORTS).
 #   docker/cuda-host/bootstrap.sh PARTS_DIR [SITE=/opt/kvscope-site]
 set -euo pipefail
 parts=$1; site=${2:-/opt/kvscope-site}
@@ -16,6 +17,11 @@ for set in "$parts"/*/; do
   echo "bootstrap: unpacked $(basename "$set")"
 done
 [ ${#imports[@]} -gt 0 ] || { echo "bootstrap: no packed set under $parts" >&2; exit 1; }
+for wheel in "$parts"/wheels/*.whl; do
+  [ -f "$wheel" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" "$wheel"
+  echo "bootstrap: installed $(basename "$wheel") over the packed sets"
+done
 purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import site; site.addsitedir('$site')" > "$purelib/kvscope-site.pth"
 python3 -c 'import importlib, sys, vllm

@@ -18,21 +18,21 @@ python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm._
 model qwen3-4b
 deploy "$configs" "$overrides" > "$out/deploy.log" 2>&1
 tail -1 "$out/deploy.log"
-if ! python3 -c 'import json, sys; d = json.load(open("runs/cuda-host/deployment.json"))
-sys.exit(len(d["failed"]) > 0)'; then  # CUDA graphs failed somewhere: measure in eager mode, and say so
+if ! python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+sys.exit(len(d["failed"]) > 0)' "$run_dir/deployment.json"; then  # CUDA graphs failed somewhere: measure in eager mode, and say so
   echo "a server did not start with CUDA graphs; deploying again with --enforce-eager" | tee "$out/EAGER"
   teardown > /dev/null 2>&1
   deploy "$configs" "${overrides/\"enforce-eager\": false/\"enforce-eager\": true}" > "$out/deploy-eager.log" 2>&1
 fi
-cp runs/cuda-host/deployment.json "$out/"
-python3 loadtests/benchmarks/connector_ttft.py --deployment runs/cuda-host/deployment.json \
+cp "$run_dir/deployment.json" "$out/"
+python3 loadtests/benchmarks/connector_ttft.py --deployment "$run_dir/deployment.json" \
   --configs kvscope-ram,kvscope-fs --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
   --pause 0.3 --load-users 8 --load-configs kvscope-ram > "$out/connector_ttft.txt" 2>&1
 echo "connector_ttft exit $?"
 python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
 echo "GPU tests exit $?"
 for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
-python3 -m kvscope.cli bench --deployment runs/cuda-host/deployment.json --configs "$configs" \
+python3 -m kvscope.cli bench --deployment "$run_dir/deployment.json" --configs "$configs" \
   --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report > "$out/bench.log" 2>&1
 echo "bench exit $?"
 cp -r "results/$run_id" "$out/"

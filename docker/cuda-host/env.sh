@@ -3,12 +3,17 @@
 export PYTHONPATH="$PWD/loadtests:$PWD/connector${PYTHONPATH:+:$PYTHONPATH}" ANSIBLE_CONFIG=ansible/ansible.cfg
 export PYTHONUNBUFFERED=1
 inv=ansible/inventories/cuda-host
+# EXACT=1: serve batch-invariant (the matrix's exact mode). A second deployment beside the first: its own
+# RUN_DIR (default runs/cuda-host) and PORT_OFFSET (added to every config's port).
+run_dir=${RUN_DIR:-runs/cuda-host}
+where=(-e kvscope_run_dir="$PWD/$run_dir" -e vllm_port_offset="${PORT_OFFSET:-0}")
 deploy() {  # deploy CONFIGS [OVERRIDES_JSON]: configs that do not start are reported as crashed
   local overrides=${2:-"{}"}
-  python3 -m ansible playbook -i $inv ansible/deploy.yml -e vllm_configs="$1" -e "{\"vllm_flag_overrides\": $overrides}"
+  python3 -m ansible playbook -i $inv ansible/deploy.yml -e vllm_configs="$1" -e "{\"vllm_flag_overrides\": $overrides}" \
+    "${where[@]}" ${EXACT:+-e vllm_exact=true}
   echo "deploy exit $?"
 }
-teardown() { python3 -m ansible playbook -i $inv ansible/teardown.yml; }
+teardown() { python3 -m ansible playbook -i $inv ansible/teardown.yml "${where[@]}"; }
 model() {  # model SHAPE: build it once under models/SHAPE and point the inventory at it
   export KVSCOPE_MODEL_DIR="$PWD/models/$1"
   [ -f "$KVSCOPE_MODEL_DIR/model.safetensors" ] || python3 -m kvscope.cli build-model --shape "$1" --out "$KVSCOPE_MODEL_DIR"

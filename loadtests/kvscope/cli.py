@@ -88,7 +88,7 @@ def cmd_bench(args) -> int:
                                 processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
                                 command=os.environ.get("KVSCOPE_COMMAND") or "kvscope " + shlex.join(sys.argv[1:]),
                                 run_id=args.run_id, remote=remote, resume=args.resume,
-                                endpoints=endpoints, exact=args.exact)
+                                endpoints=endpoints, exact=args.exact, queries=args.queries)
     except treatments.Interrupted as exc:
         if exc.exit_code == 1:
             traceback.print_exception(exc.__cause__)
@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scenarios", dest="scenarios_list", default=DEFAULT_SCENARIOS, help="comma-separated names")
     s.add_argument("--users", default="2", help="concurrent Locust users (closed loop); 1,4,16 sweeps the load")
     s.add_argument("--repeats", type=int, default=1, help="run every treatment this many times (the spread)")
+    s.add_argument("--queries", type=int, default=None,
+                   help="queries per scenario (sessions for multiturn), over each scenario's num_queries")
     s.add_argument("--processes", type=int, default=1, help="Locust worker processes (distributed mode)")
     s.add_argument("--worker-hosts", default="", help="Locust workers on these ssh hosts, one each (a cluster)")
     s.add_argument("--ssh-config", default="/var/lib/kvscope/netns/config", help="ssh config naming the worker hosts")

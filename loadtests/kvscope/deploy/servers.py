@@ -252,8 +252,8 @@ _VERSIONS = ("import json, importlib.metadata as m\n"
 
 # The modules a connector loads besides its own path: a compiled extension that fails to import sends
 # LMCache to a slower fallback (or a wrong one), visible then only in the server's log.
-CONNECTOR_MODULES = {"LMCacheConnectorV1": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.c_ops"],
-                     "LMCacheMPConnector": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.c_ops"]}
+CONNECTOR_MODULES = {"LMCacheConnectorV1": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.cuda_ops"],
+                     "LMCacheMPConnector": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.cuda_ops"]}
 _IMPORTS = ("import importlib, json\nout = {}\nfor n in %r:\n try:\n  importlib.import_module(n); out[n] = 'ok'\n"
             " except BaseException as e:\n  out[n] = f'{type(e).__name__}: {e}'[:300]\nprint(json.dumps(out))")
 

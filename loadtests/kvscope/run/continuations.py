@@ -37,10 +37,14 @@ def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[i
                    key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
 
 
-def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list[str]) -> dict[str, int]:
-    """Score every answer that splits from golden's, and golden's own answers, with the golden server;
-    returns how many answers each config had scored. An answer golden could not score is left out (the
-    fidelity class is then `unverified`, never identical)."""
+def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list[str],
+            splits: bool = True) -> dict[str, int]:
+    """Score every answer that splits from golden's (not with `splits` False: in exact mode a split is a
+    failure already), and golden's own answers, with the golden server; returns how many answers each
+    config had scored. An answer golden could not score is left out (the fidelity class is then
+    `unverified`, never identical)."""
+    if not splits:
+        configs = [golden.config]
     out_dir = Path(folder) / "continuations"
     out_dir.mkdir(exist_ok=True)
     counts: dict[str, int] = {}

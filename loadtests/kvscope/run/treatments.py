@@ -274,10 +274,12 @@ def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int | list[int] = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
         command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False,
-        endpoints: list[Treatment] | None = None, repeats: int = 1, exact: bool = False) -> Path:
+        endpoints: list[Treatment] | None = None, repeats: int = 1, exact: bool = False,
+        queries: int | None = None) -> Path:
     """Run every scenario on every chosen server, deployed (`deployments`) or given as `endpoints`, at each
     load of `users` and `repeats` times; return the run folder. `exact`: the servers serve batch-invariant
-    (deployed with EXACT=1, or endpoints their owner serves so), and the run is scored exactly."""
+    (deployed with EXACT=1, or endpoints their owner serves so), and the run is scored exactly. `queries`:
+    every scenario's num_queries (more hits per treatment: a canary's power on more broken hits)."""
     levels = [users] if isinstance(users, int) else list(users)
     if not levels or min(levels) < 1 or repeats < 1:
         raise ConfigError(f"--users {levels} and --repeats {repeats}: each must be at least 1")
@@ -300,6 +302,10 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         chosen = [s.model_copy(update={"exact": True}) for s in chosen]
     mode = serving_mode(chosen, exact)
     all_scenarios = load_scenarios(scenarios_file)
+    if queries is not None:
+        if queries < 1:
+            raise ConfigError(f"--queries {queries}: must be at least 1")
+        all_scenarios = {n: sc.model_copy(update={"num_queries": queries}) for n, sc in all_scenarios.items()}
     unknown = [n for n in scenario_names if n not in all_scenarios]
     if unknown:
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {sorted(all_scenarios)}")
@@ -352,7 +358,8 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         golden = next(s for s in chosen if s.role == "golden")
         where = "golden's continuations"
         print("golden scores the answers that split from its own ...", end="", flush=True)
-        counts = continuations.collect(folder, golden, [s.config for s in chosen], list(labels))
+        counts = continuations.collect(folder, golden, [s.config for s in chosen], list(labels),
+                                       splits=mode != "exact")
         print(" " + ", ".join(f"{c} {n}" for c, n in counts.items() if n), flush=True)
     except BaseException as exc:  # Ctrl-C, or a crash: the folder says so; finished treatments stay intact
         why = f"{type(exc).__name__} during {where}" + (f": {exc}" if str(exc) else "")
