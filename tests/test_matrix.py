@@ -177,3 +177,33 @@ def test_a_folder_that_is_not_a_model_is_named_before_anything_starts(tmp_path, 
                                             "no tokenizer.json (kvscope sizes every workload with the model's own "
                                             "tokenizer)", "no weights (*.safetensors or *.bin)"]
     assert model_errors(model_dir) == []
+
+
+def test_exact_mode_serves_every_server_batch_invariant_and_is_refused_where_the_platform_has_none(tmp_path):
+    m = matrix.load(SHIPPED)
+    for name in ("baseline", "control", "kvscope-fs", "canary"):
+        out = render(m, m.get(name), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
+        assert out.exact and out.env["VLLM_BATCH_INVARIANT"] == "1"
+    plain = render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1")
+    assert not plain.exact and "VLLM_BATCH_INVARIANT" not in plain.env
+    with pytest.raises(matrix.ConfigError, match="platform 'cpu': no exact mode"):
+        render(m, m.get("baseline"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
+
+
+def test_a_bench_refuses_servers_of_both_modes_and_an_exact_bench_of_normal_servers():
+    from kvscope.artifacts import Treatment
+    from kvscope.run.treatments import serving_mode, treatments
+
+    def server(config, role, exact, faults=()):
+        return Treatment(config=config, role=role, port=8100, platform="cuda", served_model_name="m", server_args=[],
+                         vllm_version="0.26.0", kv_capacity_tokens=1, block_size=32, prefix_caching=False,
+                         model_path="/m", model_hash="h", exact=exact, faults=list(faults))
+
+    exact = treatments([server("baseline", "golden", True), server("canary", "canary", True, ["shift", "zeros"])])
+    assert serving_mode(exact, exact=False) == "exact" == serving_mode(exact, exact=True)
+    normal = [server("baseline", "golden", False), server("apc", "candidate", False)]
+    assert serving_mode(normal, exact=False) == "normal"
+    with pytest.raises(matrix.ConfigError, match="--exact: apc, baseline were deployed without exact mode"):
+        serving_mode(normal, exact=True)
+    with pytest.raises(matrix.ConfigError, match="apc serve in normal mode, the others batch-invariant"):
+        serving_mode([server("baseline", "golden", True), server("apc", "candidate", False)], exact=False)

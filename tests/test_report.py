@@ -18,7 +18,7 @@ BAD = [[1, 9, 3], [7, 5, 6]]
 
 
 def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, servers=SERVERS, status=True,
-             **per_config):
+             mode="normal", **per_config):
     """A run folder as bench writes it. outputs: tokens per answer and config; per_config[config] may set
     `cached` (tokens per answer), `failed` (indexes of failed answers), `offset` (added to every logprob)."""
     (folder / "records").mkdir(parents=True)
@@ -34,7 +34,7 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
     run = {"run_id": folder.name, "command": "kvscope bench (test)", "servers": docs, "scenarios": {"s": {}},
            "machine": {"cpu": "test", "cores": 2, "memory_gib": 1, "arch": "x86_64", "os": "linux", "python": "3",
                        "gpu": None},
-           "load": {"users": 1}, "kv_capacity_tokens_for_sizing": 1024}
+           "load": {"users": 1}, "kv_capacity_tokens_for_sizing": 1024, "mode": mode}
     (folder / "run.json").write_text(json.dumps(run))
     if status:
         (folder / "status.jsonl").write_text("".join(json.dumps({"config": c, "scenario": "s", "phases": {}}) + "\n"
@@ -54,6 +54,30 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
                            prompt_sha=f"p{i}", prompt_block_hashes=["h0", "h1", "h2"])
                 f.write(r.model_dump_json() + "\n")
     return folder
+
+
+def test_exact_mode_fails_a_difference_the_normal_tolerance_would_pass_and_shows_no_speed(tmp_path):
+    normal = make_run(tmp_path / "normal", four(), apc={"offset": 1e-7})
+    assert report.write(normal, min_hits=1) == 0  # within 3 x the control's 0 floor, at fp32's least tolerance
+    exact = make_run(tmp_path / "exact", four(), mode="exact", apc={"offset": 1e-7})
+    assert report.write(exact, min_hits=1) == 1
+    v = verdicts(exact)
+    assert v.verdict["apc"] == "FAIL" and "bitwise equal expected" in v.why["apc"] and v.verdict["control"] == "PASS"
+    md = (exact / "report.md").read_text()
+    assert "- Mode: **exact**" in md and "no speed-up, TTFT or throughput here" in md
+    summary = pd.read_csv(exact / "overview.csv").set_index("config")
+    assert summary.speedup_hits.isna().all() and summary.requests_per_s.isna().all()
+    scorer = json.loads((exact / "run.json").read_text())["scorer"]
+    assert scorer["mode"] == "exact" and scorer["tolerance_nats"] == 0.0
+
+
+def test_in_exact_mode_a_control_that_differs_says_the_stack_is_not_invariant_and_fails_the_gate(tmp_path):
+    run = make_run(tmp_path / "run", four(), mode="exact", control={"offset": 1e-7})
+    assert report.write(run, min_hits=1) == 1
+    assert verdicts(run).verdict["control"] == "FAIL"
+    md = (run / "report.md").read_text()
+    assert "**Exact mode does not hold on this stack**: 2 of the control's answers" in md
+    assert "control vs golden, `r0@measure` token 0: 1e-07 nat" in md
 
 
 def verdicts(run):
