@@ -109,3 +109,35 @@ def test_bad_scenario_names_the_field(tmp_path):
     (tmp_path / "s.yaml").write_text("scenarios:\n  - name: x\n    kind: rag\n    zipf: 1\n")
     with pytest.raises(ConfigError, match="scenario 'x': field 'zipf'"):
         load_scenarios(tmp_path / "s.yaml")
+
+
+def test_a_trace_replays_each_hash_id_as_the_same_tokens_scaled_capped_and_at_its_arrival_times(tmp_path, tok):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1100, "output_length": 300, "hash_ids": [0, 1, 2]}\n'
+                     '{"timestamp": 1500, "input_length": 1024, "output_length": 5, "hash_ids": [0, 1]}\n'
+                     '{"timestamp": 9000, "input_length": 600, "output_length": 5, "hash_ids": [0, 7]}\n')
+    sc = Scenario(name="t", kind="trace", trace=str(trace), block_tokens=64, time_scale=2.0, duration_s=10,
+                  max_tokens=16)
+    first, second = generate(sc, tok, max_model_len=4096)  # the third arrives at 18 s, past duration_s
+    assert len(first.prompt) == round(1100 * 64 / 512) == 138 and len(second.prompt) == 128
+    assert first.prompt[:128] == second.prompt  # blocks 0 and 1: the same tokens in both
+    assert (first.max_tokens, second.max_tokens) == (16, 5) and (first.arrival_s, second.arrival_s) == (0.0, 3.0)
+    assert generate(sc, tok, max_model_len=100)[0].prompt == first.prompt[:84]  # room for prompt + answer
+    assert generate(sc, tok, max_model_len=4096) == [first, second]  # deterministic
+
+
+def test_a_trace_that_is_not_one_is_named_with_its_line(tmp_path, tok):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 3, "hash_ids": [0]}\n{"timestamp": "x"}\n')
+    with pytest.raises(ConfigError, match=r"field 'trace': .*t.jsonl:2: not a Mooncake trace row"):
+        generate(Scenario(name="t", kind="trace", trace=str(trace)), tok)
+    with pytest.raises(ConfigError, match="cannot read"):
+        generate(Scenario(name="t", kind="trace", trace=str(tmp_path / "none.jsonl")), tok)
+    with pytest.raises(ValueError, match="names its trace file"):
+        Scenario(name="t", kind="trace")
+
+
+def test_the_shipped_trace_scenario_finds_its_slice_beside_the_scenarios_file(shipped, tok):
+    reqs = generate(shipped["trace-mooncake"], tok, max_model_len=4096)
+    assert len(reqs) == 64 and all(r.endpoint == "completions" and r.arrival_s is not None for r in reqs)
+    assert reqs[-1].arrival_s > 10  # open loop: the trace's own times

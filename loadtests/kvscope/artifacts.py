@@ -123,7 +123,8 @@ class Request(Artifact):
     endpoint: Literal["chat", "completions"]
     max_tokens: int
     messages: list[dict] | None = None  # chat: this turn's new messages (earlier turns are added at run time)
-    prompt: str | None = None  # completions
+    prompt: str | list[int] | None = None  # completions: text, or token ids (a replayed trace)
+    arrival_s: float | None = None  # open loop: when to send it, from the phase's start (a replayed trace)
     doc_ids: list[int] = Field(default_factory=list)
     needle: str | None = None  # the string a correct answer contains
     with_history: bool = False  # chat: prepend the session's earlier turns, with the answers actually given

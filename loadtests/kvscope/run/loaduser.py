@@ -55,7 +55,10 @@ class _Feed:
         index = environment.runner.worker_index if isinstance(environment.runner, WorkerRunner) else 0
         mine = sessions(read_jsonl(opts.kvscope_workload))[index::max(1, opts.kvscope_workers)]
         self.remaining = len(mine)
-        if opts.kvscope_rate <= 0:
+        if any(s[0].arrival_s is not None for s in mine):  # a replayed trace: at its own arrival times
+            self.pacing = True
+            gevent.spawn(self._replay, mine)
+        elif opts.kvscope_rate <= 0:
             for s in mine:
                 self.queue.put(s)
         else:
@@ -69,6 +72,13 @@ class _Feed:
         for s in mine:
             self.queue.put(s)
             gevent.sleep(rng.exponential(1 / rate) if arrivals == "poisson" else 1 / rate)
+        self.pacing = False
+
+    def _replay(self, mine) -> None:
+        start = time.monotonic()
+        for s in mine:
+            gevent.sleep(max(0.0, (s[0].arrival_s or 0.0) - (time.monotonic() - start)))
+            self.queue.put(s)
         self.pacing = False
 
     def next(self) -> list[Request] | None:

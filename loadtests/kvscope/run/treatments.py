@@ -323,7 +323,8 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     (folder / "records").mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.from_file(str(Path(chosen[0].model_path) / "tokenizer.json"))
     capacity = min(s.kv_capacity_tokens or 0 for s in chosen) or None
-    workloads = {n: generate(all_scenarios[n], tokenizer, capacity) for n in scenario_names}
+    context = min((s.max_model_len for s in chosen if s.max_model_len), default=None)
+    workloads = {n: generate(all_scenarios[n], tokenizer, capacity, context) for n in scenario_names}
     labels = variants(scenario_names, levels, repeats)
     phase_files = {}
     for label, (name, _, _) in labels.items():
@@ -346,14 +347,15 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     done = _done(status_path)
     total, step, where = len(chosen) * len(labels), 0, "the first treatment"
     try:
-        for label, (_, level, _) in labels.items():
+        for label, (name, level, _) in labels.items():
             for server in chosen:
                 step += 1
                 where = f"{server.config} x {label}"
                 if (server.config, label) in done:
                     print(f"[{step}/{total}] {where}: done earlier (--resume)", flush=True)
                     continue
-                _treatment(server, label, folder, phase_files, {**opts, "users": level}, status_path,
+                users = all_scenarios[name].users or level
+                _treatment(server, label, folder, phase_files, {**opts, "users": users}, status_path,
                            f"[{step}/{total}] {where}")
         golden = next(s for s in chosen if s.role == "golden")
         where = "golden's continuations"

@@ -6,6 +6,7 @@ exactly the same requests. Document lengths are measured in tokens of the served
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from kvscope import artifacts
 from kvscope.artifacts import Request, append_jsonl
@@ -31,7 +32,7 @@ class Scenario(Strict):
     """A named, parameterised workload profile (loadtests/scenarios.yaml)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
-    kind: Literal["rag", "multiturn", "repeat"]
+    kind: Literal["rag", "multiturn", "repeat", "trace"]
     description: str = ""
     endpoint: Literal["chat", "completions"] = "chat"
     seed: int = 0
@@ -53,6 +54,22 @@ class Scenario(Strict):
     repeats: int = Field(default=2, ge=1, description="repeat: how often the seed request is sent in a row")
     max_tokens: int = Field(default=16, ge=1)
     prime: Literal["none", "replay"] = Field(default="none", description="replay: send every request once first")
+    # kind trace: a Mooncake-format trace (one JSON object a line: timestamp ms, input_length, output_length,
+    # hash_ids of trace_block_tokens-token prefix blocks), replayed open loop at its own arrival times
+    trace: str | None = Field(default=None, description="trace file; relative paths from the scenarios file")
+    trace_block_tokens: int = Field(default=512, ge=1, description="tokens per hash id in the trace")
+    block_tokens: int = Field(default=64, ge=1, description="tokens per hash id replayed (the length scale)")
+    time_scale: float = Field(default=1.0, gt=0, description="multiplies the trace's arrival times")
+    max_requests: int = Field(default=200, ge=1, description="the trace's first requests replayed")
+    duration_s: float = Field(default=300.0, gt=0, description="requests arriving later are not replayed")
+    users: int | None = Field(default=None, ge=1, description="Locust users for this scenario, over --users (a "
+                              "trace's arrivals wait for a free user: give it its peak concurrency)")
+
+    @model_validator(mode="after")
+    def _trace_has_a_file(self) -> Scenario:
+        if (self.kind == "trace") != (self.trace is not None):
+            raise ValueError("a trace scenario names its trace file (field 'trace'), and only a trace scenario does")
+        return self
 
 
 @dataclass
@@ -72,6 +89,8 @@ def load_scenarios(path: Path) -> dict[str, Scenario]:
         except ValidationError as exc:
             fields = "; ".join(f"field '{'.'.join(map(str, e['loc']))}': {e['msg']}" for e in exc.errors())
             raise ConfigError(f"scenario '{item.get('name', '?')}': {fields}") from exc
+        if sc.trace is not None:  # a trace beside the scenarios file is found from anywhere
+            sc.trace = str((Path(path).parent / sc.trace).resolve())
         out[sc.name] = sc
     return out
 
@@ -167,10 +186,13 @@ def _request(rid: str, sc: Scenario, session: str, turn: int, endpoint: Literal[
                    endpoint=endpoint, max_tokens=sc.max_tokens, **fields)
 
 
-def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None) -> list[Request]:
+def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None,
+             max_model_len: int | None = None) -> list[Request]:
     """The scenario's requests, in session order; the same seed gives the same requests."""
     if sc.kind == "repeat":
         return _repeat(sc)
+    if sc.kind == "trace":
+        return replay_trace(sc, tokenizer.get_vocab_size(), max_model_len)
     num_docs = sc.num_docs
     if sc.working_set is not None:
         if not kv_capacity_tokens:
@@ -212,6 +234,64 @@ def _repeat(sc: Scenario) -> list[Request]:
                  prompt=None if sc.endpoint == "chat" else f"{SEED_SYSTEM}\n{SEED_USER}")
         for i in range(sc.repeats)
     ]
+
+
+TRACE_FIRST_TOKEN = 256  # replayed blocks use token ids from here on (below: bytes and special tokens)
+
+
+def trace_block(seed: int, hash_id: int, n: int, vocab: int) -> list[int]:
+    """The tokens of one trace block: the same hash id always gives the same tokens."""
+    rng = np.random.default_rng([seed, 3, hash_id])
+    return [int(t) for t in rng.integers(TRACE_FIRST_TOKEN, vocab, n)]
+
+
+def read_trace(sc: Scenario) -> list[dict]:
+    """The replayed rows of a Mooncake-format trace: its first max_requests within duration_s (scaled)."""
+    assert sc.trace is not None
+    rows: list[dict] = []
+    try:
+        with open(sc.trace) as f:
+            for n, line in enumerate(f, 1):
+                if len(rows) >= sc.max_requests:
+                    break
+                row = json.loads(line)
+                if not isinstance(row.get("hash_ids"), list) or not all(
+                        isinstance(row.get(k), int) and row[k] >= 0 for k in ("timestamp", "input_length",
+                                                                              "output_length")):
+                    raise ValueError("expected timestamp, input_length, output_length (integers) and hash_ids")
+                if row["timestamp"] * sc.time_scale / 1000 > sc.duration_s:
+                    break
+                rows.append(row)
+    except OSError as exc:
+        raise ConfigError(f"scenario '{sc.name}': field 'trace': cannot read {sc.trace}: {exc}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"scenario '{sc.name}': field 'trace': {sc.trace}:{n}: not a Mooncake trace row: "
+                          f"{exc}") from exc
+    return rows
+
+
+def replay_trace(sc: Scenario, vocab: int, max_model_len: int | None) -> list[Request]:
+    """A trace's requests, one session each: a token block per hash id (block_tokens long: the length scale
+    is block_tokens / trace_block_tokens), the last block cut to the scaled input length, the prompt capped
+    so prompt and answer fit max_model_len, the answer at most max_tokens; arrivals at the trace's times."""
+    scale = sc.block_tokens / sc.trace_block_tokens
+    room = (max_model_len or 1 << 30) - sc.max_tokens
+    rows = read_trace(sc)
+    start = rows[0]["timestamp"] if rows else 0
+    out = []
+    for i, row in enumerate(rows):
+        length = min(max(1, round(row["input_length"] * scale)), room)
+        prompt: list[int] = []
+        for hash_id in row["hash_ids"]:
+            if len(prompt) >= length:
+                break
+            prompt += trace_block(sc.seed, hash_id, sc.block_tokens, vocab)
+        prompt = (prompt or trace_block(sc.seed, -1 - i, length, vocab))[:length]
+        session = f"{sc.name}-{i:05d}"
+        out.append(Request(request_id=f"{session}-t0", scenario=sc.name, phase="measure", session_id=session, turn=0,
+                           endpoint="completions", max_tokens=max(1, min(sc.max_tokens, row["output_length"])),
+                           prompt=prompt, arrival_s=(row["timestamp"] - start) * sc.time_scale / 1000))
+    return out
 
 
 def write_jsonl(requests: list[Request], path: Path) -> None:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build LMCache's compiled extension (lmcache.cuda_ops and its C++ modules) against the torch a host serves
+# with. PyPI's lmcache 0.5.6 wheel was built against another torch: with torch 2.11 its cuda_ops fails to
+# import (undefined symbol c10::NotImplementedError) and LMCache runs a Python fallback its users do not run.
+# Needs the sdist (lmcache-0.5.6.tar.gz, from PyPI), nvcc and a Python whose torch is the serving one; no network.
+#   [PYTHON=python3] [ARCHS="9.0"] [JOBS=8] docker/cuda-host/build-lmcache.sh SDIST OUT_DIR
+set -euo pipefail
+sdist=$(cd "$(dirname "$1")" && pwd)/$(basename "$1"); out=$(mkdir -p "$2" && cd "$2" && pwd)
+python=${PYTHON:-python3}
+work=$(mktemp -d)
+tar -xzf "$sdist" -C "$work"
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+export TORCH_CUDA_ARCH_LIST=${ARCHS:-9.0} MAX_JOBS=${JOBS:-8} NVCC_THREADS=1 BUILD_WITH_CUDA=1 ENABLE_CXX11_ABI=1
+export LMCACHE_CUDA_MAJOR=${LMCACHE_CUDA_MAJOR:-13}
+# torch's CUDA headers include cusparse.h, cublas*.h, cusolverDn.h: from the CUDA wheels torch depends on
+# where the toolkit lacks them
+headers=$("$python" -c 'import nvidia, os; print(next((p for d in nvidia.__path__ for p in
+    [os.path.join(d, "cu13", "include")] if os.path.isdir(p)), ""))' 2>/dev/null || true)
+export CPATH=${headers}${CPATH:+:$CPATH}
+start=$(date +%s)
+"$python" -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$out" "$work"/lmcache-*/
+echo "built $(ls "$out"/lmcache-*.whl) in $(( $(date +%s) - start )) s for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
+rm -rf "$work"
