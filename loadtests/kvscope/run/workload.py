@@ -250,24 +250,31 @@ def read_trace(sc: Scenario) -> list[dict]:
     assert sc.trace is not None
     rows: list[dict] = []
     try:
-        with open(sc.trace) as f:
-            for n, line in enumerate(f, 1):
-                if len(rows) >= sc.max_requests:
-                    break
-                row = json.loads(line)
-                if not isinstance(row.get("hash_ids"), list) or not all(
-                        isinstance(row.get(k), int) and row[k] >= 0 for k in ("timestamp", "input_length",
-                                                                              "output_length")):
-                    raise ValueError("expected timestamp, input_length, output_length (integers) and hash_ids")
-                if row["timestamp"] * sc.time_scale / 1000 > sc.duration_s:
-                    break
-                rows.append(row)
+        lines = open(sc.trace)
     except OSError as exc:
         raise ConfigError(f"scenario '{sc.name}': field 'trace': cannot read {sc.trace}: {exc}") from exc
-    except ValueError as exc:
-        raise ConfigError(f"scenario '{sc.name}': field 'trace': {sc.trace}:{n}: not a Mooncake trace row: "
-                          f"{exc}") from exc
+    with lines:
+        for n, line in enumerate(lines, 1):
+            if len(rows) >= sc.max_requests:
+                break
+            row = _trace_row(line)
+            if row is None:
+                raise ConfigError(f"scenario '{sc.name}': field 'trace': {sc.trace}:{n}: not a Mooncake trace row "
+                                  "(timestamp, input_length, output_length: integers; hash_ids: a list)")
+            if row["timestamp"] * sc.time_scale / 1000 > sc.duration_s:
+                break
+            rows.append(row)
     return rows
+
+
+def _trace_row(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("hash_ids"), list) and all(
+        isinstance(row.get(k), int) and row[k] >= 0 for k in ("timestamp", "input_length", "output_length"))
+    return row if ok else None
 
 
 def replay_trace(sc: Scenario, vocab: int, max_model_len: int | None) -> list[Request]:
