@@ -240,6 +240,15 @@ class WorkerSide:
             return Fetched(Outcome.MISS, name)
         return Fetched(hit, name, *found, owned=name == TierName.FS and self.pool is not None)
 
+    def _fetch_ram(self, key: str, verify: bool) -> Fetched:
+        """A block planned from RAM; its file when the RAM tier evicted it since the plan (promotions and saves
+        fill it within a step): a miss would make vLLM recompute, which vLLM 0.26 on a GPU gets wrong."""
+        assert self.ram is not None
+        got = self._fetch(self.ram, TierName.RAM, key, verify)
+        if got.outcome == Outcome.MISS and self.fs is not None:
+            return self._fetch(self.fs, TierName.FS, key, verify)
+        return got
+
     def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:
         """Count an outcome; discard what failed verification; promote filesystem hits to RAM (handing an
         owned slot over, or giving it back). Returns the block, or None for a miss."""
@@ -290,7 +299,7 @@ class WorkerSide:
             job = None
             if ram is not None and spec.key in in_ram:
                 if threaded_ram:
-                    job = loaders.submit(self._fetch, ram, TierName.RAM, spec.key, verify)
+                    job = loaders.submit(self._fetch_ram, spec.key, verify)
             elif fs is not None:
                 job = loaders.submit(self._fetch, fs, TierName.FS, spec.key, verify)
             queued.append((spec, job))
@@ -303,7 +312,7 @@ class WorkerSide:
             if job is not None:
                 result = job.result()
             elif ram is not None and spec.key in in_ram:
-                result = self._fetch(ram, TierName.RAM, spec.key, verify)
+                result = self._fetch_ram(spec.key, verify)
             else:
                 result = Fetched(Outcome.MISS)
             if (more := next(pending, None)) is not None:

@@ -47,6 +47,23 @@ def test_store_then_load_into_another_block_from_each_tier(tmp_path, checks):
     assert w.take_load_errors() == set()
 
 
+def test_a_ram_block_evicted_during_its_step_is_read_from_its_file(tmp_path, checks):
+    # The RAM tier evicts on its own when promotions (and the save thread) fill it within a step, so a block
+    # the scheduler planned from RAM can be gone by its turn. A miss there made vLLM 0.26 on a GPU answer
+    # wrongly (it does not recover a failed load: 3 kvscope-fs answers on the H200, 2026-12-01). The block
+    # is on disk too: read it from there.
+    w = worker(tmp_path, checks=checks)
+    w.ram.capacity = w.block_bytes()  # one block
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True),
+                                   StoreSpec(2, "k2", to_ram=False, to_fs=True)]))
+    w.flush()
+    w.chunk = 1
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k2", "fs", promote=True, request_id="r", index=0),
+                                  LoadSpec(6, "k1", "ram", request_id="r", index=1)]))
+    assert w.take_load_errors() == set() and w.stats.misses == 0
+    assert all(torch.equal(t[5], t[2]) and torch.equal(t[6], t[1]) for t in w.layers.values())
+
+
 def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with(tmp_path, checks):
     w = worker(tmp_path, checks=checks)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
