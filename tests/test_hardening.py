@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -93,3 +94,24 @@ def test_the_nfs_export_squashes_every_client_to_a_dedicated_user_of_a_0700_fold
     assert "all_squash,anonuid=64077,anongid=64077" in export and "no_root_squash" not in export
     assert '+    "mode": "0700",' in out.stdout and '+    "owner": 64077,' in out.stdout
     assert "0777" not in out.stdout
+
+
+def test_report_html_shows_hostile_text_from_a_run_folder_as_text_and_forbids_scripts(tmp_path):
+    from test_report import four, make_run
+
+    from kvscope.analyze import report
+
+    run = make_run(tmp_path / "run", four(), apc={"failed": [0]})
+    hostile = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    records = run / "records" / "apc__s.jsonl"
+    records.write_text(records.read_text().replace("HTTP 500", hostile))  # a failed request's error, edited
+    doc = json.loads((run / "run.json").read_text())
+    doc["command"] = hostile
+    doc["servers"][2]["vllm_version"] = hostile
+    (run / "run.json").write_text(json.dumps(doc))
+    report.write(run, min_hits=1)
+    page = (run / "report.html").read_text()
+    assert "<script" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # shown, as text
+    assert "<details><summary>Server flags per config</summary>" in page and page.count("<img ") == 4
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
