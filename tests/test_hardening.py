@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from kvscope.deploy import servers
 
 
@@ -115,3 +117,52 @@ def test_report_html_shows_hostile_text_from_a_run_folder_as_text_and_forbids_sc
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # shown, as text
     assert "<details><summary>Server flags per config</summary>" in page and page.count("<img ") == 4
     assert "Content-Security-Policy" in page and "default-src 'none'" in page
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--enable-prefix", True),  # vLLM's parser takes an unambiguous prefix for the option
+    ("--enable_prefix_caching", True),  # and '_' for '-'
+    ("--kv-offloading_size", 4),
+    ("--api-ke", "sk-1"),
+    ("--api_key", "sk-1"),
+    ("--kv-transfer-config.kv_connector", "ExampleConnector"),  # a key of the option's JSON
+    ("--config", "serve.yaml"),  # a file of flags kvscope cannot see
+    ("--no_enable_prefix_caching", False),  # the same flag twice, once spelt with '_'
+])
+def test_flags_are_checked_as_vllms_parser_reads_them(tmp_path, flag, value):
+    import yaml
+    from test_matrix import SHIPPED, cfg, write
+
+    from kvscope.config import matrix
+
+    doc = yaml.safe_load(SHIPPED.read_text())
+    cfg(doc, "baseline")["flags"][flag] = value
+    with pytest.raises(matrix.ConfigError, match="config 'baseline': field '"):
+        matrix.load(write(tmp_path, doc))
+
+
+def test_overrides_are_checked_as_vllms_parser_reads_them(tmp_path):
+    from test_matrix import SHIPPED
+
+    from kvscope.config import matrix
+    from kvscope.config.render import parse_overrides, render
+
+    for bad in ('{"api_key": "sk-1"}', '{"api-ke": "sk-1"}', '{"kv_transfer_config": "{}"}'):
+        with pytest.raises(matrix.ConfigError, match="flag overrides"):
+            parse_overrides(bad)
+    m = matrix.load(SHIPPED)
+    for on in ('{"enable_prefix_caching": true}', '{"no_enable_prefix_caching": false}'):
+        with pytest.raises(matrix.ConfigError, match="would give the golden server a cache"):
+            render(m, m.get("baseline"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", parse_overrides(on))
+    args = render(m, m.get("apc"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
+                  parse_overrides('{"enforce_eager": false, "max_model_len": 1024}')).server_args
+    assert "--enforce-eager" not in args and args[args.index("--max-model-len") + 1] == "1024"
+
+
+def test_abbreviated_and_dotted_secret_flags_are_redacted():
+    from kvscope import auth
+
+    out = auth.redact_args(["--hf-tok", "hf_abc", "--kv-transfer-config.kv_connector_extra_config.password", "pw",
+                            "--api_ke=sk-1", "--dp-supervisor-probe-timeout-s", "5"])
+    assert out == ["--hf-tok", auth.REDACTED, "--kv-transfer-config.kv_connector_extra_config.password", auth.REDACTED,
+                   "--api_ke=" + auth.REDACTED, "--dp-supervisor-probe-timeout-s", "5"]

@@ -33,8 +33,14 @@ def headers() -> dict[str, str]:
 
 def _secret(name: str) -> bool:
     """HF_TOKEN, api_key, --api-key, aws_secret_access_key, MYAPIKEY: yes; --max-num-batched-tokens: no."""
-    words = name.upper().replace("-", "_").strip("_").split("_")
+    words = re.split(r"[_.]", name.upper().replace("-", "_").strip("_"))
     return any(w in SECRET_WORDS for w in words) or any(words[-1].endswith(w) for w in SECRET_WORDS[:4])
+
+
+def _secret_flag(flag: str) -> bool:
+    """A secret-looking flag, or one vLLM's parser may expand into one: --hf-tok abbreviates --hf-token."""
+    last = re.split(r"[_.-]", flag.split("=", 1)[0].upper())[-1]
+    return _secret(flag) or (len(last) > 1 and any(w.startswith(last) for w in SECRET_WORDS))
 
 
 def redact_env(env: dict[str, str]) -> dict[str, str]:
@@ -57,9 +63,9 @@ def redact_args(args: list[str]) -> list[str]:
     key inside a JSON argument (the kv-transfer config), replaced."""
     out: list[str] = []
     for arg in args:
-        if out and out[-1].startswith("--") and _secret(out[-1]) and not arg.startswith("--"):
+        if out and out[-1].startswith("--") and _secret_flag(out[-1]) and not arg.startswith("--"):
             out.append(REDACTED)
-        elif arg.startswith("--") and "=" in arg and _secret(arg.split("=", 1)[0]):
+        elif arg.startswith("--") and "=" in arg and _secret_flag(arg.split("=", 1)[0]):
             out.append(arg.split("=", 1)[0] + "=" + REDACTED)
         elif arg.startswith("{"):
             try:
