@@ -166,3 +166,40 @@ def test_abbreviated_and_dotted_secret_flags_are_redacted():
                             "--api_ke=sk-1", "--dp-supervisor-probe-timeout-s", "5"])
     assert out == ["--hf-tok", auth.REDACTED, "--kv-transfer-config.kv_connector_extra_config.password", auth.REDACTED,
                    "--api_ke=" + auth.REDACTED, "--dp-supervisor-probe-timeout-s", "5"]
+
+
+def test_the_recorded_command_keeps_no_secret(tmp_path, monkeypatch):
+    from kvscope import auth, cli
+    from kvscope.run import treatments
+
+    seen: dict = {}
+    monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
+    monkeypatch.setenv(auth.KEY_ENV, "sk-live-0123")
+    monkeypatch.setenv("KVSCOPE_COMMAND", "make bench KVSCOPE_API_KEY=sk-live-0123 KVSCOPE_STORE_KEY='a b c d e f g h i' "
+                                          "USERS=4 NOTE=sk-live-0123")
+    cli.main(["bench", "--run-id", "r"])
+    assert seen["command"] == (f"make bench KVSCOPE_API_KEY={auth.REDACTED} KVSCOPE_STORE_KEY={auth.REDACTED} USERS=4 "
+                               f"NOTE={auth.REDACTED}")
+    command = "kvscope bench --endpoint a=http://user:pw1@h:8000 --golden http://:pw2@h:8001 --api-key=k3 --token k4"
+    assert auth.redact_command(command) == (f"kvscope bench --endpoint a=http://user:{auth.REDACTED}@h:8000 --golden "
+                                            f"http://:{auth.REDACTED}@h:8001 --api-key={auth.REDACTED} --token "
+                                            f"{auth.REDACTED}")
+
+
+def test_the_redactor_finds_url_passwords_secret_values_of_any_type_and_more_secret_names(monkeypatch):
+    from kvscope import auth
+
+    monkeypatch.setenv(auth.KEY_ENV, "sk-live-0123")
+    monkeypatch.setenv("PWD", "/home/me/kvscope")  # the shell's folder: not a secret, though 'pwd' names one
+    assert auth.redact_command("make -C /home/me/kvscope bench") == "make -C /home/me/kvscope bench"
+    extra = {"remote_url": "redis://:pw1@cache:6379", "password": 12345, "auth": {"user": "u", "pin": "p2"},
+             "ram_bytes": 1}
+    out = auth.redact_args(["--kv-transfer-config", json.dumps({"kv_connector_extra_config": extra}),
+                            "--url", "redis://u:pw3@cache", "--note", "sk-live-0123"])
+    assert not any(s in " ".join(out) for s in ("pw1", "12345", "p2", "pw3", "sk-live")), out
+    assert '"ram_bytes": 1' in out[1]
+    env = auth.redact_env({"PGPASS": "a", "DB_PWD": "b", "pass": "c", "BEARER": "d", "CACHE_URL": "redis://u:pw4@h",
+                           "NOTE": "key sk-live-0123", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert env == {"PGPASS": auth.REDACTED, "DB_PWD": auth.REDACTED, "pass": auth.REDACTED, "BEARER": auth.REDACTED,
+                   "CACHE_URL": f"redis://u:{auth.REDACTED}@h", "NOTE": f"key {auth.REDACTED}",
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

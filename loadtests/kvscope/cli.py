@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 
 from kvscope import HARNESS, __version__
+from kvscope.auth import redact_command
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import servers
 
@@ -86,7 +87,8 @@ def cmd_bench(args) -> int:
         folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
                                 names(args.configs), names(args.scenarios_list), users=levels, repeats=args.repeats,
                                 processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
-                                command=os.environ.get("KVSCOPE_COMMAND") or "kvscope " + shlex.join(sys.argv[1:]),
+                                command=redact_command(os.environ.get("KVSCOPE_COMMAND")
+                                                       or "kvscope " + shlex.join(sys.argv[1:])),
                                 run_id=args.run_id, remote=remote, resume=args.resume,
                                 endpoints=endpoints, exact=args.exact, queries=args.queries)
     except treatments.Interrupted as exc:
