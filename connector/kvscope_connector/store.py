@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -241,18 +242,22 @@ class FsTier:
         too, unless the caller checks it itself (on the GPU). The block is read into a pool slot where the
         worker has one (the caller then owns it), else into a buffer of its own."""
         layout = self._layout()
-        try:
-            fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # never blocks: a FIFO planted here would otherwise wait for a writer
+            fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptBlock("a symbolic link, not a block file") from exc
             raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
+            os.close(fd)
+            raise CorruptBlock(f"not a regular file (mode {st.st_mode:o})")
         with open(fd, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            size = os.fstat(f.fileno()).st_size
+            size = st.st_size
             if not 0 <= n <= MAX_HEADER or size != 8 + n + layout.nbytes:
                 raise CorruptBlock(f"{size} bytes, expected {8 + max(n, 0) + layout.nbytes} (truncated or padded)")
             header = head + f.read(n)

@@ -1,0 +1,70 @@
+"""A store written by a hostile or careless host: special files, links, odd headers, bad settings (no server)."""
+
+import os
+import threading
+import time
+
+import pytest
+from test_sides import worker
+from test_store import block, tier, write
+
+from kvscope_connector import worker as worker_mod
+from kvscope_connector.blocks import CorruptBlock
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+
+
+def in_time(call, seconds=5.0):
+    """What call() returns or raises, failing the test (not hanging it) when it takes longer than `seconds`."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_a_fifo_at_a_blocks_name_is_a_quarantined_miss_not_a_hang(tmp_path):
+    fs = tier(tmp_path)
+    write(fs, "ab12", block())
+    os.unlink(fs.path("ab12"))
+    os.mkfifo(fs.path("ab12"))
+    try:
+        with pytest.raises(CorruptBlock, match="not a regular file"):
+            in_time(lambda: fs.get("ab12"))
+    finally:  # a reader stuck in open() (the old code) is let go
+        try:
+            os.close(os.open(fs.path("ab12"), os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    w = worker(tmp_path / "w", ram=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
+    path = w.fs.path("k1")
+    os.unlink(path)
+    os.mkfifo(path)
+    in_time(lambda: w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")])))
+    assert w.take_load_errors() == {5} and w.stats.corrupt == 1
+    assert not path.exists() and path.with_suffix(".corrupt").exists()  # moved aside
+
+
+def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
+    w = worker(tmp_path, ram=False)
+    stuck = threading.Event()
+    w.fs.get = lambda key, verify=True: stuck.wait(30)  # a read that hangs (a dead NFS server)
+    started = time.monotonic()
+    try:
+        in_time(lambda: w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")])))
+    finally:
+        stuck.set()
+    assert time.monotonic() - started < 5
+    assert w.take_load_errors() == {5} and w.stats.io_errors == 1
