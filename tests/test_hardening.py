@@ -203,3 +203,14 @@ def test_the_redactor_finds_url_passwords_secret_values_of_any_type_and_more_sec
     assert env == {"PGPASS": auth.REDACTED, "DB_PWD": auth.REDACTED, "pass": auth.REDACTED, "BEARER": auth.REDACTED,
                    "CACHE_URL": f"redis://u:{auth.REDACTED}@h", "NOTE": f"key {auth.REDACTED}",
                    "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def test_deployed_store_folders_are_private_under_either_runtime():
+    import yaml
+    from conftest import REPO
+
+    for runtime in ("process", "container"):
+        tasks = yaml.safe_load((REPO / "ansible" / "roles" / "vllm" / "tasks" / f"{runtime}.yml").read_text())
+        made = [t["ansible.builtin.file"]["mode"] for t in tasks
+                if "stores" in str(t.get("loop", "")) and "ansible.builtin.file" in t]
+        assert made == ["0700"], runtime

@@ -68,3 +68,39 @@ def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeyp
         stuck.set()
     assert time.monotonic() - started < 5
     assert w.take_load_errors() == {5} and w.stats.io_errors == 1
+
+
+def test_writes_and_evictions_never_follow_a_linked_folder_below_the_store_root(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "root").mkdir()
+    fs = tier(tmp_path / "root")
+    fs.dir.symlink_to(victim)  # root/<fingerprint> is a link
+    with pytest.raises(OSError):
+        write(fs, "ab12", block())
+    assert not list(victim.rglob("*"))
+    fs.dir.unlink()
+    probe = tier(tmp_path / "probe")
+    write(probe, "00aa", block())
+    fs = tier(tmp_path / "root", capacity=probe.used)
+    write(fs, "ab12", block())
+    (fs.dir / "ab").rename(victim / "ab")
+    (fs.dir / "ab").symlink_to(victim / "ab")  # a shard folder is a link
+    with pytest.raises(OSError):
+        write(fs, "ab34", block())
+    write(fs, "cd34", block())  # evicts ab12, which this store no longer holds
+    fs.discard("ab12")
+    assert sorted(p.name for p in (victim / "ab").iterdir()) == ["ab12.safetensors"]
+
+
+def test_the_store_root_is_made_private(tmp_path):
+    write(tier(tmp_path / "store"), "ab12", block())
+    assert (tmp_path / "store").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_dangling_link_does_not_stop_the_startup_scan(tmp_path):
+    fs = tier(tmp_path / "store")
+    for key in ("ab12", "cd34"):
+        write(fs, key, block())
+    (fs.dir / "ab" / "ee99.safetensors").symlink_to(tmp_path / "gone")
+    assert tier(tmp_path / "store").used == fs.used > 0  # a new process accounts what is on disk
