@@ -104,3 +104,22 @@ def test_a_dangling_link_does_not_stop_the_startup_scan(tmp_path):
         write(fs, key, block())
     (fs.dir / "ab" / "ee99.safetensors").symlink_to(tmp_path / "gone")
     assert tier(tmp_path / "store").used == fs.used > 0  # a new process accounts what is on disk
+
+
+@pytest.mark.parametrize("in_file, in_env", [("", None), (" \n\t \n", None), (None, " " * 16),
+                                             (None, " " * 12 + "key ")])
+def test_a_store_key_that_is_set_but_unusable_stops_the_server(tmp_path, monkeypatch, in_file, in_env):
+    from kvscope_connector import keys
+
+    monkeypatch.delenv(keys.SECRET_ENV, raising=False)
+    monkeypatch.delenv(keys.SECRET_FILE_ENV, raising=False)
+    if in_file is not None:
+        (tmp_path / "key").write_text(in_file)
+        monkeypatch.setenv(keys.SECRET_FILE_ENV, str(tmp_path / "key"))
+    else:
+        monkeypatch.setenv(keys.SECRET_ENV, in_env)
+    with pytest.raises(ValueError, match="store secret"):
+        keys.store_secret()
+    monkeypatch.setenv(keys.SECRET_FILE_ENV, "")
+    monkeypatch.setenv(keys.SECRET_ENV, "")  # set to nothing: no key, as when deploy has none to give
+    assert keys.store_secret() is None
