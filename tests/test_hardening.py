@@ -214,3 +214,53 @@ def test_deployed_store_folders_are_private_under_either_runtime():
         made = [t["ansible.builtin.file"]["mode"] for t in tasks
                 if "stores" in str(t.get("loop", "")) and "ansible.builtin.file" in t]
         assert made == ["0700"], runtime
+
+
+def _matrix_text(doc, extra_config_line: str = "") -> str:
+    import yaml
+
+    text = yaml.safe_dump(doc, sort_keys=False)
+    return text.replace("      fs_path: '{store:blocks}'\n", f"      fs_path: '{{store:blocks}}'\n{extra_config_line}", 1)
+
+
+def test_the_matrix_refuses_an_alias_bomb_quickly(tmp_path):
+    import time
+
+    import yaml
+    from test_matrix import SHIPPED
+
+    from kvscope.config import matrix
+
+    levels = [f"l0: &l0 [{', '.join(['x'] * 10)}]"] + [
+        f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 7)]  # 10^7 strings once expanded
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_matrix_text(yaml.safe_load(SHIPPED.read_text()), f"      bomb: {{{', '.join(levels)}}}\n"))
+    assert len(path.read_bytes()) < 20_000 and "bomb: {l0: &l0" in path.read_text()
+    started = time.monotonic()
+    with pytest.raises(matrix.ConfigError, match=f"{path}: cannot read the matrix: .*aliases"):
+        matrix.load(path)
+    assert time.monotonic() - started < 5
+    assert matrix.load(SHIPPED).get("ucm-blend").flags  # the shipped matrix's own aliases still read
+
+
+@pytest.mark.parametrize("twice", ["configs", "port"])
+def test_the_matrix_refuses_a_key_given_twice(tmp_path, twice):
+    import yaml
+    from test_matrix import SHIPPED
+
+    from kvscope.config import matrix
+
+    text = _matrix_text(yaml.safe_load(SHIPPED.read_text()))
+    text = text + "configs: []\n" if twice == "configs" else text.replace("  port: 8100\n", "  port: 8100\n  port: 8199\n")
+    (tmp_path / "m.yaml").write_text(text)
+    with pytest.raises(matrix.ConfigError, match=f"key '{twice}' .*twice"):
+        matrix.load(tmp_path / "m.yaml")
+
+
+def test_a_scenarios_file_refuses_a_key_given_twice(tmp_path):
+    from kvscope.config.matrix import ConfigError
+    from kvscope.run.workload import load_scenarios
+
+    (tmp_path / "s.yaml").write_text("scenarios:\n  - {name: a, kind: rag, num_queries: 8, num_queries: 800}\n")
+    with pytest.raises(ConfigError, match="s.yaml: cannot read the scenarios: .*key 'num_queries' is given twice"):
+        load_scenarios(tmp_path / "s.yaml")

@@ -14,6 +14,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvscope.artifacts import Role
+from kvscope.config import strict_yaml
 
 Platform = Literal["cpu", "cuda"]
 FlagValue = bool | int | float | str
@@ -226,7 +227,7 @@ def _describe(err: ValidationError, where: str) -> str:
 def load(path: Path) -> Matrix:
     """Read and validate the matrix, naming the config and field of every error."""
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = strict_yaml.load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read the matrix: {exc}") from exc
     if not isinstance(raw, dict):
