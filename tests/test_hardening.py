@@ -264,3 +264,54 @@ def test_a_scenarios_file_refuses_a_key_given_twice(tmp_path):
     (tmp_path / "s.yaml").write_text("scenarios:\n  - {name: a, kind: rag, num_queries: 8, num_queries: 800}\n")
     with pytest.raises(ConfigError, match="s.yaml: cannot read the scenarios: .*key 'num_queries' is given twice"):
         load_scenarios(tmp_path / "s.yaml")
+
+
+@pytest.mark.parametrize("run_id", ["../escape", "/tmp/abs", "a/b/c", "two words", ".hidden", ""])
+def test_a_run_id_that_is_not_a_plain_folder_name_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys,
+                                                                                   run_id):
+    from kvscope import cli
+    from kvscope.run import treatments
+
+    monkeypatch.setattr(treatments, "run", lambda *args, **kw: tmp_path)
+    assert cli.main(["bench", "--run-id", run_id]) == 2
+    assert "--run-id" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target, variable", [
+    ("validate", "MATRIX"), ("validate", "CONFIGS"), ("report", "RUN"), ("report", "SLO"), ("compare", "RUNS"),
+    ("compare", "OUT"), ("bench", "RUN_ID"), ("bench", "USERS"), ("bench", "SCENARIOS"), ("bench", "REPEATS"),
+    ("bench", "SLO"), ("bench", "CONFIGS"), ("deploy", "CONFIGS"), ("deploy", "MATRIX"), ("deploy", "MODEL"),
+    ("deploy", "INVENTORY")])
+def test_make_hands_a_users_values_to_the_tools_as_arguments_never_as_shell_code(tmp_path, target, variable):
+    from test_makefile import dry_run
+
+    venv, marker = tmp_path / "venv", tmp_path / "ran"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("python", "ansible-playbook"):  # stand-ins that print the arguments they are given
+        (venv / "bin" / tool).write_text("#!/bin/sh\nprintf '[%s]' \"$@\"\n")
+        (venv / "bin" / tool).chmod(0o755)
+    for value in (f"x; touch {marker}", f"x'; touch {marker}; '", f"$(touch {marker})", f"`touch {marker}`"):
+        lines = dry_run(target, f"{variable}={value}", f"VENV={venv}").replace("\\\n", "").splitlines()
+        commands = [x for x in lines if f"{venv}/bin/ansible-playbook" in x
+                    or f"{venv}/bin/python -m kvscope.cli" in x and "build-model" not in x]
+        assert commands
+        for command in commands:
+            subprocess.run(["bash", "-c", command], capture_output=True, timeout=60)
+            assert not marker.exists(), (value, command)
+
+
+def test_host_environment_names_that_are_not_plain_variable_names_are_refused(tmp_path):
+    from conftest import PLAYBOOK, REPO
+
+    (tmp_path / "hosts.yml").write_text(
+        "all:\n  hosts:\n    localhost:\n      ansible_connection: local\n"
+        "      ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
+    (tmp_path / "play.yml").write_text(
+        "- hosts: all\n  gather_facts: false\n  roles:\n    - role: vllm\n      vars:\n"
+        "        kvscope_harness_python: /bin/false\n        kvscope_matrix: /nonexistent\n"
+        f"        kvscope_model_dir: /nonexistent\n        kvscope_platform: cpu\n        kvscope_run_dir: {tmp_path}\n"
+        "        kvscope_runtime: process\n        vllm_host_env: {'X=1; touch /tmp/pwned; Y': '1'}\n")
+    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "ansible" / "roles"), "ANSIBLE_NOCOLOR": "1"}
+    out = subprocess.run([str(PLAYBOOK), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "not plain variable names" in out.stdout, out.stdout[-3000:]

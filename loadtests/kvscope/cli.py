@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import sys
@@ -27,6 +28,7 @@ EXIT_CODES = """exit codes of bench --report and report (the gate):
      treatments are kept (scored when --report), and --resume continues the run"""
 DEFAULT_MATRIX = HARNESS / "matrix.yaml"
 DEFAULT_SCENARIOS = "rag-zipf,rag-relevance,multiturn,repeat-867"
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # one folder name under --results, never a path
 
 
 def names(text: str) -> list[str]:
@@ -63,6 +65,9 @@ def cmd_bench(args) -> int:
     from kvscope.run import treatments
 
     parse_slo(args.slo)  # a mistyped objective stops the bench before it runs, not after
+    if args.run_id is not None and not RUN_ID.match(args.run_id):
+        raise matrix_mod.ConfigError(f"--run-id {args.run_id!r} (RUN_ID): a run's folder name, letters, digits, "
+                                     "'.', '_' and '-', starting with a letter or digit")
     try:
         levels = [int(u) for u in names(args.users)]
     except ValueError as exc:
