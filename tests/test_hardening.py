@@ -315,3 +315,29 @@ def test_host_environment_names_that_are_not_plain_variable_names_are_refused(tm
     out = subprocess.run([str(PLAYBOOK), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "not plain variable names" in out.stdout, out.stdout[-3000:]
+
+
+def test_a_report_on_a_run_whose_every_request_was_refused_is_written_and_inconclusive(tmp_path):
+    from test_report import four, make_run
+
+    from kvscope import cli
+
+    refused = {"failed": [0, 1]}
+    run = make_run(tmp_path / "run", four(), baseline=refused, control=refused, apc=refused, canary_shift=refused)
+    assert cli.main(["report", str(run)]) == 3
+    assert "| apc | candidate | **INCOMPLETE** (unexpected) | 2 of 2 requests failed" in (run / "report.md").read_text()
+
+
+def test_bench_without_report_against_dead_servers_says_so_and_exits_inconclusive(tmp_path, model_dir, capsys):
+    from kvscope import cli
+
+    servers = [{"config": config, "role": role, "port": free_port(), "platform": "cpu", "vllm_version": "0.32.0",
+                "served_model_name": "tiny-qwen3", "server_args": [], "kv_capacity_tokens": 4096, "block_size": 64,
+                "prefix_caching": role == "candidate", "model_path": str(model_dir), "model_hash": "f" * 64}
+               for config, role in (("baseline", "golden"), ("apc", "candidate"))]  # nothing listens on their ports
+    (tmp_path / "deployment.json").write_text(json.dumps({"servers": servers}))
+    (tmp_path / "s.yaml").write_text("scenarios:\n  - {name: repeat-867, kind: repeat, repeats: 2, max_tokens: 4}\n")
+    code = cli.main(["bench", "--deployment", str(tmp_path / "deployment.json"), "--results", str(tmp_path),
+                     "--scenarios-file", str(tmp_path / "s.yaml"), "--scenarios", "repeat-867", "--run-id", "dead",
+                     "--timeout-s", "60"])
+    assert code == 3 and "no answer at all: baseline x repeat-867, apc x repeat-867" in capsys.readouterr().err

@@ -23,7 +23,8 @@ EXIT_CODES = """exit codes of bench --report and report (the gate):
   0  every verdict is what its role expects (candidates and control PASS, canaries FAIL)
   1  the gate fails: a FAIL where PASS was expected, a canary kvscope missed too often, a crash
   2  bad input: the matrix, a selection, a scenario or a run folder (nothing was deployed or scored)
-  3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID
+  3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID; bench without
+     --report: a treatment got no answer at all (a server that is down)
   130, 143, 1: bench stopped by Ctrl-C, by SIGTERM, or by a crash; run.json says why, the finished
      treatments are kept (scored when --report), and --resume continues the run"""
 DEFAULT_MATRIX = HARNESS / "matrix.yaml"
@@ -105,7 +106,25 @@ def cmd_bench(args) -> int:
             _report(exc.folder, args)
         return exc.exit_code
     print(f"records written to {folder}")
-    return _report(folder, args) if args.report else 0
+    if args.report:
+        return _report(folder, args)
+    if silent := unanswered(folder):
+        print(f"kvscope: no answer at all: {', '.join(silent)} (is the server up?); their verdicts would be "
+              "INCOMPLETE", file=sys.stderr)
+        return 3
+    return 0
+
+
+def unanswered(folder: Path) -> list[str]:
+    """The treatments of a run folder ('config x scenario') that got no answer at all."""
+    from kvscope.artifacts import Record, StatusRow, read_jsonl
+
+    def answered(path: Path) -> bool:
+        return path.exists() and any(r.ok for r in read_jsonl(path, Record))
+
+    rows = read_jsonl(folder / "status.jsonl", StatusRow) if (folder / "status.jsonl").exists() else []
+    return [f"{row.config} x {row.scenario}" for row in rows
+            if not answered(folder / "records" / f"{row.config}__{row.scenario}.jsonl")]
 
 
 def _terminated(signum, frame):
