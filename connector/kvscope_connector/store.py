@@ -166,6 +166,9 @@ class FsTier:
 
     def __init__(self, root: str, fingerprint: str, capacity_bytes: int | None, fsync: bool = False,
                  layout: Layout | None = None, secret: bytes | None = None):
+        if capacity_bytes is not None and (type(capacity_bytes) is not int or capacity_bytes < 0):
+            raise ValueError(f"kvscope connector: fs_bytes {capacity_bytes!r} is not a number of bytes (an integer "
+                             "such as 17179869184; absent: unbounded)")
         self.root = Path(root)
         self.dir = self.root / fingerprint
         self.fingerprint = fingerprint

@@ -1,16 +1,18 @@
 """A store written by a hostile or careless host: special files, links, odd headers, bad settings (no server)."""
 
+import json
 import os
 import threading
 import time
 
 import pytest
 from test_sides import worker
-from test_store import block, tier, write
+from test_store import FP, LAYOUT, block, tier, write
 
 from kvscope_connector import worker as worker_mod
 from kvscope_connector.blocks import CorruptBlock
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.store import FsTier
 
 
 def in_time(call, seconds=5.0):
@@ -123,3 +125,37 @@ def test_a_store_key_that_is_set_but_unusable_stops_the_server(tmp_path, monkeyp
     monkeypatch.setenv(keys.SECRET_FILE_ENV, "")
     monkeypatch.setenv(keys.SECRET_ENV, "")  # set to nothing: no key, as when deploy has none to give
     assert keys.store_secret() is None
+
+
+def rewrite_header(path, edit):
+    """Give a stored block file another JSON header (its data kept): edit(header text) -> new header text."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = edit(data[8:8 + n].decode()).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n:])
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: json.dumps({**json.loads(h), "__metadata__": {**json.loads(h)["__metadata__"], "mac": "é" * 64}}),
+    lambda h: h.rstrip()[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",
+], ids=["non-ascii-mac", "deeply-nested"])
+def test_an_odd_header_is_a_corrupt_block_not_an_exception(tmp_path, edit):
+    fs = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=b"s" * 32)
+    write(fs, "ab12", block())
+    rewrite_header(fs.path("ab12"), edit)
+    with pytest.raises(CorruptBlock):
+        fs.get("ab12")
+
+
+def test_a_folder_at_a_blocks_name_is_a_quarantined_miss(tmp_path):
+    w = worker(tmp_path, ram=False)
+    w.fs.path("k1").mkdir(parents=True)
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
+    assert w.take_load_errors() == {5} and (w.stats.corrupt, w.stats.io_errors) == (1, 0)
+    assert not w.fs.path("k1").exists() and w.fs.path("k1").with_suffix(".corrupt").is_dir()
+
+
+@pytest.mark.parametrize("capacity", ["16G", "1e9", 1.5, -1, True])
+def test_a_capacity_that_is_not_a_number_of_bytes_is_refused_when_the_tier_is_made(tmp_path, capacity):
+    with pytest.raises(ValueError, match="fs_bytes"):
+        FsTier(str(tmp_path), FP, capacity)
