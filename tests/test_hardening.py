@@ -341,3 +341,102 @@ def test_bench_without_report_against_dead_servers_says_so_and_exits_inconclusiv
                      "--scenarios-file", str(tmp_path / "s.yaml"), "--scenarios", "repeat-867", "--run-id", "dead",
                      "--timeout-s", "60"])
     assert code == 3 and "no answer at all: baseline x repeat-867, apc x repeat-867" in capsys.readouterr().err
+
+
+def _certificates(folder):
+    """A CA, and a certificate it signed for localhost (PEM files): (ca, certificate, key)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject, issuer, key, signer, ca):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvscope test CA")])
+    ca = cert(ca_name, ca_name, ca_key, ca_key, True)
+    leaf = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), ca_name, key, ca_key, False)
+    paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+def _https_api(cert, key):
+    """An OpenAI-compatible server's read-only routes over TLS, in a thread; returns the server."""
+    import http.server
+    import ssl
+    import threading
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = {"/v1/models": b'{"data": [{"id": "tiny", "max_model_len": 4096}]}', "/version": b'{"version": "x"}',
+                    "/metrics": b""}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_https_endpoints_are_checked_against_the_systems_cas_or_a_ca_file(tmp_path, monkeypatch, model_dir):
+    from kvscope import cli
+    from kvscope.config.matrix import ConfigError
+    from kvscope.run import endpoints, treatments
+
+    ca, cert, key = _certificates(tmp_path)
+    server = _https_api(cert, key)
+    url = f"https://localhost:{server.server_address[1]}"
+    try:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        with pytest.raises(ConfigError, match="CERTIFICATE_VERIFY_FAILED"):  # not a CA of this system
+            endpoints.treatments([url], url, None, model_dir)
+        seen: dict = {}
+        monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
+        cli.main(["bench", "--endpoint", f"theirs={url}", "--golden", url, "--model-dir", str(model_dir), "--ca-file",
+                  str(ca)])
+        assert [(t.config, t.url, t.served_model_name) for t in seen["endpoints"]] == [
+            ("golden", url, "tiny"), ("theirs", url, "tiny")]
+    finally:
+        server.shutdown()
+    user = subprocess.run([sys.executable, "-c", "from kvscope.run.loaduser import KVScopeUser as U; print(U.insecure)"],
+                          capture_output=True, text=True, timeout=120)
+    assert user.stdout.strip() == "False", user.stderr[-2000:]  # Locust checks certificates too
+
+
+def test_endpoint_urls_are_rebuilt_exactly_and_refused_with_their_name_before_anything_is_contacted(model_dir):
+    from kvscope.artifacts import Treatment
+    from kvscope.config.matrix import ConfigError
+    from kvscope.run import endpoints
+
+    name, scheme, host, port = endpoints.parse("v6=http://[::1]:9", "endpoint-1")
+    assert Treatment.model_construct(scheme=scheme, host=host, port=port).url == "http://[::1]:9"
+    assert endpoints.parse("https://gateway", "e")[1:] == ("https", "gateway", 443)
+    for bad, why in (("http://h:99999", "endpoint 'http://h:99999': port"), ("http://h:1/?model=x", "query"),
+                     ("http://u:pw@h:1", "credentials"), ("ftp://h:1", "http")):
+        with pytest.raises(ConfigError, match=why):
+            endpoints.parse(bad, "e")
+    dead = f"http://127.0.0.1:{free_port()}"  # golden does not answer: the bad endpoint is named first
+    with pytest.raises(ConfigError, match="endpoint 'ftp://h:1'"):
+        endpoints.treatments(["ftp://h:1"], dead, None, model_dir)

@@ -88,6 +88,10 @@ def cmd_bench(args) -> int:
         if not (args.endpoint and args.golden):
             raise matrix_mod.ConfigError("--endpoint and --golden go together: the servers under test and the "
                                          "cache-off reference their answers are compared with")
+        if args.ca_file:  # read by every TLS context of this process and its Locust processes
+            if not Path(args.ca_file).is_file():
+                raise matrix_mod.ConfigError(f"--ca-file {args.ca_file}: no such file")
+            os.environ["SSL_CERT_FILE"] = str(Path(args.ca_file).resolve())
         endpoints = endpoints_mod.treatments(names(args.endpoint), args.golden, args.control, Path(args.model_dir))
     try:
         folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
@@ -184,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --endpoint: a second cache-off server, to measure the noise floor")
     s.add_argument("--model-dir", default="models/tiny-qwen3",
                    help="with --endpoint: a folder with the served model's tokenizer.json")
+    s.add_argument("--ca-file", default=None, metavar="PEM",
+                   help="with --endpoint: the CAs https endpoints' certificates are checked against (default: the "
+                        "system's)")
     s.add_argument("--results", default="results")
     s.add_argument("--scenarios-file", dest="scenarios", default=str(HARNESS / "scenarios.yaml"))
     s.add_argument("--configs", default="", help="comma-separated; default every deployed config")
