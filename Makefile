@@ -67,8 +67,10 @@ $(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(VENV)/.ins
 	$(KVSCOPE) build-model --out $(MODEL_DIR)
 
 ##@ Deployment
-validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=...)
-	$(KVSCOPE) --matrix $(call q,$(MATRIX)) validate --configs $(call q,$(CONFIGS))
+# The default CONFIGS are a selection of the default matrix: a matrix of your own is checked whole, or CONFIGS=.
+VALIDATE_CONFIGS = $(if $(and $(filter file,$(origin CONFIGS)),$(filter-out file,$(origin MATRIX))),,$(CONFIGS))
+validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=..., and a selection: CONFIGS=...)
+	$(KVSCOPE) --matrix $(call q,$(MATRIX)) validate $(if $(VALIDATE_CONFIGS),--configs $(call q,$(VALIDATE_CONFIGS)))
 
 deploy: setup $(if $(strip $(MODEL)),,model) $(if $(filter container,$(RUNTIME)),images-cpu) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=, RUNTIME=)
 	$(PRE_DEPLOY)

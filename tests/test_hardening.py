@@ -440,3 +440,55 @@ def test_endpoint_urls_are_rebuilt_exactly_and_refused_with_their_name_before_an
     dead = f"http://127.0.0.1:{free_port()}"  # golden does not answer: the bad endpoint is named first
     with pytest.raises(ConfigError, match="endpoint 'ftp://h:1'"):
         endpoints.treatments(["ftp://h:1"], dead, None, model_dir)
+
+
+def test_make_validate_checks_a_matrix_of_your_own_without_the_default_configs(tmp_path):
+    import yaml
+    from test_makefile import dry_run
+    from test_matrix import SHIPPED
+
+    doc = yaml.safe_load(SHIPPED.read_text())
+    doc["configs"] = [c for c in doc["configs"] if c["name"] in ("baseline", "apc")]
+    doc["configs"][1]["name"] = "team-tier"
+    (tmp_path / "team.yaml").write_text(yaml.safe_dump(doc))
+    line = next(x for x in dry_run("validate", f"MATRIX={tmp_path}/team.yaml").splitlines() if "kvscope.cli" in x)
+    out = subprocess.run(["bash", "-c", line.replace(".venv/bin/python", sys.executable)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "2 configs valid: baseline, team-tier" in out.stdout, out.stderr
+    assert "--configs 'baseline,apc'" in dry_run("validate", "CONFIGS=baseline,apc")
+    assert "--configs" in dry_run("validate")  # the default selection, against the default matrix
+
+
+def test_the_matrix_option_works_after_the_subcommand_too(tmp_path, capsys):
+    from test_matrix import SHIPPED
+
+    from kvscope import cli
+
+    assert cli.main(["validate", "--matrix", str(SHIPPED)]) == 0
+    assert f"{SHIPPED}: " in capsys.readouterr().out
+    assert cli.main(["validate", "--matrix", str(tmp_path / "none.yaml")]) == 2
+
+
+@pytest.mark.parametrize("option", [["--min-hits", "-100"], ["--min-hits", "0"], ["--max-failed", "99"],
+                                    ["--max-failed", "-0.5"]])
+def test_gate_options_outside_their_range_are_refused(tmp_path, capsys, option):
+    from kvscope import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["report", str(tmp_path), *option])
+    assert exit_.value.code == 2 and option[0] in capsys.readouterr().err
+
+
+def test_a_matrix_whose_cached_servers_could_not_be_reset_is_refused(tmp_path):
+    import yaml
+    from test_matrix import SHIPPED, cfg, write
+
+    from kvscope.config import matrix
+
+    doc = yaml.safe_load(SHIPPED.read_text())
+    del doc["platforms"]["cpu"]["env"]["VLLM_SERVER_DEV_MODE"]
+    for name in ("baseline", "control"):  # cache-off: nothing to reset
+        cfg(doc, name)["env"] = {"VLLM_SERVER_DEV_MODE": "1"}
+    with pytest.raises(matrix.ConfigError, match="config 'apc': field 'env': VLLM_SERVER_DEV_MODE") as err:
+        matrix.load(write(tmp_path, doc))
+    assert "config 'baseline'" not in str(err.value)

@@ -155,12 +155,24 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def _hits(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1 (a cache that is never hit proves nothing)")
+    return int(text)
+
+
+def _share(text: str) -> float:
+    if not 0 <= float(text) <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share, from 0 to 1")
+    return float(text)
+
+
 def _gate_options(s) -> None:
     from kvscope.analyze.verdicts import MAX_FAILED_SHARE, MIN_VERIFIED_HITS
 
-    s.add_argument("--min-hits", type=int, default=MIN_VERIFIED_HITS,
+    s.add_argument("--min-hits", type=_hits, default=MIN_VERIFIED_HITS,
                    help="verified cache hits a config needs for PASS (fewer: UNVERIFIED)")
-    s.add_argument("--max-failed", type=float, default=MAX_FAILED_SHARE,
+    s.add_argument("--max-failed", type=_share, default=MAX_FAILED_SHARE,
                    help="share of failed requests a config may have before it is INCOMPLETE")
     s.add_argument("--slo", default="", metavar="ttft=MS,tpot=MS",
                    help="service-level objective: the summary adds the share of requests that met it, and goodput")
@@ -174,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("validate", help="validate the matrix (and a selection for a platform)")
+    s.add_argument("--matrix", type=Path, default=argparse.SUPPRESS, help="storage-config matrix YAML")
     s.add_argument("--configs", default="")
     s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu")
     s.set_defaults(func=cmd_validate)

@@ -271,7 +271,28 @@ def load(path: Path) -> Matrix:
         raise ConfigError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
     if sum(c.role == "control" for c in matrix.configs) > 1:
         raise ConfigError(f"{path}: at most one config may have role 'control' (the second cache-off server)")
+    if errors := _reset_errors(matrix):
+        raise ConfigError("\n".join(errors))
     return matrix
+
+
+def _reset_errors(matrix: Matrix) -> list[str]:
+    """Configs with a cache whose servers would have no /reset_prefix_cache (vLLM mounts it only with
+    VLLM_SERVER_DEV_MODE=1), so their cache could never be emptied between treatments."""
+    errors = []
+    for cfg in matrix.configs:
+        for name in cfg.platforms if cfg.role in ("candidate", "canary") else []:
+            defaults = matrix.platforms.get(name)
+            if defaults is None:
+                continue
+            env = {**defaults.env, **cfg.env}
+            exact = {**env, **defaults.exact.env} if defaults.exact else env
+            if env.get("VLLM_SERVER_DEV_MODE") != "1" or exact.get("VLLM_SERVER_DEV_MODE") != "1":
+                errors.append(f"config '{cfg.name}': field 'env': VLLM_SERVER_DEV_MODE must be \"1\" on platform "
+                              f"'{name}' (here or in the platform's env): without it vLLM has no /reset_prefix_cache "
+                              "and the cache is never emptied between treatments")
+                break
+    return errors
 
 
 def _cross_config_errors(configs: list[StorageConfig]) -> list[str]:
