@@ -296,7 +296,7 @@ def test_make_hands_a_users_values_to_the_tools_as_arguments_never_as_shell_code
                     or f"{venv}/bin/python -m kvscope.cli" in x and "build-model" not in x]
         assert commands
         for command in commands:
-            subprocess.run(["bash", "-c", command], capture_output=True, timeout=60)
+            subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, timeout=60)
             assert not marker.exists(), (value, command)
 
 
