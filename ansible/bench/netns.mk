@@ -5,4 +5,4 @@ PRE_DEPLOY  := bash ansible/scripts/netns-hosts.sh up
 DEPLOY_ARGS  =
 DEPLOYMENTS := runs/netns/kvh1/deployment.json,runs/netns/kvh2/deployment.json
 BENCH_ARGS   = --worker-hosts kvh1,kvh2 --ssh-config /var/lib/kvscope/netns/config --master-host 10.77.0.1
-POST_BENCH   = $(PLAYBOOK) ansible/collect.yml -e collect_to=$(CURDIR)/results/$(RUN_ID)
+POST_BENCH   = $(PLAYBOOK) ansible/collect.yml -e $(call q,collect_to=$(CURDIR)/results/$(RUN_ID))

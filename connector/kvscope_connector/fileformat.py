@@ -74,7 +74,7 @@ def decode(header: bytes, block: Block, fingerprint: str, key: str, layout: Layo
     """
     try:
         n, meta, found = _header(header)
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CorruptBlock(f"unreadable block: {exc}") from exc
     if meta.get("kvscope_format") != FORMAT_VERSION:
         raise CorruptBlock(f"format {meta.get('kvscope_format')!r}, expected {FORMAT_VERSION}")
@@ -89,6 +89,8 @@ def decode(header: bytes, block: Block, fingerprint: str, key: str, layout: Layo
     digest = meta.get("checksum", "")
     if checksum is not None and checksum(block) != digest:
         raise CorruptBlock("checksum mismatch")
-    if secret is not None and not hmac.compare_digest(meta.get("mac", ""), mac(secret, fingerprint, key, block)):
+    # compared as bytes: compare_digest refuses text that is not ASCII
+    if secret is not None and not hmac.compare_digest(meta.get("mac", "").encode(),
+                                                      mac(secret, fingerprint, key, block).encode()):
         raise CorruptBlock("unsigned, or not signed with this store's secret")
     return block, digest

@@ -59,15 +59,21 @@ def weights_identity(model_dir: str, cache_dir: str | None = None) -> str:
 
 def store_secret() -> bytes | None:
     """The secret that signs the filesystem tier's files: $KVSCOPE_STORE_KEY, or the file named by
-    $KVSCOPE_STORE_KEY_FILE; None when neither is set. Never logged, never in the config."""
+    $KVSCOPE_STORE_KEY_FILE; None when neither is set (or set to nothing). A key that is set but unusable
+    (an empty file, whitespace, fewer than 16 bytes) stops the server rather than turn signing off. Never
+    logged, never in the config."""
     if os.environ.get(SECRET_FILE_ENV):
-        secret = Path(os.environ[SECRET_FILE_ENV]).read_bytes().strip()
+        raw = Path(os.environ[SECRET_FILE_ENV]).read_bytes()
+        where = f"the file ${SECRET_FILE_ENV} names"
     else:
-        secret = os.environ.get(SECRET_ENV, "").encode()
-    if not secret:
-        return None
+        raw = os.environ.get(SECRET_ENV, "").encode()
+        where = f"${SECRET_ENV}"
+        if not raw:
+            return None
+    secret = raw.strip()
     if len(secret) < 16:
-        raise ValueError(f"kvscope connector: the store secret has {len(secret)} bytes; use at least 16")
+        raise ValueError(f"kvscope connector: the store secret in {where} has {len(secret)} bytes besides "
+                         "whitespace; use at least 16")
     return secret
 
 

@@ -10,10 +10,12 @@ aside once, never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import secrets
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -164,7 +166,11 @@ class FsTier:
 
     def __init__(self, root: str, fingerprint: str, capacity_bytes: int | None, fsync: bool = False,
                  layout: Layout | None = None, secret: bytes | None = None):
-        self.dir = Path(root) / fingerprint
+        if capacity_bytes is not None and (type(capacity_bytes) is not int or capacity_bytes < 0):
+            raise ValueError(f"kvscope connector: fs_bytes {capacity_bytes!r} is not a number of bytes (an integer "
+                             "such as 17179869184; absent: unbounded)")
+        self.root = Path(root)
+        self.dir = self.root / fingerprint
         self.fingerprint = fingerprint
         self.secret = secret  # signs and verifies every file (fileformat.mac) when set
         self.capacity = capacity_bytes
@@ -175,11 +181,53 @@ class FsTier:
         self.sizes: OrderedDict[str, int] = OrderedDict()  # what this process knows is on disk, LRU order
         self.used = 0
         self.lock = threading.Lock()  # the accounting is shared by the load threads and the save thread
+        for _, key, size in sorted(self._on_disk()):
+            self._note(key, size)
+
+    def _on_disk(self) -> list[tuple[float, str, int]]:
+        """(mtime, key, size) of the block files already stored; links and other files are not blocks."""
+        found = []
         try:
-            for path in sorted(self.dir.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime):
-                self._note(path.stem, path.stat().st_size)
+            shards = [e.path for e in os.scandir(self.dir) if e.is_dir(follow_symlinks=False)]
         except OSError:
-            pass
+            return []
+        for shard in shards:
+            try:
+                for e in os.scandir(shard):
+                    if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        found.append((st.st_mtime, e.name.removesuffix(".safetensors"), st.st_size))
+            except OSError:
+                continue
+        return found
+
+    def _folder(self, key: str, create: bool = False) -> int:
+        """A descriptor of the key's folder, root/<fingerprint>/<key[:2]>, reached without following a link
+        below the root (one there would send blocks, prompts' KV, into and out of its target); with create,
+        what is missing is made 0700. Raises OSError (ELOOP or ENOTDIR at a link)."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name in (self.fingerprint, key[:2]):
+                try:
+                    inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o700, dir_fd=fd)
+                    inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = inner
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _name(self, key: str) -> str:
         return f"{self.dir}/{key[:2]}/{key}.safetensors"
@@ -203,27 +251,44 @@ class FsTier:
     def put(self, key: str, block: Block, digest: str) -> int:
         """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
         data = encode(block, self._layout(), self.fingerprint, key, digest, self.secret)
-        final = self.path(key)
+        name = f"{key}.safetensors"
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"  # unique across hosts sharing a store
+        folder = self._folder(key, create=True)
         try:
-            final.parent.mkdir(mode=0o700, exist_ok=True)
-        except FileNotFoundError:
-            self.dir.parent.mkdir(parents=True, exist_ok=True)
-            for d in (self.dir, final.parent):
-                d.mkdir(mode=0o700, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.{secrets.token_hex(8)}.tmp")  # unique across hosts sharing a store
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            with open(fd, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+            try:
+                with open(fd, "wb") as f:
+                    f.write(data)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            except OSError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=folder)
+                raise
+        finally:
+            os.close(folder)
         self._note(key, len(data))
         return self._evict()
+
+    def _remove(self, key: str, aside: bool = False) -> None:
+        """Delete a key's file, or move it aside (`.corrupt`), inside its own folder only; a file already gone,
+        or a folder that is missing or a link, is left alone."""
+        try:
+            folder = self._folder(key)
+        except OSError:
+            return
+        name = f"{key}.safetensors"
+        try:
+            if aside:
+                os.replace(name, f"{key}.corrupt", src_dir_fd=folder, dst_dir_fd=folder)
+            else:
+                os.unlink(name, dir_fd=folder)
+        except OSError:
+            pass
+        finally:
+            os.close(folder)
 
     def _evict(self) -> int:
         evicted = 0
@@ -231,7 +296,7 @@ class FsTier:
             while self.capacity is not None and self.used > self.capacity and len(self.sizes) > 1:
                 key, size = self.sizes.popitem(last=False)
                 self.used -= size
-                self.path(key).unlink(missing_ok=True)
+                self._remove(key)
                 evicted += 1
         return evicted
 
@@ -241,18 +306,22 @@ class FsTier:
         too, unless the caller checks it itself (on the GPU). The block is read into a pool slot where the
         worker has one (the caller then owns it), else into a buffer of its own."""
         layout = self._layout()
-        try:
-            fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # never blocks: a FIFO planted here would otherwise wait for a writer
+            fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptBlock("a symbolic link, not a block file") from exc
             raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
+            os.close(fd)
+            raise CorruptBlock(f"not a regular file (mode {st.st_mode:o})")
         with open(fd, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            size = os.fstat(f.fileno()).st_size
+            size = st.st_size
             if not 0 <= n <= MAX_HEADER or size != 8 + n + layout.nbytes:
                 raise CorruptBlock(f"{size} bytes, expected {8 + max(n, 0) + layout.nbytes} (truncated or padded)")
             header = head + f.read(n)
@@ -271,10 +340,7 @@ class FsTier:
 
     def discard(self, key: str) -> None:
         """Move a block that failed verification aside (`.corrupt`): kept for inspection, never looked up."""
-        try:
-            os.replace(self.path(key), self.path(key).with_suffix(".corrupt"))
-        except OSError:
-            pass
+        self._remove(key, aside=True)
         with self.lock:
             self.used -= self.sizes.pop(key, 0)
 

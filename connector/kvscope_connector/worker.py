@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import islice
 from typing import NamedTuple, TypeVar
 
@@ -40,6 +40,7 @@ MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond t
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
 LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk; beside a GPU, page-cache
 # reads into pinned memory scale further (the host's cores are otherwise idle)
+LOAD_WAIT_S = 30.0  # the longest a load waits for a block (a read that hangs: a dead NFS server); then a miss
 T = TypeVar("T")
 
 
@@ -310,7 +311,10 @@ class WorkerSide:
         while queued:
             spec, job = queued.popleft()
             if job is not None:
-                result = job.result()
+                try:
+                    result = job.result(timeout=LOAD_WAIT_S)
+                except TimeoutError:  # the read goes on in its thread; a slot it fills is not given back
+                    result = Fetched(Outcome.IO, why=f"no answer in {LOAD_WAIT_S:g} s")
             elif ram is not None and spec.key in in_ram:
                 result = self._fetch_ram(spec.key, verify)
             else:
@@ -329,7 +333,7 @@ class WorkerSide:
         elif meta.loads:
             keys = {spec.key for spec in meta.loads}
             last = max((i for i, (_, stored, _) in enumerate(self.saving) if stored & keys), default=-1)
-            self._collect(wait_upto=last)
+            self._collect(wait_upto=last, timeout=LOAD_WAIT_S)  # a save still running then: its loads miss
 
     def load(self, meta: KVScopeMetadata) -> None:
         self.broken = set()
@@ -475,11 +479,13 @@ class WorkerSide:
         stats.save_seconds = seconds + time.perf_counter() - started
         return stats
 
-    def _collect(self, wait_upto: int = -1) -> None:
-        """Count the finished save jobs, first waiting for the jobs up to index wait_upto."""
+    def _collect(self, wait_upto: int = -1, timeout: float | None = None) -> None:
+        """Count the finished save jobs, first waiting (at most `timeout` seconds) for the jobs up to index
+        wait_upto."""
+        wait([job for job, _, _ in self.saving[:wait_upto + 1]], timeout)
         pending = []
-        for i, (job, keys, held) in enumerate(self.saving):
-            if i <= wait_upto or job.done():
+        for job, keys, held in self.saving:
+            if job.done():
                 self.stats.add(job.result())
             else:
                 pending.append((job, keys, held))

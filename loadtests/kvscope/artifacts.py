@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 SCHEMA_VERSION = 1
 Role = Literal["golden", "control", "candidate", "canary"]
 Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
+Scheme = Literal["http", "https"]
 A = TypeVar("A", bound="Artifact")
 
 
@@ -197,6 +198,13 @@ class Treatment(Manifest):
     run_dir: str | None = None  # the deployment folder its log is in
     deployed_as: str | None = None  # a canary treatment: the config the server was deployed as
     fault: str | None = None
+    scheme: Scheme = "http"  # https: an endpoint kvscope did not deploy
+
+    @property
+    def url(self) -> str:
+        """The server's root URL (an IPv6 address in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
 
 
 class RunInfo(Artifact):

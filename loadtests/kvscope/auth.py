@@ -3,7 +3,9 @@
 The key comes from the environment only: $KVSCOPE_API_KEY, or the file named by $KVSCOPE_API_KEY_FILE (a
 mounted secret). Deploy hands it to each server as $VLLM_API_KEY, never as a flag (flags are recorded and
 logged); every request kvscope sends to a server's /v1 routes carries it. Whatever kvscope writes down
-(manifests, deployment.json, run.json, reports) passes through `redact_args` and `redact_env`.
+(manifests, deployment.json, run.json, reports) passes through `redact_args`, `redact_env` and
+`redact_command`: by name (a secret-looking flag, key or variable), and by value (a URL's password, and the
+value of every secret this process knows: the API key, the store key, secret-looking environment variables).
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import re
 from pathlib import Path
 
 KEY_ENV, KEY_FILE_ENV = "KVSCOPE_API_KEY", "KVSCOPE_API_KEY_FILE"
-SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "AUTH")
+SECRET_ENDINGS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASS")  # MYAPIKEY, PGPASS
+SECRET_WORDS = (*SECRET_ENDINGS, "PASSWD", "PWD", "CREDENTIAL", "CREDENTIALS", "AUTH", "BEARER")
+STORE_KEY_ENV, STORE_KEY_FILE_ENV = "KVSCOPE_STORE_KEY", "KVSCOPE_STORE_KEY_FILE"  # the connector's (keys.py)
+MIN_SECRET_CHARS = 6  # a shorter value of a secret-looking variable ("1", "true") is left where it appears
 REDACTED = "<redacted>"
-URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^@/\s]+@")
+URL_PASSWORD = re.compile(r"(://[^/:@\s]*:)[^@/\s]+@")  # redis://user:password@host, redis://:password@host
+SHELL_WORD = re.compile(r"""(?:'[^']*'|"(?:\\.|[^"\\])*"|\\.|[^\s'"\\])+""")
 
 
 def api_key() -> str | None:
@@ -33,41 +39,85 @@ def headers() -> dict[str, str]:
 
 def _secret(name: str) -> bool:
     """HF_TOKEN, api_key, --api-key, aws_secret_access_key, MYAPIKEY: yes; --max-num-batched-tokens: no."""
-    words = name.upper().replace("-", "_").strip("_").split("_")
-    return any(w in SECRET_WORDS for w in words) or any(words[-1].endswith(w) for w in SECRET_WORDS[:4])
+    words = re.split(r"[_.]", name.upper().replace("-", "_").strip("_"))
+    return any(w in SECRET_WORDS for w in words) or any(words[-1].endswith(w) for w in SECRET_ENDINGS)
+
+
+def _secret_flag(flag: str) -> bool:
+    """A secret-looking flag, or one vLLM's parser may expand into one: --hf-tok abbreviates --hf-token."""
+    last = re.split(r"[_.-]", flag.split("=", 1)[0].upper())[-1]
+    return _secret(flag) or (len(last) > 1 and any(w.startswith(last) for w in SECRET_WORDS))
+
+
+def _known_secrets() -> list[str]:
+    """The values of every secret this process knows, longest first."""
+    found = {v.strip() for k, v in os.environ.items()
+             if _secret(k) and not k.endswith("_FILE") and k not in ("PWD", "OLDPWD")}  # the shell's folders
+    for name in (KEY_FILE_ENV, STORE_KEY_FILE_ENV):
+        try:
+            found.add(Path(os.environ[name]).read_text().strip())
+        except (KeyError, OSError, UnicodeDecodeError):
+            pass
+    return sorted((v for v in found if len(v) >= MIN_SECRET_CHARS), key=len, reverse=True)
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    """A text with URL passwords and known secret values replaced."""
+    text = URL_PASSWORD.sub(r"\1" + REDACTED + "@", text)
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
 
 
 def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """Environment safe to write down: values of secret-looking names are replaced."""
-    return {k: REDACTED if _secret(k) else v for k, v in env.items()}
+    """Environment safe to write down: values of secret-looking names replaced, secrets in the rest."""
+    secrets = _known_secrets()
+    return {k: REDACTED if _secret(k) else _scrub(v, secrets) for k, v in env.items()}
 
 
-def _redact_json(value):
+def _redact_json(value, secrets: list[str]):
     if isinstance(value, str):
-        return URL_PASSWORD.sub(r"\1" + REDACTED + "@", value)  # redis://user:password@host
+        return _scrub(value, secrets)
     if isinstance(value, dict):
-        return {k: REDACTED if _secret(k) and isinstance(v, str) else _redact_json(v) for k, v in value.items()}
+        return {k: REDACTED if _secret(k) else _redact_json(v, secrets) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact_json(v) for v in value]
+        return [_redact_json(v, secrets) for v in value]
     return value
+
+
+def redact_command(command: str) -> str:
+    """A shell command line safe to write down: the value of a secret-looking assignment (NAME=value) or flag
+    (--api-key value, --api-key=value), URL passwords, and known secret values replaced."""
+    out, end, previous = [], 0, ""
+    for word in SHELL_WORD.finditer(command):
+        text = word.group(0)
+        name, eq, _ = text.partition("=")
+        if previous.startswith("-") and _secret_flag(previous) and not text.startswith("-"):
+            text = REDACTED
+        elif eq and (_secret_flag(name) if name.startswith("-") else _secret(name)):
+            text = name + "=" + REDACTED
+        out += [command[end:word.start()], text]
+        end, previous = word.end(), word.group(0)
+    return _scrub("".join(out) + command[end:], _known_secrets())
 
 
 def redact_args(args: list[str]) -> list[str]:
     """Server arguments safe to write down: the value of a secret-looking flag, and of every secret-looking
     key inside a JSON argument (the kv-transfer config), replaced."""
     out: list[str] = []
+    secrets = _known_secrets()
     for arg in args:
-        if out and out[-1].startswith("--") and _secret(out[-1]) and not arg.startswith("--"):
+        if out and out[-1].startswith("--") and _secret_flag(out[-1]) and not arg.startswith("--"):
             out.append(REDACTED)
-        elif arg.startswith("--") and "=" in arg and _secret(arg.split("=", 1)[0]):
+        elif arg.startswith("--") and "=" in arg and _secret_flag(arg.split("=", 1)[0]):
             out.append(arg.split("=", 1)[0] + "=" + REDACTED)
         elif arg.startswith("{"):
             try:
                 doc = json.loads(arg)
             except ValueError:
                 doc = None
-            clean = _redact_json(doc)
+            clean = _redact_json(doc, secrets)
             out.append(arg if clean == doc else json.dumps(clean, sort_keys=True))
         else:
-            out.append(arg)
+            out.append(_scrub(arg, secrets))
     return out

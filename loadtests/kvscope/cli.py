@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import sys
@@ -14,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from kvscope import HARNESS, __version__
+from kvscope.auth import redact_command
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import servers
 
@@ -21,11 +23,13 @@ EXIT_CODES = """exit codes of bench --report and report (the gate):
   0  every verdict is what its role expects (candidates and control PASS, canaries FAIL)
   1  the gate fails: a FAIL where PASS was expected, a canary kvscope missed too often, a crash
   2  bad input: the matrix, a selection, a scenario or a run folder (nothing was deployed or scored)
-  3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID
+  3  inconclusive: nothing failed, but a verdict is INCOMPLETE, UNVERIFIED or INVALID; bench without
+     --report: a treatment got no answer at all (a server that is down)
   130, 143, 1: bench stopped by Ctrl-C, by SIGTERM, or by a crash; run.json says why, the finished
      treatments are kept (scored when --report), and --resume continues the run"""
 DEFAULT_MATRIX = HARNESS / "matrix.yaml"
 DEFAULT_SCENARIOS = "rag-zipf,rag-relevance,multiturn,repeat-867"
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # one folder name under --results, never a path
 
 
 def names(text: str) -> list[str]:
@@ -62,6 +66,9 @@ def cmd_bench(args) -> int:
     from kvscope.run import treatments
 
     parse_slo(args.slo)  # a mistyped objective stops the bench before it runs, not after
+    if args.run_id is not None and not RUN_ID.match(args.run_id):
+        raise matrix_mod.ConfigError(f"--run-id {args.run_id!r} (RUN_ID): a run's folder name, letters, digits, "
+                                     "'.', '_' and '-', starting with a letter or digit")
     try:
         levels = [int(u) for u in names(args.users)]
     except ValueError as exc:
@@ -81,12 +88,17 @@ def cmd_bench(args) -> int:
         if not (args.endpoint and args.golden):
             raise matrix_mod.ConfigError("--endpoint and --golden go together: the servers under test and the "
                                          "cache-off reference their answers are compared with")
+        if args.ca_file:  # read by every TLS context of this process and its Locust processes
+            if not Path(args.ca_file).is_file():
+                raise matrix_mod.ConfigError(f"--ca-file {args.ca_file}: no such file")
+            os.environ["SSL_CERT_FILE"] = str(Path(args.ca_file).resolve())
         endpoints = endpoints_mod.treatments(names(args.endpoint), args.golden, args.control, Path(args.model_dir))
     try:
         folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
                                 names(args.configs), names(args.scenarios_list), users=levels, repeats=args.repeats,
                                 processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
-                                command=os.environ.get("KVSCOPE_COMMAND") or "kvscope " + shlex.join(sys.argv[1:]),
+                                command=redact_command(os.environ.get("KVSCOPE_COMMAND")
+                                                       or "kvscope " + shlex.join(sys.argv[1:])),
                                 run_id=args.run_id, remote=remote, resume=args.resume,
                                 endpoints=endpoints, exact=args.exact, queries=args.queries)
     except treatments.Interrupted as exc:
@@ -98,7 +110,25 @@ def cmd_bench(args) -> int:
             _report(exc.folder, args)
         return exc.exit_code
     print(f"records written to {folder}")
-    return _report(folder, args) if args.report else 0
+    if args.report:
+        return _report(folder, args)
+    if silent := unanswered(folder):
+        print(f"kvscope: no answer at all: {', '.join(silent)} (is the server up?); their verdicts would be "
+              "INCOMPLETE", file=sys.stderr)
+        return 3
+    return 0
+
+
+def unanswered(folder: Path) -> list[str]:
+    """The treatments of a run folder ('config x scenario') that got no answer at all."""
+    from kvscope.artifacts import Record, StatusRow, read_jsonl
+
+    def answered(path: Path) -> bool:
+        return path.exists() and any(r.ok for r in read_jsonl(path, Record))
+
+    rows = read_jsonl(folder / "status.jsonl", StatusRow) if (folder / "status.jsonl").exists() else []
+    return [f"{row.config} x {row.scenario}" for row in rows
+            if not answered(folder / "records" / f"{row.config}__{row.scenario}.jsonl")]
 
 
 def _terminated(signum, frame):
@@ -125,12 +155,24 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def _hits(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1 (a cache that is never hit proves nothing)")
+    return int(text)
+
+
+def _share(text: str) -> float:
+    if not 0 <= float(text) <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share, from 0 to 1")
+    return float(text)
+
+
 def _gate_options(s) -> None:
     from kvscope.analyze.verdicts import MAX_FAILED_SHARE, MIN_VERIFIED_HITS
 
-    s.add_argument("--min-hits", type=int, default=MIN_VERIFIED_HITS,
+    s.add_argument("--min-hits", type=_hits, default=MIN_VERIFIED_HITS,
                    help="verified cache hits a config needs for PASS (fewer: UNVERIFIED)")
-    s.add_argument("--max-failed", type=float, default=MAX_FAILED_SHARE,
+    s.add_argument("--max-failed", type=_share, default=MAX_FAILED_SHARE,
                    help="share of failed requests a config may have before it is INCOMPLETE")
     s.add_argument("--slo", default="", metavar="ttft=MS,tpot=MS",
                    help="service-level objective: the summary adds the share of requests that met it, and goodput")
@@ -144,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("validate", help="validate the matrix (and a selection for a platform)")
+    s.add_argument("--matrix", type=Path, default=argparse.SUPPRESS, help="storage-config matrix YAML")
     s.add_argument("--configs", default="")
     s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu")
     s.set_defaults(func=cmd_validate)
@@ -158,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --endpoint: a second cache-off server, to measure the noise floor")
     s.add_argument("--model-dir", default="models/tiny-qwen3",
                    help="with --endpoint: a folder with the served model's tokenizer.json")
+    s.add_argument("--ca-file", default=None, metavar="PEM",
+                   help="with --endpoint: the CAs https endpoints' certificates are checked against (default: the "
+                        "system's)")
     s.add_argument("--results", default="results")
     s.add_argument("--scenarios-file", dest="scenarios", default=str(HARNESS / "scenarios.yaml"))
     s.add_argument("--configs", default="", help="comma-separated; default every deployed config")

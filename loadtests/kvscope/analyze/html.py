@@ -1,9 +1,14 @@
-"""report.html: the report as one self-contained page (tables, plots inlined), readable offline."""
+"""report.html: the report as one self-contained page (tables, plots inlined), readable offline.
+
+Its text comes from run folders, which are shared and may be edited (a record's error is what a server
+sent): HTML in it is shown as text, and the page's policy forbids scripts and fetching anything.
+"""
 
 from __future__ import annotations
 
 import base64
 import re
+from html import escape
 from pathlib import Path
 
 import markdown
@@ -21,6 +26,10 @@ code { background: #f4f4f4; padding: 0 3px; font-size: 12px; }
 details summary { cursor: pointer; color: #555; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
 """
+POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+# The one piece of HTML a report writes itself, the folded server flags, as it reads once HTML is text.
+FOLD = re.compile(r'<p>&lt;details markdown="1"&gt;&lt;summary&gt;(.*?)&lt;/summary&gt;</p>')
+UNFOLD = "<p>&lt;/details&gt;</p>"
 
 
 def _inline(folder: Path, match: re.Match) -> str:
@@ -31,8 +40,12 @@ def _inline(folder: Path, match: re.Match) -> str:
 
 
 def render(folder: Path, text: str, title: str) -> str:
-    """One HTML page from the report's markdown, its PNGs embedded."""
-    body = markdown.markdown(text, extensions=["tables", "md_in_html"])
+    """One HTML page from the report's markdown, its PNGs embedded; raw HTML in the text is escaped."""
+    md = markdown.Markdown(extensions=["tables"])
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    body = FOLD.sub(r"<details><summary>\1</summary>", md.convert(text)).replace(UNFOLD, "</details>")
     body = re.sub(r'src="([\w.-]+\.png)"', lambda m: _inline(folder, m), body)
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">"
+            f"<meta http-equiv=\"Content-Security-Policy\" content=\"{POLICY}\"><title>{escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")

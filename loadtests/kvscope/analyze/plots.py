@@ -94,8 +94,8 @@ def hit_rate_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataF
     for r in summary.itertuples():
         if r.config in configs:
             i, j = configs.index(r.config), scenarios.index(r.scenario)
-            grid[i, j] = r.hit_rate_per_request if r.hit_rate_per_request == r.hit_rate_per_request else np.nan
-            theory = "–" if r.hit_rate_theoretical != r.hit_rate_theoretical else f"{r.hit_rate_theoretical:.2f}"
+            grid[i, j] = np.nan if pd.isna(r.hit_rate_per_request) else r.hit_rate_per_request  # None: no answer
+            theory = "–" if pd.isna(r.hit_rate_theoretical) else f"{r.hit_rate_theoretical:.2f}"
             measured = "–" if np.isnan(grid[i, j]) else f"{grid[i, j]:.2f}"
             ax.text(j, i, f"{measured} (LRU {theory})", ha="center", va="center", fontsize=7)
     ax.imshow(grid, cmap="Blues", vmin=0, vmax=1, aspect="auto", alpha=0.8)

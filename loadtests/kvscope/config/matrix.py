@@ -14,6 +14,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvscope.artifacts import Role
+from kvscope.config import strict_yaml
 
 Platform = Literal["cpu", "cuda"]
 FlagValue = bool | int | float | str
@@ -26,19 +27,36 @@ ROLE_ORDER = {"golden": 0, "control": 1, "candidate": 2, "canary": 3}  # the ord
 
 # Flags the renderer owns: a config that sets one would silently fight the deployment.
 # The API key is one too: it comes from the environment (KVSCOPE_API_KEY), never from a file that is recorded.
-RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config", "--api-key"}
+# So is vLLM's --config, a file of flags kvscope would not see.
+RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config", "--api-key", "--config"}
 # The fault classes of kvscope_connector.canary.FAULTS (the harness does not import the connector; a test
 # keeps the two lists equal).
 CANARY_FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign")
 # Flags that would give a cache-off reference (golden, control) a cache.
 CACHE_FLAGS = ("--enable-prefix-caching", "--kv-offloading-size")
+CACHE_OFF = "--no-enable-prefix-caching"
+# Flags whose every spelling is checked: vLLM's parser reads an unambiguous prefix as the whole option.
+WATCHED_FLAGS = RESERVED_FLAGS | set(CACHE_FLAGS) | {CACHE_OFF}
+
+
+def vllm_flag(flag: str) -> str:
+    """A flag as vLLM's parser names it: '_' is '-' up to the first '.' (`--kv_transfer_config.kv_role` sets
+    a key of `--kv-transfer-config`'s JSON)."""
+    name, dot, key = flag.split("=", 1)[0].partition(".")
+    return name.replace("_", "-") + dot + key
+
+
+def vllm_option(flag: str) -> str:
+    """The option a flag sets in vLLM's parser (before any abbreviation is expanded)."""
+    return vllm_flag(flag).split(".", 1)[0]
 
 
 def cache_off_errors(flags: dict[str, FlagValue]) -> list[str]:
     """Why these server flags do not keep vLLM's prefix cache and KV offloading off ([] when they do)."""
-    errors = [f"flag '{f}' turns a cache on" for f in CACHE_FLAGS if flags.get(f) not in (None, False, 0)]
-    if flags.get("--no-enable-prefix-caching") is not True:
-        errors.append("needs '--no-enable-prefix-caching: true' (vLLM caches prefixes by default)")
+    on = {vllm_option(f) for f, v in flags.items() if v not in (None, False, 0)}
+    errors = [f"flag '{f}' turns a cache on" for f in CACHE_FLAGS if f in on]
+    if not any(vllm_flag(f) == CACHE_OFF and v is True for f, v in flags.items()):
+        errors.append(f"needs '{CACHE_OFF}: true' (vLLM caches prefixes by default)")
     return errors
 
 
@@ -53,20 +71,32 @@ class Strict(BaseModel):
 
 
 def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
-    """Why these flags may not be given to a server ([] when they may)."""
-    errors = []
+    """Why these flags may not be given to a server ([] when they may), read as vLLM's parser reads them."""
+    errors, seen = [], set()
     for flag in flags:
+        option = vllm_option(flag)
+        whole = next((f for f in sorted(WATCHED_FLAGS) if f != option and f.startswith(option)), None)
         if not flag.startswith("--"):
             errors.append(f"flag '{flag}' must start with '--'")
-        elif flag.split("=", 1)[0] in RESERVED_FLAGS:
+        elif option in RESERVED_FLAGS:
             errors.append(f"flag '{flag}' is set by kvscope itself and may not appear in a config or override")
+        elif whole:
+            errors.append(f"flag '{flag}' abbreviates '{whole}' (vLLM would read it so): write it in full")
+        elif vllm_flag(flag) in seen:
+            errors.append(f"flag '{flag}' is given twice (vLLM reads '_' as '-')")
+        seen.add(vllm_flag(flag))
     return errors
+
+
+def vllm_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
+    """Flags named as vLLM's parser names them, so that a later spelling overrides an earlier one."""
+    return {vllm_flag(f) if f.startswith("--") else f: v for f, v in flags.items()}
 
 
 def _check_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
     if errors := flag_errors(flags):
         raise ValueError("; ".join(errors))
-    return flags
+    return vllm_flags(flags)
 
 
 class ExactMode(Strict):
@@ -197,7 +227,7 @@ def _describe(err: ValidationError, where: str) -> str:
 def load(path: Path) -> Matrix:
     """Read and validate the matrix, naming the config and field of every error."""
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = strict_yaml.load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read the matrix: {exc}") from exc
     if not isinstance(raw, dict):
@@ -241,7 +271,28 @@ def load(path: Path) -> Matrix:
         raise ConfigError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
     if sum(c.role == "control" for c in matrix.configs) > 1:
         raise ConfigError(f"{path}: at most one config may have role 'control' (the second cache-off server)")
+    if errors := _reset_errors(matrix):
+        raise ConfigError("\n".join(errors))
     return matrix
+
+
+def _reset_errors(matrix: Matrix) -> list[str]:
+    """Configs with a cache whose servers would have no /reset_prefix_cache (vLLM mounts it only with
+    VLLM_SERVER_DEV_MODE=1), so their cache could never be emptied between treatments."""
+    errors = []
+    for cfg in matrix.configs:
+        for name in cfg.platforms if cfg.role in ("candidate", "canary") else []:
+            defaults = matrix.platforms.get(name)
+            if defaults is None:
+                continue
+            env = {**defaults.env, **cfg.env}
+            exact = {**env, **defaults.exact.env} if defaults.exact else env
+            if env.get("VLLM_SERVER_DEV_MODE") != "1" or exact.get("VLLM_SERVER_DEV_MODE") != "1":
+                errors.append(f"config '{cfg.name}': field 'env': VLLM_SERVER_DEV_MODE must be \"1\" on platform "
+                              f"'{name}' (here or in the platform's env): without it vLLM has no /reset_prefix_cache "
+                              "and the cache is never emptied between treatments")
+                break
+    return errors
 
 
 def _cross_config_errors(configs: list[StorageConfig]) -> list[str]:

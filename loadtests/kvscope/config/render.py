@@ -10,7 +10,15 @@ import json
 from pathlib import Path
 
 from kvscope.artifacts import RenderedServer
-from kvscope.config.matrix import ConfigError, Matrix, Platform, StorageConfig, cache_off_errors, flag_errors
+from kvscope.config.matrix import (
+    ConfigError,
+    Matrix,
+    Platform,
+    StorageConfig,
+    cache_off_errors,
+    flag_errors,
+    vllm_flags,
+)
 
 
 def _flag_args(flags: dict) -> list[str]:
@@ -63,7 +71,7 @@ def parse_overrides(text: str) -> dict:
     flags = {"--" + str(k).lstrip("-"): v for k, v in items.items()}
     if errors := flag_errors(flags):
         raise ConfigError(f"flag overrides: {'; '.join(errors)}")
-    return flags
+    return vllm_flags(flags)
 
 
 def render(

@@ -12,31 +12,50 @@ import json
 import re
 import urllib.error
 from pathlib import Path
+from typing import NamedTuple, cast
 from urllib.parse import urlparse
 
-from kvscope.artifacts import Role, Treatment
+from kvscope.artifacts import Role, Scheme, Treatment
 from kvscope.config.matrix import NAME, ConfigError
 from kvscope.deploy import servers
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's, where the server does not report its own
+DEFAULT_PORTS: dict[Scheme, int] = {"http": 80, "https": 443}
 
 
-def parse(spec: str, default_name: str) -> tuple[str, str, int]:
-    """'[name=]http://host:port' -> (name, host, port); refuses what kvscope cannot address."""
+class Address(NamedTuple):
+    name: str
+    scheme: Scheme
+    host: str
+    port: int
+
+
+def parse(spec: str, default_name: str) -> Address:
+    """'[name=]http(s)://host[:port]' -> its name and address; refuses what kvscope cannot address (another
+    path, a query) and credentials in the URL (the API key travels in a header: KVSCOPE_API_KEY)."""
     name, _, url = spec.rpartition("=") if re.match(r"^[a-z0-9-]+=", spec) else ("", "", spec)
     name = name or default_name
     parsed = urlparse(url)
     if not re.match(NAME, name):
         raise ConfigError(f"endpoint '{spec}': the name '{name}' must match {NAME}")
-    if parsed.scheme != "http" or not parsed.hostname or parsed.path not in ("", "/", "/v1", "/v1/"):
-        raise ConfigError(f"endpoint '{spec}': expected http://host:port (the server's root, no other path)")
-    return name, parsed.hostname, parsed.port or 80
+    try:
+        port = parsed.port
+    except ValueError as exc:  # not a number, or out of range
+        raise ConfigError(f"endpoint '{spec}': port {exc}") from exc
+    if parsed.username is not None or parsed.password is not None:
+        raise ConfigError(f"endpoint '{spec}': credentials in the URL are not sent; set KVSCOPE_API_KEY")
+    if (parsed.scheme not in DEFAULT_PORTS or not parsed.hostname or port == 0 or parsed.query or parsed.fragment
+            or parsed.params or parsed.path not in ("", "/", "/v1", "/v1/")):
+        raise ConfigError(f"endpoint '{spec}': expected http(s)://host:port, the server's root (no other path, no "
+                          "query)")
+    scheme = cast(Scheme, parsed.scheme)
+    return Address(name, scheme, parsed.hostname, port or DEFAULT_PORTS[scheme])
 
 
-def treatment(spec: str, default_name: str, role: Role, model_dir: Path) -> Treatment:
+def treatment(address: Address, role: Role, model_dir: Path) -> Treatment:
     """One endpoint as a treatment: its served model, and what its /metrics says of its cache."""
-    name, host, port = parse(spec, default_name)
-    base = f"http://{host}:{port}"
+    name, scheme, host, port = address
+    base = Treatment.model_construct(scheme=scheme, host=host, port=port).url
     try:
         models = json.loads(servers.http_get(f"{base}/v1/models", timeout=30))["data"]
     except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
@@ -54,7 +73,7 @@ def treatment(spec: str, default_name: str, role: Role, model_dir: Path) -> Trea
     if caching and labels and role in ("golden", "control"):
         raise ConfigError(f"endpoint '{name}' ({role}) has prefix caching on: the reference must be cache-off "
                           "(vLLM: --no-enable-prefix-caching)")
-    return Treatment(config=name, role=role, port=port, host=host, platform="endpoint",
+    return Treatment(config=name, role=role, port=port, host=host, scheme=scheme, platform="endpoint",
                      served_model_name=models[0]["id"], server_args=[], store_reset="keep", vllm_version=version,
                      kv_capacity_tokens=servers.kv_capacity_tokens(labels),
                      block_size=int(block) if block != "None" else DEFAULT_BLOCK_SIZE,
@@ -68,11 +87,11 @@ def treatments(endpoints: list[str], golden: str, control: str | None, model_dir
     if not (model_dir / "tokenizer.json").is_file():
         raise ConfigError(f"--model-dir {model_dir}: no tokenizer.json (the endpoints' model's tokenizer sizes the "
                           "workloads)")
-    found = [treatment(golden, "golden", "golden", model_dir)]
+    roles: list[tuple[Address, Role]] = [(parse(golden, "golden"), "golden")]  # every one parsed before any is asked
     if control:
-        found.append(treatment(control, "control", "control", model_dir))
-    found += [treatment(spec, f"endpoint-{i}", "candidate", model_dir) for i, spec in enumerate(endpoints, 1)]
-    names = [t.config for t in found]
+        roles.append((parse(control, "control"), "control"))
+    roles += [(parse(spec, f"endpoint-{i}"), "candidate") for i, spec in enumerate(endpoints, 1)]
+    names = [address.name for address, _ in roles]
     if len(set(names)) != len(names):
         raise ConfigError(f"endpoint names repeat: {names}; name them as name=http://host:port")
-    return found
+    return [treatment(address, role, model_dir) for address, role in roles]

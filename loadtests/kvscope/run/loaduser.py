@@ -147,6 +147,7 @@ class KVScopeUser(FastHttpUser):
     """Replays kvscope workload sessions against one server, streaming every request."""
 
     wait_time = constant(0)
+    insecure = False  # an https server's certificate is checked (the system's CAs, or $SSL_CERT_FILE)
     network_timeout = 300.0
     connection_timeout = 10.0
     max_retries = 0

@@ -66,7 +66,7 @@ def _snapshot(base: str) -> dict[str, float] | None:
 
 def reset(server: Treatment) -> dict:
     """Empty every tier of one server: vLLM's prefix cache, the connector's cache, the config's stores."""
-    base = f"http://{server.host}:{server.port}"
+    base = server.url
     status: int | str
     try:
         status = _post(f"{base}/reset_prefix_cache?reset_external=true")
@@ -110,7 +110,7 @@ def warm_up(server: Treatment) -> None:
     """One throwaway request before the reset, so an idle server's slow first request is not measured."""
     body = json.dumps({"model": server.served_model_name, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
                        "temperature": 0})
-    req = urllib.request.Request(f"http://{server.host}:{server.port}/v1/completions", data=body.encode(),
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=body.encode(),
                                  headers=auth.headers())
     try:
         urllib.request.urlopen(req, timeout=300).read()
@@ -145,7 +145,7 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
     remote = {"hosts": [...], "ssh_config": path, "master_host": address}: Locust's distributed mode across
     hosts: this process is the master, one worker per host started over ssh with the same options (the
     repository and venvs at the same paths there); workers send their records to the master."""
-    kvscope_args = ["-f", str(LOCUSTFILE), "--host", f"http://{server.host}:{server.port}",
+    kvscope_args = ["-f", str(LOCUSTFILE), "--host", server.url,
                     "--kvscope-workload", str(Path(workload).resolve()),
                     "--kvscope-records", str(Path(records).resolve()),
                     "--kvscope-config", server.config, "--kvscope-block-size", str(server.block_size),
@@ -167,8 +167,9 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
                 "--expect-workers-max-wait", "120", "--kvscope-workers", str(len(hosts))]
         worker = [sys.executable, "-m", "locust", *kvscope_args, "--worker", "--master-host", remote["master_host"],
                   "--kvscope-workers", str(len(hosts)), "--loglevel", "WARNING"]
-        if os.environ.get(auth.KEY_FILE_ENV):  # the key file at the same path on every host; never the key
-            worker = ["env", f"{auth.KEY_FILE_ENV}={os.environ[auth.KEY_FILE_ENV]}", *worker]
+        files = [f"{k}={os.environ[k]}" for k in (auth.KEY_FILE_ENV, "SSL_CERT_FILE") if os.environ.get(k)]
+        if files:  # the key file (never the key) and a CA file, at the same paths on every host
+            worker = ["env", *files, *worker]
         workers = [subprocess.Popen(["ssh", "-F", str(remote["ssh_config"]), host, shlex.join(worker)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for host in hosts]
     elif processes > 1:
@@ -197,7 +198,7 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
 
 def _phase(server: Treatment, workload: Path, reqs: list[Request], folder: Path, stem: str, phase: str,
            opts) -> dict:
-    base = f"http://{server.host}:{server.port}"
+    base = server.url
     before = _snapshot(base)
     row = run_locust(server, workload, folder / "records" / f"{stem}.jsonl", opts["users"], opts["processes"],
                      opts["rate"], opts["timeout_s"], opts["remote"], folder / "locust" / f"{stem}.{phase}")

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from kvscope import artifacts
 from kvscope.artifacts import Request, append_jsonl
+from kvscope.config import strict_yaml
 from kvscope.config.matrix import ConfigError, Strict
 
 SEED_SYSTEM = "你是一个简洁、专业的中文助手"
@@ -81,7 +82,10 @@ class Document:
 
 
 def load_scenarios(path: Path) -> dict[str, Scenario]:
-    raw = yaml.safe_load(Path(path).read_text())
+    try:
+        raw = strict_yaml.load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read the scenarios: {exc}") from exc
     out = {}
     for item in raw.get("scenarios", []):
         try:

@@ -1,0 +1,161 @@
+"""A store written by a hostile or careless host: special files, links, odd headers, bad settings (no server)."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+from test_sides import worker
+from test_store import FP, LAYOUT, block, tier, write
+
+from kvscope_connector import worker as worker_mod
+from kvscope_connector.blocks import CorruptBlock
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.store import FsTier
+
+
+def in_time(call, seconds=5.0):
+    """What call() returns or raises, failing the test (not hanging it) when it takes longer than `seconds`."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_a_fifo_at_a_blocks_name_is_a_quarantined_miss_not_a_hang(tmp_path):
+    fs = tier(tmp_path)
+    write(fs, "ab12", block())
+    os.unlink(fs.path("ab12"))
+    os.mkfifo(fs.path("ab12"))
+    try:
+        with pytest.raises(CorruptBlock, match="not a regular file"):
+            in_time(lambda: fs.get("ab12"))
+    finally:  # a reader stuck in open() (the old code) is let go
+        try:
+            os.close(os.open(fs.path("ab12"), os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    w = worker(tmp_path / "w", ram=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
+    path = w.fs.path("k1")
+    os.unlink(path)
+    os.mkfifo(path)
+    in_time(lambda: w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")])))
+    assert w.take_load_errors() == {5} and w.stats.corrupt == 1
+    assert not path.exists() and path.with_suffix(".corrupt").exists()  # moved aside
+
+
+def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
+    w = worker(tmp_path, ram=False)
+    stuck = threading.Event()
+    w.fs.get = lambda key, verify=True: stuck.wait(30)  # a read that hangs (a dead NFS server)
+    started = time.monotonic()
+    try:
+        in_time(lambda: w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")])))
+    finally:
+        stuck.set()
+    assert time.monotonic() - started < 5
+    assert w.take_load_errors() == {5} and w.stats.io_errors == 1
+
+
+def test_writes_and_evictions_never_follow_a_linked_folder_below_the_store_root(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (tmp_path / "root").mkdir()
+    fs = tier(tmp_path / "root")
+    fs.dir.symlink_to(victim)  # root/<fingerprint> is a link
+    with pytest.raises(OSError):
+        write(fs, "ab12", block())
+    assert not list(victim.rglob("*"))
+    fs.dir.unlink()
+    probe = tier(tmp_path / "probe")
+    write(probe, "00aa", block())
+    fs = tier(tmp_path / "root", capacity=probe.used)
+    write(fs, "ab12", block())
+    (fs.dir / "ab").rename(victim / "ab")
+    (fs.dir / "ab").symlink_to(victim / "ab")  # a shard folder is a link
+    with pytest.raises(OSError):
+        write(fs, "ab34", block())
+    write(fs, "cd34", block())  # evicts ab12, which this store no longer holds
+    fs.discard("ab12")
+    assert sorted(p.name for p in (victim / "ab").iterdir()) == ["ab12.safetensors"]
+
+
+def test_the_store_root_is_made_private(tmp_path):
+    write(tier(tmp_path / "store"), "ab12", block())
+    assert (tmp_path / "store").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_dangling_link_does_not_stop_the_startup_scan(tmp_path):
+    fs = tier(tmp_path / "store")
+    for key in ("ab12", "cd34"):
+        write(fs, key, block())
+    (fs.dir / "ab" / "ee99.safetensors").symlink_to(tmp_path / "gone")
+    assert tier(tmp_path / "store").used == fs.used > 0  # a new process accounts what is on disk
+
+
+@pytest.mark.parametrize("in_file, in_env", [("", None), (" \n\t \n", None), (None, " " * 16),
+                                             (None, " " * 12 + "key ")])
+def test_a_store_key_that_is_set_but_unusable_stops_the_server(tmp_path, monkeypatch, in_file, in_env):
+    from kvscope_connector import keys
+
+    monkeypatch.delenv(keys.SECRET_ENV, raising=False)
+    monkeypatch.delenv(keys.SECRET_FILE_ENV, raising=False)
+    if in_file is not None:
+        (tmp_path / "key").write_text(in_file)
+        monkeypatch.setenv(keys.SECRET_FILE_ENV, str(tmp_path / "key"))
+    else:
+        monkeypatch.setenv(keys.SECRET_ENV, in_env)
+    with pytest.raises(ValueError, match="store secret"):
+        keys.store_secret()
+    monkeypatch.setenv(keys.SECRET_FILE_ENV, "")
+    monkeypatch.setenv(keys.SECRET_ENV, "")  # set to nothing: no key, as when deploy has none to give
+    assert keys.store_secret() is None
+
+
+def rewrite_header(path, edit):
+    """Give a stored block file another JSON header (its data kept): edit(header text) -> new header text."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = edit(data[8:8 + n].decode()).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n:])
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: json.dumps({**json.loads(h), "__metadata__": {**json.loads(h)["__metadata__"], "mac": "é" * 64}}),
+    lambda h: h.rstrip()[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",
+], ids=["non-ascii-mac", "deeply-nested"])
+def test_an_odd_header_is_a_corrupt_block_not_an_exception(tmp_path, edit):
+    fs = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=b"s" * 32)
+    write(fs, "ab12", block())
+    rewrite_header(fs.path("ab12"), edit)
+    with pytest.raises(CorruptBlock):
+        fs.get("ab12")
+
+
+def test_a_folder_at_a_blocks_name_is_a_quarantined_miss(tmp_path):
+    w = worker(tmp_path, ram=False)
+    w.fs.path("k1").mkdir(parents=True)
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
+    assert w.take_load_errors() == {5} and (w.stats.corrupt, w.stats.io_errors) == (1, 0)
+    assert not w.fs.path("k1").exists() and w.fs.path("k1").with_suffix(".corrupt").is_dir()
+
+
+@pytest.mark.parametrize("capacity", ["16G", "1e9", 1.5, -1, True])
+def test_a_capacity_that_is_not_a_number_of_bytes_is_refused_when_the_tier_is_made(tmp_path, capacity):
+    with pytest.raises(ValueError, match="fs_bytes"):
+        FsTier(str(tmp_path), FP, capacity)
