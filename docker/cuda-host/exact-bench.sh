@@ -3,19 +3,22 @@
 #  exact:  the Qwen3-4B shape in bf16, every server batch-invariant (EXACT=1): golden, control, vLLM's prefix
 #          cache and CPU offload, kvscope's connector, LMCache (in-process and multi-process) and UCM's NFS
 #          store, and the canary's nine faults; QUERIES queries per scenario (>= 60 broken hits per fault);
-#  tiny:   beside it, the tiny model in fp32, exact: golden, control, kvscope-fs and the canary; then
-#          loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt whose load failed?);
-#  normal: then the same 4B workload without batch invariance, same flags otherwise: speed, and the mode's cost.
-# Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end.
-#   docker/cuda-host/exact-bench.sh OUT_DIR [QUERIES=48] [USERS=16]
+#  tiny:   beside it, the tiny model in fp32, exact: golden, control, kvscope-fs and the canary;
+#  normal: then the same 4B workload without batch invariance, same flags otherwise: speed, and the mode's cost;
+#  failed-load: last, on the freed GPU, loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt
+#          whose KV load failed?).
+# Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
+# folders are written under OUT_DIR/results, outside the checkout: a tool that syncs the checkout while the
+# run goes on (the lent H200's does, at every call) would remove them there.
+#   docker/cuda-host/exact-bench.sh OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
-out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-48}; users=${3:-16}
+out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
 here=$(dirname "$0")
-export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries
+export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries RESULTS=$out/results
 correct=baseline,control,apc,offload-cpu-tier,kvscope-ram,kvscope-fs
 bf16='{"dtype": "bfloat16"}'
-keep() {  # keep PART FILES...: what a part made, in one archive
-  tar -czf "$out/$1.tar.gz" --ignore-failed-read "${@:2}" 2>/dev/null
+keep() {  # keep PART FILES...: what a part made, in one archive (paths under OUT_DIR)
+  tar -czf "$out/$1.tar.gz" -C "$out" --ignore-failed-read "${@:2}" 2>/dev/null
   echo "$(date -u +%T) $1 kept" >> "$out/progress"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
@@ -23,14 +26,15 @@ python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm._
 (
   EXACT=1 RUN_DIR=runs/cuda-host-tiny PORT_OFFSET=1000 bash "$here/bench.sh" tiny h200-exact-tiny-fp32 \
     baseline,control,kvscope-fs,canary '{"kv-cache-memory-bytes": 536870912}' 8 > "$out/tiny.log" 2>&1
-  python3 loadtests/repro/vllm_failed_load.py models/tiny --dtype float32 > "$out/failed-load.txt" 2>&1
-  echo "exit $?" >> "$out/failed-load.txt"
-  keep tiny "$out/tiny.log" "$out/failed-load.txt" results/h200-exact-tiny-fp32
+  keep tiny tiny.log results/h200-exact-tiny-fp32
 ) &
 EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16 "$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs" "$bf16" \
   "$users" > "$out/exact.log" 2>&1
-keep exact "$out/exact.log" results/h200-exact-4b-bf16
+keep exact exact.log results/h200-exact-4b-bf16
 wait
 bash "$here/bench.sh" qwen3-4b h200-normal-4b-bf16 "$correct" "$bf16" "$users" > "$out/normal.log" 2>&1
-keep normal "$out/normal.log" results/h200-normal-4b-bf16
+keep normal normal.log results/h200-normal-4b-bf16
+python3 loadtests/repro/vllm_failed_load.py models/tiny --dtype float32 > "$out/failed-load.txt" 2>&1
+echo "exit $?" >> "$out/failed-load.txt"
+keep failed-load failed-load.txt
 touch "$out/DONE"
