@@ -181,6 +181,40 @@ def write_fault_log(run, config, changed: dict[int, int]):
                                 "changed": n}) + "\n")
 
 
+def certify(run, config, tiers):
+    doc = json.loads((run / "run.json").read_text())
+    next(s for s in doc["servers"] if s["config"] == config)["tiers"] = tiers
+    (run / "run.json").write_text(json.dumps(doc))
+
+
+def write_load_log(run, config, served: dict[int, dict[str, int]]):
+    (run / "loads").mkdir(exist_ok=True)
+    with open(run / "loads" / f"{config}__s.jsonl", "w") as f:
+        for i, tiers in served.items():
+            f.write(json.dumps({"request": f"cmpl-r{i}@measure-0a1b2c3d", **tiers}) + "\n")
+
+
+def test_a_config_passes_only_for_the_tiers_that_served_verified_hits(tmp_path):
+    run = make_run(tmp_path / "run", four())
+    certify(run, "apc", ["ram", "disk"])
+    write_load_log(run, "apc", {0: {"ram": 2}, 1: {"ram": 1, "disk": 1}})
+    assert report.write(run, min_hits=2) == 3  # disk served one verified hit: not exercised, inconclusive
+    why = verdicts(run).why["apc"]
+    assert verdicts(run).verdict["apc"] == "UNVERIFIED"
+    assert why == "PASS for ram; disk not exercised (1 verified hits, 2 needed)"
+    assert "- `apc`: verified hits each tier served: ram 2, disk 1 (not exercised); it certifies ram, disk" in (
+        run / "report.md").read_text()
+    assert report.write(run, min_hits=1) == 0 and verdicts(run).why["apc"] == (
+        "2 verified cache hits (by tier: ram 2, disk 1)")
+
+
+def test_a_config_whose_certified_tiers_left_no_log_cannot_pass(tmp_path):
+    run = make_run(tmp_path / "run", four())
+    certify(run, "apc", ["disk"])
+    assert report.write(run, min_hits=1) == 3
+    assert verdicts(run).why["apc"] == "its tiers (disk) cannot be observed: no load log kept"
+
+
 def test_detection_power_counts_the_hits_the_canary_broke(tmp_path):
     run = make_run(tmp_path / "run", four(canary=[[1, 9, 3], [4, 5, 6]]))
     write_fault_log(run, "canary-shift", {0: 2, 1: 0})  # it broke r0 (detected) and left r1 correct

@@ -31,7 +31,6 @@ Noise is added in the KV cache itself after the write, on its device.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -98,7 +97,8 @@ class _FaultWorker(WorkerSide):
             lines.append({"request": request_id, "fault": fault, "loaded": len(loaded), "changed": changed,
                           "inherited": inherited})
         self.pending = []
-        self._log(lines)
+        if self.fault_log and lines:
+            self.append_log(self.fault_log, lines)
 
     def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
                  ) -> Iterable[tuple[int, Block]]:
@@ -183,15 +183,6 @@ class _FaultWorker(WorkerSide):
     def _other_block(self, keys: set[str]) -> Block | None:
         """The most recently used RAM-tier block stored under a key this request does not load."""
         return None if self.ram is None else self.ram.recent(keys)
-
-    def _log(self, lines: list[dict]) -> None:
-        if not self.fault_log or not lines:
-            return
-        try:
-            with open(self.fault_log, "a") as f:
-                f.write("".join(json.dumps(line) + "\n" for line in lines))
-        except OSError as exc:  # the bench then treats every hit as affected, and says so
-            self.stats.warn_once("fault-log", "cannot write the fault log %s: %s", self.fault_log, exc)
 
 
 class FaultCanary(KVScopeConnector):

@@ -15,6 +15,8 @@ kv_connector_extra_config keys:
 - fs_bytes (int, optional): filesystem tier capacity; unbounded when absent.
 - fsync (bool, default false): fsync each block before its atomic rename.
 - model_id (str, optional): weights identity to use instead of hashing the model's files.
+- load_log (str, optional): a JSONL file; each step appends, per request that loaded, the blocks each tier
+  served ({"request": vLLM's request id, "ram": n, "disk": n, "missed": n}): kvscope's per-tier verdict.
 The store secret comes from the environment only ($KVSCOPE_STORE_KEY or $KVSCOPE_STORE_KEY_FILE, see
 keys.store_secret): with it every file is signed and a file that is not is never loaded.
 Use it with "kv_load_failure_policy": "recompute", so blocks that fail verification are recomputed.
@@ -155,6 +157,7 @@ class KVScopeConnector(KVConnectorBase_V1):
             # the scheduler decides evictions; the slack covers blocks still in flight
             ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
             self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs, checksum)
+            self.worker_side.load_log = extra("load_log", None)
 
     # Worker-side methods
 

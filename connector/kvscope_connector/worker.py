@@ -21,6 +21,7 @@ recomputes them too, and they are stored then).
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -101,6 +102,8 @@ class WorkerSide:
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
         self.broken: set[str] = set()  # requests with a failed load this step: their new blocks are not stored
+        self.load_log: str | None = None  # JSONL: per request and step, the blocks each tier served (extra config)
+        self.served: dict[str, dict[str, int]] = {}  # this step's request -> tier -> blocks
         self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
@@ -254,6 +257,9 @@ class WorkerSide:
         """Count an outcome; discard what failed verification; promote filesystem hits to RAM (handing an
         owned slot over, or giving it back). Returns the block, or None for a miss."""
         outcome, why = result.outcome, result.why
+        tier = {Outcome.RAM_HIT: "ram", Outcome.FS_HIT: "disk"}.get(outcome, "missed")
+        served = self.served.setdefault(spec.request_id, {})
+        served[tier] = served.get(tier, 0) + 1
         if outcome == Outcome.RAM_HIT:
             self.stats.ram_hits += 1
         elif outcome == Outcome.FS_HIT:
@@ -336,7 +342,7 @@ class WorkerSide:
             self._collect(wait_upto=last, timeout=LOAD_WAIT_S)  # a save still running then: its loads miss
 
     def load(self, meta: KVScopeMetadata) -> None:
-        self.broken = set()
+        self.broken, self.served = set(), {}
         self.begin_step(meta)
         started = time.perf_counter()
         if self.on_device:
@@ -345,6 +351,17 @@ class WorkerSide:
             written = self.inject(self.to_write(meta, self._verified(meta.loads)))
         self.stats.load_bytes += self.block_bytes() * written
         self.stats.load_seconds += time.perf_counter() - started
+        if self.load_log and self.served:
+            self.append_log(self.load_log, [{"request": r, **tiers} for r, tiers in self.served.items()])
+
+    def append_log(self, path: str, lines: list[dict]) -> None:
+        """Append JSON lines to a log the bench reads (the load log, the canary's fault log); a log that
+        cannot be written is said once, never raised."""
+        try:
+            with open(path, "a") as f:
+                f.write("".join(json.dumps(line) + "\n" for line in lines))
+        except OSError as exc:
+            self.stats.warn_once("log", "cannot write %s: %s", path, exc)
 
     def _verified(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block]]:
         """Host-checked blocks in load order; a request stops at its first block that fails."""

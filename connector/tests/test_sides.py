@@ -1,5 +1,6 @@
 """Scheduler and worker sides on fake vLLM objects: plans, stores, verified loads, faults counted."""
 
+import json
 import threading
 from types import SimpleNamespace as NS
 
@@ -62,6 +63,22 @@ def test_a_ram_block_evicted_during_its_step_is_read_from_its_file(tmp_path, che
                                   LoadSpec(6, "k1", "ram", request_id="r", index=1)]))
     assert w.take_load_errors() == set() and w.stats.misses == 0
     assert all(torch.equal(t[5], t[2]) and torch.equal(t[6], t[1]) for t in w.layers.values())
+
+
+def test_the_load_log_says_per_request_which_tier_served_each_block(tmp_path, checks):
+    w = worker(tmp_path / "store", checks=checks)
+    w.load_log = str(tmp_path / "loads.jsonl")
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True),
+                                   StoreSpec(2, "k2", to_ram=False, to_fs=True)]))
+    w.flush()
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram", request_id="a", index=0),
+                                  LoadSpec(6, "k2", "fs", request_id="a", index=1),
+                                  LoadSpec(7, "gone", "fs", request_id="b", index=0)]))
+    lines = [json.loads(line) for line in (tmp_path / "loads.jsonl").read_text().splitlines()]
+    assert sorted(lines, key=lambda x: x["request"]) == [{"request": "a", "ram": 1, "disk": 1},
+                                                         {"request": "b", "missed": 1}]
+    w.load(KVScopeMetadata())  # a step without loads writes nothing
+    assert len((tmp_path / "loads.jsonl").read_text().splitlines()) == 2
 
 
 def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with(tmp_path, checks):

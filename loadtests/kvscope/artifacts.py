@@ -9,6 +9,7 @@ one of these models, and is read and written only here.
     records/*.jsonl    Record        run -> analyze: one answer, measured
     continuations/*.jsonl Continuation run -> analyze: golden's logprobs of an answer
     faults/*.jsonl   FaultEvent      the canary connector -> analyze: what a request's loads really got
+    loads/*.jsonl    LoadEvent       kvscope's connector -> analyze: which tier served each request's blocks
     status.jsonl     StatusRow       run -> analyze: one treatment's resets, Locust exit, counter deltas
     run.json         RunInfo         run -> analyze: the machine, the treatments, the scenarios, the scorer
 
@@ -59,6 +60,7 @@ class RenderedServer(Artifact):
     install: list[str] = Field(default_factory=list)  # the config's packages, installed before the server starts
     upstream: list[str] = Field(default_factory=list)  # upstream reports about this path, for the report
     exact: bool = False  # served batch-invariant (the platform's exact mode)
+    tiers: list[str] = Field(default_factory=list)  # the tiers it certifies (its connector's load log names them)
 
     @model_validator(mode="before")
     @classmethod
@@ -182,6 +184,15 @@ class FaultEvent(Artifact):
     inherited: int = 0  # blocks loaded that an earlier request computed on top of wrong KV
 
 
+class LoadEvent(Artifact):
+    """One line of kvscope's connector's load log: the blocks each tier served one request in one step."""
+
+    request: str  # vLLM's request id, as in FaultEvent
+    ram: int = 0
+    disk: int = 0
+    missed: int = 0
+
+
 class StatusRow(Artifact):
     """One treatment: how its tiers were reset, and each phase's Locust exit, counters and faults."""
 
@@ -190,6 +201,7 @@ class StatusRow(Artifact):
     reset: dict[str, Any] = Field(default_factory=dict)
     phases: dict[str, dict[str, Any]] = Field(default_factory=dict)
     fault_log: str | None = None
+    load_log: str | None = None  # what became of the connector's load log of this treatment
 
 
 class Treatment(Manifest):

@@ -19,6 +19,7 @@ from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance
 from kvscope.artifacts import (
     ArtifactError,
     FaultEvent,
+    LoadEvent,
     Record,
     RunInfo,
     StatusRow,
@@ -209,6 +210,20 @@ def expected_answers(folder: Path, scenarios) -> dict[str, int]:
     return out
 
 
+def tiers_served(folder: Path, config: str, scenarios) -> dict[str, dict[str, int]] | None:
+    """Request key -> tier -> blocks it served, from the connector's load logs; None when the run kept none."""
+    paths = [Path(folder) / "loads" / f"{config}__{s}.jsonl" for s in scenarios]
+    if not any(p.exists() for p in paths):
+        return None
+    out: dict[str, dict[str, int]] = {}
+    for path in (p for p in paths if p.exists()):
+        for event in read_jsonl(path, LoadEvent):
+            tiers = out.setdefault(key_from_server_id(event.request), {})
+            for tier in ("ram", "disk", "missed"):
+                tiers[tier] = tiers.get(tier, 0) + getattr(event, tier)
+    return out
+
+
 def fault_changes(folder: Path, config: str, scenarios) -> dict[str, int] | None:
     """Request key -> blocks the canary changed, from its fault logs; None when the run kept no log."""
     paths = [Path(folder) / "faults" / f"{config}__{s}.jsonl" for s in scenarios]
@@ -236,7 +251,8 @@ def config_verdicts(run: RunInfo, status: list[StatusRow], recs: dict, scores: p
         ran = {row.scenario for row in status if row.config == config} if status else set(run.scenarios)
         verdict, why = verdicts.config_verdict(server, scores, expected, ran,
                                                reference.get(config, []) if role == "golden" else broken,
-                                               min_hits, max_failed)
+                                               min_hits, max_failed,
+                                               tiers_served(folder, config, run.scenarios))
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == "FAIL" and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
@@ -294,6 +310,7 @@ class Analysis(NamedTuple):
     verdicts: pd.DataFrame
     overview: pd.DataFrame
     slo: dict[str, float] | None = None
+    min_hits: int = verdicts.MIN_VERIFIED_HITS
 
 
 def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
@@ -312,7 +329,7 @@ def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     if len(crashed):
         table = pd.concat([table, crashed], ignore_index=True)
     return Analysis(run, status, recs, floor, scores, summary, power, table,
-                    overview.table(run, recs, table, summary, power, slo), slo)
+                    overview.table(run, recs, table, summary, power, slo), slo, min_hits)
 
 
 def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
@@ -432,10 +449,11 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
               for config, why in uncontrolled(run, a.status).items()]
     lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.upstream)
               for s in run.servers if s.upstream]
+    lines += _tier_lines(run, a.scores, folder, a.min_hits)
     lines += ["", "## How strong the verdict is", ""]
     lines += _floor_lines(floor)
-    lines += [f"- A PASS needs every expected answer scored and at least "
-              f"{(run.scorer or {}).get('min_verified_hits', verdicts.MIN_VERIFIED_HITS)} verified cache hits.", ""]
+    lines += [f"- A PASS needs every expected answer scored and at least {a.min_hits} verified cache hits, and as "
+              "many from each tier the config certifies.", ""]
     if len(a.power):
         lines += ["Detection power (`power.csv`): each canary treatment serves wrong KV of one fault class; "
                   "`affected_hits` are the cache hits its fault log says it broke, `detected` those that FAILed; "
@@ -530,6 +548,28 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `power.csv`, `scores.csv` (one row per request and "
               "config).", ""]
     return "\n".join(lines)
+
+
+def _tier_lines(run: RunInfo, scores: pd.DataFrame, folder: Path, least: int) -> list[str]:
+    """Per config with a cache: the tiers it certifies and the verified hits each served, or why they cannot
+    be told apart."""
+    out = []
+    for s in run.servers:
+        if s.role != "candidate" or not (s.tiers or "--kv-transfer-config" in s.server_args):
+            continue
+        sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
+        hits = verdicts.tier_hits(sc, tiers_served(folder, s.config, run.scenarios))
+        if hits is None:
+            out.append(f"- `{s.config}`: " + (f"certifies {', '.join(s.tiers)}, but the run kept no load log to tell "
+                                              "them apart" if s.tiers else
+                                              "tiers not observable per request (no load log; its counters, where "
+                                              "vLLM or the connector exports them, are in the tier table below)"))
+            continue
+        shown = s.tiers + sorted(t for t in hits if t not in s.tiers)
+        out.append(f"- `{s.config}`: verified hits each tier served: " + ", ".join(
+            f"{t} {hits.get(t, 0)}" + (" (not exercised)" if t in s.tiers and hits.get(t, 0) < least else "")
+            for t in shown) + (f"; it certifies {', '.join(s.tiers)}" if s.tiers else ""))
+    return out
 
 
 def _nat(x: float | None) -> str:

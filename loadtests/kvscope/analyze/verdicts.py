@@ -98,11 +98,42 @@ def pooled(power_table: pd.DataFrame) -> str:
     return f"{k} of {n} broken hits caught" + (f", 95 % lower bound {wilson_low(k, n):.3f}" if n else "")
 
 
+def tier_hits(sc: pd.DataFrame, served: dict[str, dict[str, int]] | None) -> dict[str, int] | None:
+    """Verified hits per tier: the verified hits that loaded at least one block from it. `served`: request key
+    -> tier -> blocks, from the connector's load log (None: the run kept none)."""
+    if served is None:
+        return None
+    ok = sc[sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)]
+    out: dict[str, int] = {}
+    for key in ok.request_id + "@" + ok.phase:
+        for tier, blocks in served.get(key, {}).items():
+            if blocks > 0 and tier != "missed":
+                out[tier] = out.get(tier, 0) + 1
+    return out
+
+
+def tier_shortfall(declared: list[str], hits: dict[str, int] | None, min_hits: int) -> str | None:
+    """Why a config cannot PASS on behalf of the tiers it certifies; None when each served min_hits verified
+    hits (a tier that served fewer was not exercised: its PASS would claim what nothing tested)."""
+    if not declared:
+        return None
+    if hits is None:
+        return f"its tiers ({', '.join(declared)}) cannot be observed: no load log kept"
+    short = [t for t in declared if hits.get(t, 0) < min_hits]
+    if not short:
+        return None
+    passed = [t for t in declared if t not in short]
+    return (f"PASS for {', '.join(passed)}; " if passed else "") + "; ".join(
+        f"{t} not exercised ({hits.get(t, 0)} verified hits, {min_hits} needed)" for t in short)
+
+
 def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, int], ran: set[str],
                    reference_problems: list[str], min_hits: int = MIN_VERIFIED_HITS,
-                   max_failed: float = MAX_FAILED_SHARE) -> tuple[str, str]:
+                   max_failed: float = MAX_FAILED_SHARE,
+                   served: dict[str, dict[str, int]] | None = None) -> tuple[str, str]:
     """(verdict, why) of one config from its measure-phase scores; `expected`: answers per scenario;
-    `ran`: the scenarios with a status row; `reference_problems`: why golden or control was not cache-off."""
+    `ran`: the scenarios with a status row; `reference_problems`: why golden or control was not cache-off;
+    `served`: which tier served each request's blocks (its connector's load log), for the tiers it certifies."""
     config, role = server.config, server.role
     sc = scores[(scores.config == config) & (scores.phase == "measure")]
     counts = sc.cls.value_counts().to_dict()
@@ -128,15 +159,21 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
     if incomplete:
         return "INCOMPLETE", "; ".join(incomplete)
     verified = verified_hits(sc)
+    hits = tier_hits(sc, served)
     unverified = []
     if role != "control" and verified < min_hits:
         unverified.append(f"{verified} verified cache hits (at least {min_hits} needed)")
+    elif short := tier_shortfall(server.tiers, hits, min_hits):
+        unverified.append(short)
     if counts.get("unverified"):
         unverified.append(f"{counts['unverified']} near ties golden could not score")
     unverified += reference_problems
     if unverified:
         return "UNVERIFIED", "; ".join(unverified)
-    return "PASS", f"{verified} verified cache hits" if role != "control" else "within the noise floor"
+    if role == "control":
+        return "PASS", "within the noise floor"
+    per_tier = ", ".join(f"{t} {(hits or {}).get(t, 0)}" for t in server.tiers)
+    return "PASS", f"{verified} verified cache hits" + (f" (by tier: {per_tier})" if per_tier else "")
 
 
 def expected_verdict(role: str) -> str:

@@ -153,6 +153,9 @@ class StorageConfig(Strict):
     upstream: list[Link] = Field(
         default_factory=list, description="upstream reports about this path (issue or PR links), listed beside "
         "its verdict in the report")
+    tiers: list[StoreName] = Field(
+        default_factory=list, description="the tiers this config certifies (as its connector's load log names "
+        "them: ram, disk): each must serve at least --min-hits verified hits, or the config cannot PASS")
     store_reset: Literal["wipe", "keep"] = Field(
         "wipe", description="keep: never wipe the stores under the live server (a connector that keeps its own "
         "state in them); the server's own reset endpoint is still called")

@@ -237,13 +237,14 @@ def treatments(servers_: list[Treatment]) -> list[Treatment]:
     return out
 
 
-def fault_log(server: Treatment) -> Path | None:
-    """Where a canary's connector logs what it broke (its kv-transfer-config's fault_log), if anywhere."""
+def connector_log(server: Treatment, name: str) -> Path | None:
+    """Where a server's connector writes a log (its kv-transfer-config's `name`: a canary's fault_log,
+    kvscope's load_log), if anywhere."""
     text = flag_value(server.server_args, "--kv-transfer-config")
     if text is None:
         return None
     extra = json.loads(text).get("kv_connector_extra_config", {})
-    return Path(extra["fault_log"]) if extra.get("fault_log") else None
+    return Path(extra[name]) if extra.get(name) else None
 
 
 def _done(status_path: Path) -> set[tuple[str, str]]:
@@ -407,16 +408,18 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
             print(f", {phase} {len(part)} requests", end="", flush=True)
             row.phases[phase] = _phase(server, workload, part, folder, stem, phase, opts)
     if server.fault:
-        row.fault_log = _keep_fault_log(server, folder / "faults" / f"{stem}.jsonl")
+        row.fault_log = _keep_log(server, "fault_log", folder / "faults" / f"{stem}.jsonl")
+    if connector_log(server, "load_log") is not None:
+        row.load_log = _keep_log(server, "load_log", folder / "loads" / f"{stem}.jsonl")
     print(f" ({sum(p['seconds'] for p in row.phases.values()):.1f} s)", flush=True)
     append_jsonl(status_path, [row])
 
 
-def _keep_fault_log(server: Treatment, dest: Path) -> str:
-    """Copy the canary's fault log of this treatment beside the records; say what happened."""
-    src = fault_log(server)
+def _keep_log(server: Treatment, name: str, dest: Path) -> str:
+    """Copy a connector's log of this treatment beside the records; say what happened."""
+    src = connector_log(server, name)
     if src is None or not src.exists():
-        return f"no fault log at {src} (every hit counts as affected)"
+        return f"no {name} at {src}"
     dest.parent.mkdir(exist_ok=True)
     shutil.copyfile(src, dest)
     return "kept"
