@@ -38,6 +38,8 @@ DEPLOY_ARGS  = -e $(call q,vllm_configs=$(CONFIGS))
 DEPLOYMENTS := runs/local/deployment.json
 BENCH_ARGS   = --configs $(call q,$(CONFIGS))
 PRE_BENCH   :=
+# restart scenarios: how the bench restarts one config's server between its phases ({config} is filled in)
+RESTART_CMD  = $(PLAYBOOK) ansible/restart.yml $(DEPLOY_ARGS) $(USER_ARGS) -e restart_configs={config}
 POST_BENCH  :=
 comma       := ,
 -include ansible/bench/$(notdir $(INVENTORY)).mk
@@ -97,13 +99,14 @@ lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansi
 	cd loadtests && ../$(VENV)/bin/mypy kvscope
 	cd connector && ../$(VENV)/bin/mypy kvscope_connector
 	$(VENV)/bin/hadolint docker/*/Dockerfile
-	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml status.yml
+	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml status.yml restart.yml
 
 ##@ Benchmark
 bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up is reported as CRASHED
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
-	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) $(KVSCOPE) bench --deployment $(call q,$(DEPLOYMENTS)) $(BENCH_ARGS) \
+	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) KVSCOPE_RESTART_CMD=$(call q,$(RESTART_CMD)) \
+	  $(KVSCOPE) bench --deployment $(call q,$(DEPLOYMENTS)) $(BENCH_ARGS) \
 	  --scenarios $(call q,$(SCENARIOS)) --users $(call q,$(USERS)) --report --run-id $(call q,$(RUN_ID)) $(if $(RESUME),--resume) \
 	  $(if $(EXACT),--exact) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(REPEATS),--repeats $(call q,$(REPEATS))); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 

@@ -141,3 +141,20 @@ def test_the_shipped_trace_scenario_finds_its_slice_beside_the_scenarios_file(sh
     reqs = generate(shipped["trace-mooncake"], tok, max_model_len=4096)
     assert len(reqs) == 64 and all(r.endpoint == "completions" and r.arrival_s is not None for r in reqs)
     assert reqs[-1].arrival_s > 10  # open loop: the trace's own times
+
+
+def test_a_controlled_reuse_shares_exactly_its_share_of_each_prompt(tok):
+    sc = Scenario(name="r", kind="reuse", reuse=0.75, prompt_tokens=64, prefixes=2, num_queries=4)
+    reqs = generate(sc, tok)
+    assert [len(r.prompt) for r in reqs] == [64] * 4 and all(r.endpoint == "completions" for r in reqs)
+    assert reqs[0].prompt[:48] == reqs[2].prompt[:48] != reqs[1].prompt[:48]  # prefixes taken in turn
+    assert reqs[0].prompt[48:] != reqs[2].prompt[48:]  # the rest is each prompt's own
+    none = generate(Scenario(name="n", kind="reuse", reuse=0.0, prompt_tokens=64, num_queries=3), tok)
+    assert len({tuple(r.prompt[:8]) for r in none}) == 3
+
+
+def test_a_restart_scenario_primes_and_needs_a_restart_command(tmp_path, tok, shipped):
+    assert shipped["restart"].restart and {r.phase for r in generate(shipped["restart"], tok)} == {"prime",
+                                                                                                  "measure"}
+    with pytest.raises(ValueError, match="needs prime: replay"):
+        Scenario(name="x", kind="rag", restart=True)

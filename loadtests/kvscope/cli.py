@@ -100,7 +100,8 @@ def cmd_bench(args) -> int:
                                 command=redact_command(os.environ.get("KVSCOPE_COMMAND")
                                                        or "kvscope " + shlex.join(sys.argv[1:])),
                                 run_id=args.run_id, remote=remote, resume=args.resume,
-                                endpoints=endpoints, exact=args.exact, queries=args.queries)
+                                endpoints=endpoints, exact=args.exact, queries=args.queries,
+                                restart_cmd=args.restart_cmd)
     except treatments.Interrupted as exc:
         if exc.exit_code == 1:
             traceback.print_exception(exc.__cause__)
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scenarios", dest="scenarios_list", default=DEFAULT_SCENARIOS, help="comma-separated names")
     s.add_argument("--users", default="2", help="concurrent Locust users (closed loop); 1,4,16 sweeps the load")
     s.add_argument("--repeats", type=int, default=1, help="run every treatment this many times (the spread)")
+    s.add_argument("--restart-cmd", default=os.environ.get("KVSCOPE_RESTART_CMD"), metavar="COMMAND",
+                   help="restart scenarios: the command that restarts one config's server, {config} in it (no "
+                        "shell; make bench sets it; default $KVSCOPE_RESTART_CMD)")
     s.add_argument("--queries", type=int, default=None,
                    help="queries per scenario (sessions for multiturn), over each scenario's num_queries")
     s.add_argument("--processes", type=int, default=1, help="Locust worker processes (distributed mode)")

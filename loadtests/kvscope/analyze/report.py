@@ -532,22 +532,34 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
         for config, part in failed.groupby("config"):
             lines.append(f"- `{config}`: {len(part)} failed; first: {part.reason.iloc[0]}")
         lines.append("")
-    faults = [r for r in a.status for p in r.phases.values() if p.get("locust_exit") not in (0, 1)
-              or p.get("metrics_error")]
+    faults = [(r, name, p) for r in a.status for name, p in r.phases.items() if _faulty(p)]
     if faults:
         lines += ["Faults during the run:", ""]
-        for r in faults:
-            for name, p in r.phases.items():
-                lines.append(f"- `{r.config}` x `{r.scenario}` {name}: locust exit {p.get('locust_exit')}, "
-                             f"{p.get('metrics_error') or ''} {' '.join(p.get('locust_stderr_tail') or [])}"
-                             + (f" server log: `{p['server_error']}`" if p.get("server_error") else ""))
+        for r, name, p in faults:
+            what = (f"restart exit {p['restart_exit']}: {' '.join(p.get('tail') or [])}" if "restart_exit" in p else
+                    f"locust exit {p.get('locust_exit')}, {p.get('metrics_error') or ''} "
+                    f"{' '.join(p.get('locust_stderr_tail') or [])}")
+            lines.append(f"- `{r.config}` x `{r.scenario}` {name}: {what}"
+                         + (f" server log: `{p['server_error']}`" if p.get("server_error") else ""))
         lines.append("")
+    restarts = [(r, p) for r in a.status for name, p in r.phases.items() if name == "restart"]
+    if restarts:
+        lines += ["Restarts between the prime and the measure phase (restart scenarios; hits after them come from "
+                  "what the tier kept across the restart): " + ", ".join(
+                      f"`{r.config}` x `{r.scenario}` {p['seconds']} s" + ("" if p.get("restart_exit") == 0 else
+                                                                             " (failed)") for r, p in restarts), ""]
     lines += ["## Plots", ""]
     for name, caption in pngs:
         lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
     lines += ["Tables as CSV: `summary.csv`, `verdicts.csv`, `power.csv`, `scores.csv` (one row per request and "
               "config).", ""]
     return "\n".join(lines)
+
+
+def _faulty(phase: dict) -> bool:
+    if "restart_exit" in phase:
+        return phase["restart_exit"] != 0
+    return phase.get("locust_exit") not in (0, 1) or bool(phase.get("metrics_error"))
 
 
 def _tier_lines(run: RunInfo, scores: pd.DataFrame, folder: Path, least: int) -> list[str]:

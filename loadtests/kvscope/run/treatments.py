@@ -106,6 +106,18 @@ def _wipe(path: Path, passes: int = 20) -> str:
     return f"still being written after {passes} passes ({error})"
 
 
+def restart(server: Treatment, command: str) -> dict:
+    """Restart a server between phases with the user's command ({config} filled in; no shell); what it did."""
+    started = time.monotonic()
+    argv = shlex.split(command.replace("{config}", server.deployed_as or server.config))
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+        code, tail = done.returncode, (done.stdout + done.stderr).strip().splitlines()[-3:]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        code, tail = None, [f"{type(exc).__name__}: {exc}"]
+    return {"restart_exit": code, "seconds": round(time.monotonic() - started, 1), "tail": tail if code else []}
+
+
 def warm_up(server: Treatment) -> None:
     """One throwaway request before the reset, so an idle server's slow first request is not measured."""
     body = json.dumps({"model": server.served_model_name, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
@@ -277,11 +289,12 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         users: int | list[int] = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
         command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False,
         endpoints: list[Treatment] | None = None, repeats: int = 1, exact: bool = False,
-        queries: int | None = None) -> Path:
+        queries: int | None = None, restart_cmd: str | None = None) -> Path:
     """Run every scenario on every chosen server, deployed (`deployments`) or given as `endpoints`, at each
     load of `users` and `repeats` times; return the run folder. `exact`: the servers serve batch-invariant
     (deployed with EXACT=1, or endpoints their owner serves so), and the run is scored exactly. `queries`:
-    every scenario's num_queries (more hits per treatment: a canary's power on more broken hits)."""
+    every scenario's num_queries (more hits per treatment: a canary's power on more broken hits).
+    `restart_cmd`: the command that restarts one config's server ({config} in it), for restart scenarios."""
     levels = [users] if isinstance(users, int) else list(users)
     if not levels or min(levels) < 1 or repeats < 1:
         raise ConfigError(f"--users {levels} and --repeats {repeats}: each must be at least 1")
@@ -311,6 +324,10 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     unknown = [n for n in scenario_names if n not in all_scenarios]
     if unknown:
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {sorted(all_scenarios)}")
+    restarting = [n for n in scenario_names if all_scenarios[n].restart]
+    if restarting and not restart_cmd:
+        raise ConfigError(f"scenario(s) {restarting} restart servers: give --restart-cmd (make bench sets it), a "
+                          "command with {config} that restarts that config's server")
     hashes = {s.model_hash for s in chosen}
     if len(hashes) != 1:
         raise ConfigError(f"deployed servers serve different models ({sorted(hashes)}); outputs are not comparable")
@@ -344,7 +361,8 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                   "rate_sessions_per_s": rate, "locust_worker_hosts": (remote or {}).get("hosts", [])},
             kv_capacity_tokens_for_sizing=capacity, mode=mode))
 
-    opts = {"processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote}
+    opts = {"processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote,
+            "restart_cmd": restart_cmd}
     status_path = folder / "status.jsonl"
     done = _done(status_path)
     total, step, where = len(chosen) * len(labels), 0, "the first treatment"
@@ -357,8 +375,9 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                     print(f"[{step}/{total}] {where}: done earlier (--resume)", flush=True)
                     continue
                 users = all_scenarios[name].users or level
-                _treatment(server, label, folder, phase_files, {**opts, "users": users}, status_path,
-                           f"[{step}/{total}] {where}")
+                restart = all_scenarios[name].restart and server.role == "candidate"
+                _treatment(server, label, folder, phase_files, {**opts, "users": users, "restart": restart},
+                           status_path, f"[{step}/{total}] {where}")
         golden = next(s for s in chosen if s.role == "golden")
         where = "golden's continuations"
         print("golden scores the answers that split from its own ...", end="", flush=True)
@@ -403,6 +422,9 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
     warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
     row = StatusRow(config=server.config, scenario=scenario, reset=reset(server))
     for phase in ("prime", "measure"):
+        if phase == "measure" and opts.get("restart"):
+            print(", restart", end="", flush=True)
+            row.phases["restart"] = restart(server, opts["restart_cmd"])
         if (scenario, phase) in phase_files:
             workload, part = phase_files[scenario, phase]
             print(f", {phase} {len(part)} requests", end="", flush=True)

@@ -33,7 +33,7 @@ class Scenario(Strict):
     """A named, parameterised workload profile (loadtests/scenarios.yaml)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
-    kind: Literal["rag", "multiturn", "repeat", "trace"]
+    kind: Literal["rag", "multiturn", "repeat", "trace", "reuse"]
     description: str = ""
     endpoint: Literal["chat", "completions"] = "chat"
     seed: int = 0
@@ -65,11 +65,19 @@ class Scenario(Strict):
     duration_s: float = Field(default=300.0, gt=0, description="requests arriving later are not replayed")
     users: int | None = Field(default=None, ge=1, description="Locust users for this scenario, over --users (a "
                               "trace's arrivals wait for a free user: give it its peak concurrency)")
+    # kind reuse: a controlled hit rate, each prompt a shared prefix of `reuse` of its tokens and a unique rest
+    reuse: float = Field(default=0.5, ge=0, le=1, description="share of every prompt that a shared prefix reuses")
+    prompt_tokens: int = Field(default=512, ge=1, description="tokens per prompt (kind reuse)")
+    prefixes: int = Field(default=4, ge=1, description="distinct shared prefixes, taken in turn (kind reuse)")
+    restart: bool = Field(default=False, description="restart each candidate's server between the prime phase "
+                          "(which stores) and the measure phase (which loads): a persistent tier must still serve")
 
     @model_validator(mode="after")
     def _trace_has_a_file(self) -> Scenario:
         if (self.kind == "trace") != (self.trace is not None):
             raise ValueError("a trace scenario names its trace file (field 'trace'), and only a trace scenario does")
+        if self.restart and self.prime != "replay":
+            raise ValueError("a restart scenario needs prime: replay (the phase whose blocks the restart must keep)")
         return self
 
 
@@ -197,6 +205,8 @@ def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None,
         return _repeat(sc)
     if sc.kind == "trace":
         return replay_trace(sc, tokenizer.get_vocab_size(), max_model_len)
+    if sc.kind == "reuse":
+        return _reuse(sc, tokenizer.get_vocab_size())
     num_docs = sc.num_docs
     if sc.working_set is not None:
         if not kv_capacity_tokens:
@@ -224,10 +234,7 @@ def generate(sc: Scenario, tokenizer, kv_capacity_tokens: int | None = None,
                     f"{session}-t{turn}", sc, session, turn, "chat",
                     messages=[{"role": "user", "content": f"{follow.text}\n\n{_question(follow)}"}],
                     doc_ids=[follow.doc_id], needle=follow.needle, with_history=True))
-    if sc.prime == "replay":
-        requests = [r.model_copy(update={"request_id": "prime-" + r.request_id, "phase": "prime",
-                                         "session_id": "prime-" + r.session_id}) for r in requests] + requests
-    return requests
+    return _primed(sc, requests)
 
 
 def _repeat(sc: Scenario) -> list[Request]:
@@ -243,10 +250,15 @@ def _repeat(sc: Scenario) -> list[Request]:
 TRACE_FIRST_TOKEN = 256  # replayed blocks use token ids from here on (below: bytes and special tokens)
 
 
+def token_block(key: tuple[int, ...], n: int, vocab: int) -> list[int]:
+    """n tokens drawn from the key (non-negative integers): the same key always gives the same tokens."""
+    rng = np.random.default_rng(list(key))
+    return [int(t) for t in rng.integers(TRACE_FIRST_TOKEN, vocab, n)]
+
+
 def trace_block(seed: int, hash_id: int, n: int, vocab: int) -> list[int]:
     """The tokens of one trace block: the same hash id always gives the same tokens."""
-    rng = np.random.default_rng([seed, 3, hash_id])
-    return [int(t) for t in rng.integers(TRACE_FIRST_TOKEN, vocab, n)]
+    return token_block((seed, 3, hash_id), n, vocab)
 
 
 def read_trace(sc: Scenario) -> list[dict]:
@@ -297,12 +309,33 @@ def replay_trace(sc: Scenario, vocab: int, max_model_len: int | None) -> list[Re
             if len(prompt) >= length:
                 break
             prompt += trace_block(sc.seed, hash_id, sc.block_tokens, vocab)
-        prompt = (prompt or trace_block(sc.seed, -1 - i, length, vocab))[:length]
+        prompt = (prompt or token_block((sc.seed, 5, i), length, vocab))[:length]
         session = f"{sc.name}-{i:05d}"
         out.append(Request(request_id=f"{session}-t0", scenario=sc.name, phase="measure", session_id=session, turn=0,
                            endpoint="completions", max_tokens=max(1, min(sc.max_tokens, row["output_length"])),
                            prompt=prompt, arrival_s=(row["timestamp"] - start) * sc.time_scale / 1000))
     return out
+
+
+def _reuse(sc: Scenario, vocab: int) -> list[Request]:
+    """Prompts whose first `reuse` share is one of `prefixes` shared prefixes, taken in turn, and whose rest
+    no other prompt has: once each prefix was seen, a cache can serve that share and no more."""
+    shared = round(sc.reuse * sc.prompt_tokens)
+    out = []
+    for q in range(sc.num_queries):
+        prompt = (token_block((sc.seed, 6, q % sc.prefixes), shared, vocab) +
+                  token_block((sc.seed, 7, q), sc.prompt_tokens - shared, vocab))
+        session = f"{sc.name}-{q:04d}"
+        out.append(_request(f"{session}-t0", sc, session, 0, "completions", prompt=prompt))
+    return _primed(sc, out)
+
+
+def _primed(sc: Scenario, requests: list[Request]) -> list[Request]:
+    """With prime: replay, every request once first (phase prime), then again (measure)."""
+    if sc.prime != "replay":
+        return requests
+    return [r.model_copy(update={"request_id": "prime-" + r.request_id, "phase": "prime",
+                                 "session_id": "prime-" + r.session_id}) for r in requests] + requests
 
 
 def write_jsonl(requests: list[Request], path: Path) -> None:
