@@ -4,10 +4,10 @@
 # where Ansible expects them; traffic stays on these addresses and loopback. Needs root and openssh-server.
 # Keys, sshd state and known_hosts live root-owned (0700) in /var/lib/kvscope/netns, outside the work tree;
 # sshd checks their modes (StrictModes) and clients check the host key.
-#   ansible/scripts/netns-hosts.sh up [N=2] | down
+#   ansible/scripts/netns-hosts.sh up [N=3] | down
 set -euo pipefail
 state=/var/lib/kvscope/netns
-n=${2:-2}
+n=${2:-3}
 case "${1:-}" in
 up)
   install -d -m 0755 -o root -g root /var/lib/kvscope
