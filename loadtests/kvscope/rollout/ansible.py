@@ -72,7 +72,9 @@ def inventory_hosts(inventory: str, group: str = "vllm_servers") -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    """kvscope's ansible.cfg; pipelining (fewer ssh round trips per task: a rollout runs many short playbooks)."""
+    return {"ANSIBLE_PIPELINING": "True", **os.environ, "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1"}
 
 
 class Ansible:

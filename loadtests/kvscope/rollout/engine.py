@@ -65,6 +65,8 @@ class StopFlag:
     def __init__(self) -> None:
         self.why: str | None = None
         self.deferred = False
+        self.at = 0.0
+
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self._on)
@@ -73,8 +75,10 @@ class StopFlag:
     def _on(self, signum, frame) -> None:
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         if self.why is not None:
+            if time.monotonic() - self.at < 2:  # one signal, delivered twice (make forwards SIGTERM to its child)
+                return
             raise KeyboardInterrupt
-        self.why = name
+        self.why, self.at = name, time.monotonic()
         then = "the rollback finishes first" if self.deferred else "stopping after this step"
         print(f"\n{name}: {then}; the record says where, and re-running resumes it ({name} again aborts the step "
               "now)", flush=True)
@@ -156,7 +160,7 @@ class Engine:
             self.r.interrupted = f"{exc} between steps"
             return self._finish("interrupted", exc.exit_code)
         except KeyboardInterrupt:
-            self.r.interrupted = "aborted during a step (a second Ctrl-C)"
+            self.r.interrupted = "aborted during a step (a second Ctrl-C or SIGTERM)"
             self.r.outcome = "interrupted"
             self.save()
             self.out("\n".join(report.summary(self.r)), flush=True)
