@@ -271,3 +271,19 @@ def test_make_rollout_passes_the_inventory_configs_image_and_serial_and_needs_co
     assert "netns-hosts.sh up" in out.stdout
     missing = subprocess.run(["make", "-n", "rollout"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert missing.returncode != 0 and "CONFIGS" in missing.stderr
+
+
+def test_a_second_ctrl_c_aborts_the_change_and_says_the_host_may_serve_neither_until_resumed(tmp_path):
+    def abort(hosts_):
+        if hosts_ == ["h1"] and len(hosts.changes) == 1:
+            raise KeyboardInterrupt  # what the second Ctrl-C raises while the playbook runs
+
+    hosts = FakeHosts(on_change=abort)
+    assert engine(tmp_path, hosts).run() == 130
+    r = load(tmp_path)
+    assert r.batches[0].state == "changing" and r.batches[0].steps[-1].outcome == "aborted"
+    line = report.host_line(r, "h1")
+    assert line.startswith("h1: INTERRUPTED while changing") and "it may serve neither the old nor the new tier" in line
+    r.outcome = "running"
+    assert engine(tmp_path, hosts, r=r).run() == 0
+    assert hosts.changes == ["h1", "h1", "h2", "h3"]  # h1's change was redone, nothing else twice

@@ -144,6 +144,7 @@ class Engine:
     # the rollout
 
     def run(self) -> int:
+        self.r.final = {}  # recorded again at the end; a resumed rollout's old one says nothing now
         try:
             if not self.r.initial:
                 with self.step(None, "record", "every host, before anything changes") as step:

@@ -109,12 +109,14 @@ def host_line(r: Rollout, host: str) -> str:
         return (f"{host}: ROLLBACK {'FAILED' if b.state == 'rollback-failed' else 'NOT FINISHED'}: serves "
                 f"{serves(now, r.configs)}; before it served {serves(before, r.configs)}"
                 + (f"; it serves neither the old nor the new {', '.join(lost)}" if lost else "")
+                + (f"; it may serve neither the old nor the new {', '.join(r.configs)}" if now is None else "")
                 + ("; re-run to finish the rollback" if b.state == "rolling-back" else ""))
     if b.state in ("changing", "gating"):
         lost = _neither(r, before, after, final)
+        unknown = f"; it may serve neither the old nor the new {', '.join(r.configs)}" if final is None else ""
         return (f"{host}: INTERRUPTED while {b.state}: serves {serves(final, r.configs)}; before it served "
                 f"{serves(before, r.configs)}" + (f"; it serves neither the old nor the new {', '.join(lost)} until "
-                                                  "the rollout is resumed" if lost else "") + "; re-run to resume")
+                                                  "the rollout is resumed" if lost else unknown) + "; re-run to resume")
     initial = r.initial.get(host)
     if untouched(initial, final):
         return f"{host}: untouched: serves {serves(final, r.configs)}, as before (the same processes)"
@@ -149,8 +151,11 @@ def markdown(r: Rollout) -> str:
         lines.append(f"| extra vars | `{' '.join(r.extra_vars)}` |")
     lines += ["", "## Batches", ""]
     for b in r.batches:
-        lines += [f"### Batch {b.index}: {', '.join(b.hosts)} ({b.state}" + (f", {b.decision}" if b.decision else "")
-                  + ")", ""]
+        if b.state == "pending":
+            lines += [f"### Batch {b.index}: {', '.join(b.hosts)}: not reached", ""]
+            lines += [f"- {host_line(r, h)}" for h in b.hosts] + [""]
+            continue
+        lines += [f"### Batch {b.index}: {', '.join(b.hosts)}: {b.decision or b.state}", ""]
         if b.reason:
             lines += [f"Why: {b.reason}.", ""]
         lines += ["| host | before | after the change | gate | after the rollback |", "|---|---|---|---|---|"]
