@@ -217,7 +217,7 @@ class Engine:
                 with self.step(batch, f"gate-{host}", f"gate on {host}") as step:
                     result = self._gate(batch, host)
                     batch.gates.append(result)
-                    step.outcome = "ok" if result.exit_code == 0 else report.gate_words(result)
+                    step.outcome = report.gate_words(result)
                 if result.exit_code == 0:
                     self.stop.check()
             if all(g.exit_code == 0 or (g.exit_code == 3 and self.r.inconclusive == "continue") for g in batch.gates):
