@@ -287,3 +287,17 @@ def test_a_second_ctrl_c_aborts_the_change_and_says_the_host_may_serve_neither_u
     r.outcome = "running"
     assert engine(tmp_path, hosts, r=r).run() == 0
     assert hosts.changes == ["h1", "h1", "h2", "h3"]  # h1's change was redone, nothing else twice
+
+
+def test_a_golden_server_that_stopped_serving_gives_no_verdict_so_the_batch_is_rolled_back(tmp_path):
+    hosts = FakeHosts()
+    e = engine(tmp_path, hosts)
+
+    def golden_gone(r, batch, host, folder):
+        raise RolloutError("kvh1: baseline is not serving (nothing)")
+
+    e.gate = golden_gone
+    assert e.run() == 1
+    r = load(tmp_path)
+    assert r.batches[0].state == "rolled-back" and hosts.serving["h1"]["tier"][0] == "v1"
+    assert report.headline(r).startswith("stopped at host 1 (h1): CRASHED: baseline kvh1: baseline is not serving")

@@ -246,7 +246,11 @@ class Engine:
         if missing:  # the new version did not come up: CRASHED, nothing to bench
             return GateResult(host=host, folder="", exit_code=1, verdicts=dict.fromkeys(missing, "CRASHED"),
                               why=missing)
-        return self.gate(self.r, batch, host, self.batch_dir(batch))
+        try:
+            return self.gate(self.r, batch, host, self.batch_dir(batch))
+        except RolloutError as exc:  # no golden to compare with: no verdict, so the change does not stay
+            golden = self.r.golden.get("config", "golden")
+            return GateResult(host=host, folder="", exit_code=1, verdicts={golden: "CRASHED"}, why={golden: str(exc)})
 
     def _rollback(self, batch: Batch) -> int:
         """Put the batch's hosts back to what they served before; verify it. During this, Ctrl-C waits."""
