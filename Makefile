@@ -29,6 +29,10 @@ PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(call q,$(INVENTORY))
 USER_ARGS  = -e $(call q,kvscope_matrix=$(abspath $(MATRIX))) $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(MODEL)))) \
   $(if $(EXACT),-e vllm_exact=true) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
+# What a rollout hands every playbook besides the new matrix and image (`make rollout`; ROLLOUT_ARGS adds options).
+SERIAL    ?= 1
+ROLLOUT_VARS = $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(MODEL)))) $(if $(EXACT),-e vllm_exact=true) \
+  $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 
 # How deploy and bench use the inventory; ansible/bench/<inventory>.mk may override these (netns.mk: hosts
@@ -41,6 +45,7 @@ PRE_BENCH   :=
 # restart scenarios: how the bench restarts one config's server between its phases ({config} is filled in)
 RESTART_CMD  = $(PLAYBOOK) ansible/restart.yml $(DEPLOY_ARGS) $(USER_ARGS) -e restart_configs={config}
 POST_BENCH  :=
+PRE_ROLLOUT :=
 comma       := ,
 -include ansible/bench/$(notdir $(INVENTORY)).mk
 
@@ -99,16 +104,23 @@ lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansi
 	cd loadtests && ../$(VENV)/bin/mypy kvscope
 	cd connector && ../$(VENV)/bin/mypy kvscope_connector
 	$(VENV)/bin/hadolint docker/*/Dockerfile
-	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml status.yml restart.yml
+	cd ansible && ../$(VENV)/bin/ansible-lint --profile production deploy.yml teardown.yml build.yml collect.yml status.yml restart.yml rollout-state.yml
 
 ##@ Benchmark
 bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up is reported as CRASHED
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
-	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) KVSCOPE_RESTART_CMD=$(call q,$(RESTART_CMD)) \
-	  $(KVSCOPE) bench --deployment $(call q,$(DEPLOYMENTS)) $(BENCH_ARGS) \
+	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) KVSCOPE_RESTART_CMD=$(call q,$(RESTART_CMD)) $(KVSCOPE) bench \
+	  --deployment $(call q,$(DEPLOYMENTS)) $(BENCH_ARGS) \
 	  --scenarios $(call q,$(SCENARIOS)) --users $(call q,$(USERS)) --report --run-id $(call q,$(RUN_ID)) $(if $(RESUME),--resume) \
 	  $(if $(EXACT),--exact) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(REPEATS),--repeats $(call q,$(REPEATS))); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
+
+rollout: $(VENV)/.installed $(if $(strip $(MODEL)),,model) ## roll CONFIGS to INVENTORY's hosts a batch at a time (SERIAL=1 or 25%), each batch gated on the verdict; stop and roll back on a wrong answer (MATRIX=, IMAGE=, ROLLOUT_ID=)
+	$(if $(filter command line environment,$(origin CONFIGS)),,$(error make rollout: name the configs to roll, e.g. CONFIGS=kvscope-fs; their new definitions come from MATRIX=, a new image from IMAGE=))
+	$(PRE_ROLLOUT)
+	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) $(KVSCOPE) --matrix $(call q,$(MATRIX)) rollout \
+	  --inventory $(call q,$(INVENTORY)) --configs $(call q,$(CONFIGS)) --serial $(call q,$(SERIAL)) \
+	  $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(ROLLOUT_ID),--id $(call q,$(ROLLOUT_ID))) $(ROLLOUT_VARS) $(ROLLOUT_ARGS)
 
 report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50]
 	$(KVSCOPE) report $(call q,$(RUN)) $(if $(SLO),--slo $(call q,$(SLO)))
@@ -139,4 +151,4 @@ test-fast: setup ## the tests that start no vLLM server (a minute or two)
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-.PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench report compare bench-connector test-deps test test-fast help
+.PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench rollout report compare bench-connector test-deps test test-fast help

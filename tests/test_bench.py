@@ -12,7 +12,7 @@ import time
 
 import pandas as pd
 import pytest
-from conftest import REPO
+from conftest import REPO, SESSION_CONFIGS
 
 from kvscope import artifacts
 from kvscope.artifacts import Treatment
@@ -262,3 +262,56 @@ def test_reset_wipes_a_store_the_live_server_is_still_writing(tmp_path):
     row = reset(server)
     writer.join()
     assert row["stores_wiped"] == ["blocks"] and "stores_refused" not in row
+
+
+TRACE_AND_RESTART = """scenarios:
+  - name: trace-slice
+    kind: trace
+    trace: {trace}
+    block_tokens: 64
+    max_requests: 20
+    time_scale: 0.5
+    max_tokens: 8
+    users: 8
+  - name: restart-small
+    kind: rag
+    num_docs: 8
+    doc_tokens_median: 120
+    docs_per_query: 2
+    num_queries: 6
+    max_tokens: 12
+    prime: replay
+    restart: true
+"""
+
+
+def test_a_trace_slice_replays_open_loop_and_a_restart_keeps_the_disk_tiers_blocks(deployment, tmp_path):
+    scenarios = tmp_path / "scenarios.yaml"
+    scenarios.write_text(TRACE_AND_RESTART.format(trace=REPO / "loadtests" / "traces" / "mooncake-conversation-300.jsonl"))
+    restart = (f"{REPO}/.venv/bin/ansible-playbook -i {REPO}/ansible/inventories/local {REPO}/ansible/restart.yml "
+               f"-e kvscope_run_dir={deployment} -e vllm_port_offset=100 -e vllm_configs={SESSION_CONFIGS} "
+               "-e restart_configs={config}")
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg")}
+    out = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--deployment", str(deployment / "deployment.json"),
+                          "--results", str(tmp_path), "--scenarios-file", str(scenarios), "--configs",
+                          "baseline,kvscope-fs", "--scenarios", "trace-slice,restart-small", "--run-id", "tr",
+                          "--restart-cmd", restart, "--report", "--min-hits", "2"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    run = tmp_path / "tr"
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    trace = read(run / "records" / "kvscope-fs__trace-slice.jsonl")
+    sent = sorted(r.start_unix_s for r in trace)
+    arrivals = [r.arrival_s for r in artifacts.read_jsonl(run / "workloads" / "trace-slice.measure.jsonl",
+                                                          artifacts.Request)]
+    assert len(trace) == 20 and sent[-1] - sent[0] >= 0.8 * (max(arrivals) - min(arrivals))  # open loop
+    assert sum(1 for r in trace if r.cached_tokens) >= 5  # the trace's shared prefix blocks hit
+    status = [json.loads(line) for line in (run / "status.jsonl").read_text().splitlines()]
+    phases = {(s["config"], s["scenario"]): s["phases"] for s in status}
+    assert phases["kvscope-fs", "restart-small"]["restart"]["restart_exit"] == 0
+    assert "restart" not in phases["baseline", "restart-small"]  # golden is not restarted
+    after = read(run / "records" / "kvscope-fs__restart-small.jsonl")
+    assert all(r.cached_tokens for r in after if r.phase == "measure")  # every load after the restart hit
+    loads = [json.loads(line) for line in (run / "loads" / "kvscope-fs__restart-small.jsonl").read_text().splitlines()]
+    assert sum(line.get("disk", 0) for line in loads) > 0  # from the files the prime phase wrote
+    v = pd.read_csv(run / "verdicts.csv").set_index("config")
+    assert v.verdict["kvscope-fs"] == "PASS" and "by tier: disk" in v.why["kvscope-fs"]

@@ -46,7 +46,7 @@ def test_hadolint_passes_on_every_dockerfile():
 
 @pytest.mark.parametrize("inventory", ["local", "gb10", "netns", "cuda-host"])
 def test_playbooks_pass_syntax_check(inventory):
-    for playbook in ("deploy.yml", "teardown.yml", "build.yml", "collect.yml"):
+    for playbook in ("deploy.yml", "teardown.yml", "build.yml", "collect.yml", "rollout-state.yml"):
         out = run(VENV_BIN / "ansible-playbook", "-i", f"inventories/{inventory}", playbook, "--syntax-check",
                   cwd=REPO / "ansible")
         assert out.returncode == 0, out.stdout + out.stderr
@@ -54,7 +54,7 @@ def test_playbooks_pass_syntax_check(inventory):
 
 def test_ansible_lint_production_profile_passes():
     out = run(VENV_BIN / "ansible-lint", "--profile", "production", "deploy.yml", "teardown.yml", "build.yml",
-              "collect.yml", cwd=REPO / "ansible")
+              "collect.yml", "rollout-state.yml", cwd=REPO / "ansible")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Profile 'production' was required, and it passed" in out.stdout + out.stderr
 

@@ -106,7 +106,8 @@ def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
     m = matrix.load(SHIPPED)
     a = render(m, m.get("kvscope-shared"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
     b = render(m, m.get("kvscope-shared-b"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
-    assert a.stores == b.stores == {"shared-blocks": f"{tmp_path}/stores/shared/shared-blocks"}
+    assert a.stores["shared-blocks"] == b.stores["shared-blocks"] == f"{tmp_path}/stores/shared/shared-blocks"
+    assert a.stores["log"] != b.stores["log"]  # each server's own load log
 
 
 def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):

@@ -4,10 +4,10 @@
 # where Ansible expects them; traffic stays on these addresses and loopback. Needs root and openssh-server.
 # Keys, sshd state and known_hosts live root-owned (0700) in /var/lib/kvscope/netns, outside the work tree;
 # sshd checks their modes (StrictModes) and clients check the host key.
-#   ansible/scripts/netns-hosts.sh up [N=2] | down
+#   ansible/scripts/netns-hosts.sh up [N=3] | down
 set -euo pipefail
 state=/var/lib/kvscope/netns
-n=${2:-2}
+n=${2:-3}
 case "${1:-}" in
 up)
   install -d -m 0755 -o root -g root /var/lib/kvscope
@@ -20,7 +20,12 @@ up)
   mkdir -p /run/sshd
   for i in $(seq 1 "$n"); do
     h=kvh$i; addr=10.77.0.$((10 + i))
+    # a host half made (its namespace without eth0) or half removed (the veth outliving a namespace whose last
+    # process is still exiting) is made again
+    if ip netns list | grep -qw "$h" && ! ip -n "$h" link show eth0 >/dev/null 2>&1; then ip netns del "$h"; fi
     if ! ip netns list | grep -qw "$h"; then
+      for _ in $(seq 50); do ip link show "v$h" >/dev/null 2>&1 || break; sleep 0.2; done
+      ip link del "v$h" 2>/dev/null || true
       ip netns add "$h"
       ip link add "v$h" type veth peer name eth0 netns "$h"
       ip link set "v$h" master kvbr0 up
@@ -49,7 +54,15 @@ CONF
   done > "$state/config" ;;
 down)
   for pid in "$state"/sshd_*.pid; do [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null; rm -f "$pid"; done
-  for h in $(ip netns list | awk '/^kvh[0-9]+/ {print $1}'); do ip netns pids "$h" | xargs -r kill; ip netns del "$h"; done
+  for h in $(ip netns list | awk '/^kvh[0-9]+/ {print $1}'); do
+    ip netns pids "$h" | xargs -r kill
+    for _ in $(seq 100); do [ -z "$(ip netns pids "$h")" ] && break; sleep 0.2; done  # what runs there exits first
+    ip netns pids "$h" | xargs -r kill -9
+    ip netns del "$h"
+  done
+  for v in $(ip -o link show | awk -F'[ :@]+' '$2 ~ /^vkvh[0-9]+$/ {print $2}'); do
+    for _ in $(seq 50); do ip link show "$v" >/dev/null 2>&1 || break; sleep 0.2; done  # the namespace is gone
+  done
   ip link del kvbr0 2>/dev/null || true
   echo down ;;
 *) echo "usage: $0 up [N] | down" >&2; exit 2 ;;

@@ -146,6 +146,10 @@ def _report(folder: Path, args) -> int:
 
 
 def cmd_report(args) -> int:
+    if (Path(args.run) / "rollout.json").exists():  # a rollout's record (kvscope rollout): rollout.md
+        from kvscope.rollout import report as rollout_report
+
+        return rollout_report.main(Path(args.run))
     return _report(Path(args.run), args)
 
 
@@ -231,7 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     _gate_options(s)
     s.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed)")
+    from kvscope.rollout.cli import add_parser as add_rollout
+
+    add_rollout(sub)
+
+    s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed); "
+                                      "a rollout's folder: rollout.md")
     s.add_argument("run")
     _gate_options(s)
     s.set_defaults(func=cmd_report)

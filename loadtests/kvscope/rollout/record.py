@@ -1,0 +1,215 @@
+"""The rollout record, results/<rollout-id>/rollout.json: the plan, every host's servers before and after each
+batch, the gates' verdicts, the decisions and the time each step took. Written after every step, so a stopped
+rollout says where it stopped and a re-run resumes from it.
+
+    Rollout      the plan, the golden server the gates compare with, every host at the start and the end, batches
+    Batch        its hosts, their servers before, after the change and after a rollback, gates, steps, decision
+    HostState    what one host serves (a ServerState per config), as the rollout-state playbook read it
+    GateResult   one host's gate: the bench's exit code, verdicts, and how many cache hits were wrong
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from kvscope.artifacts import Artifact, Manifest, RenderedServer, read_json, write_json
+from kvscope.auth import REDACTED, redact_args, redact_env
+
+BatchState = Literal["pending", "changing", "gating", "passed", "rolling-back", "rolled-back", "rollback-failed"]
+Outcome = Literal["running", "completed", "stopped", "rollback-failed", "interrupted"]
+# exit codes of `kvscope rollout` (and of `kvscope report` on a rollout folder)
+EXIT_OK, EXIT_STOPPED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_ROLLBACK_FAILED = 0, 1, 2, 3, 4
+EXIT_CODES = """exit codes of rollout (and of report on a rollout folder):
+  0  rolled to every host, every gate passed
+  1  stopped: a gate failed (FAIL, CRASHED, or inconclusive with --inconclusive stop); that batch was rolled back
+     to what it served before and every other host left as it was
+  2  bad input: the inventory, the configs, no golden server, a host whose servers cannot be restored exactly
+  3  rolled to every host, but some gate was inconclusive (--inconclusive continue)
+  4  a rollback failed: a host serves neither the old nor the new version (the worst outcome; the lines say which)
+  130, 143: stopped by Ctrl-C or SIGTERM between steps; the record says where, and re-running resumes it"""
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class ServerState(Artifact):
+    """One config on one host: whether it serves, what it runs (redacted manifest, image), and what restores it."""
+
+    config: str
+    health: str  # "healthy", "running, not healthy", "failed: why", "stopped", ...
+    manifest: Manifest | None = None
+    rendered: RenderedServer | None = None  # exactly what it was started with: a rollback deploys this
+    image: str | None = None  # container runtime
+
+
+class HostState(Artifact):
+    host: str
+    run_dir: str
+    runtime: str = "process"
+    recorded_at: str = Field(default_factory=now)
+    servers: dict[str, ServerState] = Field(default_factory=dict)
+    error: str | None = None  # the host could not be read (unreachable, say)
+
+    def serving(self, config: str) -> ServerState | None:
+        s = self.servers.get(config)
+        return s if s is not None and s.health == "healthy" else None
+
+
+class Step(Artifact):
+    name: str  # record, change, after, gate, rollback, restored
+    started: str = Field(default_factory=now)
+    seconds: float | None = None
+    outcome: str = "running"  # ok, failed: why, interrupted
+    log: str | None = None  # the playbook's output, relative to the rollout folder
+
+
+class GateResult(Artifact):
+    host: str
+    folder: str  # the gate's bench run folder, relative to the rollout folder
+    exit_code: int  # the bench's gate (verdicts.gate), or 1 when the new version did not start (CRASHED)
+    verdicts: dict[str, str] = Field(default_factory=dict)  # config -> verdict
+    why: dict[str, str] = Field(default_factory=dict)
+    hits: int = 0  # scored cache hits of the rolled configs
+    wrong_hits: int = 0  # of them, answers that differ from golden's (FAIL)
+    verified_hits: int = 0
+
+
+class Batch(Artifact):
+    index: int  # 1-based
+    hosts: list[str]
+    state: BatchState = "pending"
+    before: dict[str, HostState] = Field(default_factory=dict)
+    after: dict[str, HostState] = Field(default_factory=dict)
+    restored: dict[str, HostState] = Field(default_factory=dict)
+    gates: list[GateResult] = Field(default_factory=list)
+    steps: list[Step] = Field(default_factory=list)
+    decision: str | None = None  # continue, stopped and rolled back, rollback failed
+    reason: str | None = None
+
+
+class Rollout(Artifact):
+    rollout_id: str
+    command: str
+    inventory: str
+    configs: list[str]
+    matrix: str
+    matrix_sha256: str
+    image: str | None = None
+    extra_vars: list[str] = Field(default_factory=list)
+    serial: str
+    inconclusive: Literal["stop", "continue"] = "stop"
+    gate: dict = Field(default_factory=dict)  # the gate's workload and options
+    hosts: list[str]
+    golden: dict[str, str] = Field(default_factory=dict)  # {"host": ..., "config": ...}
+    started: str = Field(default_factory=now)
+    finished: str | None = None
+    outcome: Outcome = "running"
+    interrupted: str | None = None
+    initial: dict[str, HostState] = Field(default_factory=dict)
+    final: dict[str, HostState] = Field(default_factory=dict)
+    batches: list[Batch] = Field(default_factory=list)
+
+
+def save(folder: Path, rollout: Rollout) -> None:
+    """Write rollout.json atomically: a Ctrl-C never leaves half a record."""
+    tmp = Path(folder) / ".rollout.json.tmp"
+    write_json(tmp, rollout)
+    os.replace(tmp, Path(folder) / "rollout.json")
+
+
+def load(folder: Path) -> Rollout:
+    return read_json(Path(folder) / "rollout.json", Rollout)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# what a server is, for comparing and for the lines people read
+
+
+def identity(s: ServerState | None) -> dict | None:
+    """What makes a server the same version: arguments, environment, packages it installs, image (as recorded,
+    redacted); None for no server."""
+    if s is None or s.manifest is None:
+        return None
+    m = s.manifest
+    return {"args": m.server_args, "env": m.env, "install": m.install, "image": s.image}
+
+
+def digest(s: ServerState | None) -> str:
+    ident = identity(s)
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8] if ident else "-"
+
+
+def restorable(manifest: Manifest, rendered: dict[str, RenderedServer]) -> RenderedServer | None:
+    """What restores a running server exactly: its entry of the host's rendered.json when that is the very
+    definition it runs (the manifest is that entry, redacted), else the manifest itself when nothing in it was
+    redacted; None when neither is exact."""
+    r = rendered.get(manifest.config)
+    if (r is not None and r.port == manifest.port and redact_args(r.server_args) == manifest.server_args
+            and redact_env(r.env) == manifest.env):
+        return r
+    if REDACTED in json.dumps([manifest.server_args, manifest.env]):
+        return None
+    return RenderedServer(**manifest.model_dump(include=set(RenderedServer.model_fields) - {"schema_version"}))
+
+
+def connector(m: Manifest) -> str:
+    """'KVScopeConnector (kvscope_connector.canary)', 'prefix cache', or 'no cache'."""
+    from kvscope.config.render import flag_value
+
+    text = flag_value(m.server_args, "--kv-transfer-config")
+    if text:
+        ktc = json.loads(text)
+        path = ktc.get("kv_connector_module_path")
+        return ktc.get("kv_connector", "?") + (f" ({path})" if path else "")
+    return "prefix cache" if m.prefix_caching else "no cache"
+
+
+def describe(s: ServerState | None) -> str:
+    """One server in a few words: 'kvscope-fs a1b2c3d4 KVScopeConnector (kvscope_connector), pid 123, healthy'."""
+    if s is None:
+        return "nothing"
+    if s.manifest is None:
+        return f"{s.config} ({s.health})"
+    m = s.manifest
+    where = f"image {s.image}" if s.image else f"pid {m.pid}"
+    version = m.packages.get("kvscope-connector")
+    return (f"{s.config} {digest(s)} {connector(m)}" + (f" kvscope-connector {version}" if version else "")
+            + f", {where}, {s.health}")
+
+
+def serves(state: HostState | None, configs: list[str]) -> str:
+    if state is None:
+        return "not recorded"
+    if state.error:
+        return f"unreadable ({state.error})"
+    found = [describe(state.servers.get(c)) for c in configs if c in state.servers]
+    return "; ".join(found) if found else f"no {', '.join(configs)}"
+
+
+def same(a: HostState | None, b: HostState | None, configs: list[str] | None = None) -> bool:
+    """Two recorded states serve the same versions of `configs` (default: every config of either), each either
+    healthy in both or in neither."""
+    if a is None or b is None:
+        return False
+    names = configs if configs is not None else sorted(set(a.servers) | set(b.servers))
+    return all(identity(a.serving(c)) == identity(b.serving(c)) for c in names)
+
+
+def untouched(a: HostState | None, b: HostState | None) -> bool:
+    """Not even restarted: the same versions, by the same processes (pid or container image)."""
+    if not same(a, b) or a is None or b is None:
+        return False
+    pids = lambda st: {c: (s.manifest.pid if s.manifest else None) for c, s in st.servers.items()  # noqa: E731
+                       if s.health == "healthy"}
+    return pids(a) == pids(b)
