@@ -185,3 +185,10 @@ def test_the_lmcache_module_probed_is_the_compiled_extension_its_wheel_ships():
     compiled = {m.split(".", 1)[1] for ms in CONNECTOR_MODULES.values() for m in ms if m.startswith("lmcache.")
                 and not m.startswith("lmcache.integration")}
     assert compiled and compiled <= shipped and "cuda_ops" in compiled
+
+
+def test_every_images_healthcheck_probes_the_port_its_container_serves_on():
+    # The container runtime serves each config on its own port with host networking; the GB10 image polled 8000.
+    for dockerfile in sorted((REPO / "docker").glob("*/Dockerfile")):
+        check = dockerfile.read_text().split("HEALTHCHECK", 1)[1].split("\nENTRYPOINT", 1)[0]
+        assert "KVSCOPE_PORT" in check and ":8000" not in check, dockerfile

@@ -269,6 +269,16 @@ def test_a_comparison_gives_each_configs_change_from_the_first_run(tmp_path):
     assert t.loc[("b", "apc"), "hit_ttft_p50_ms"] == 52.5 and t.loc[("b", "apc"), "hit_ttft_p50_ms_change"] == -0.5
     assert t.loc[("b", "apc"), "speedup_hits"] == 2.0 and t.loc[("b", "apc"), "speedup_hits_change"] == 1.0
     assert t.loc[("a", "apc"), "speedup_hits_change"] == 0.0
+    assert "different machines" not in comparison.write([a, b])
+
+
+def test_a_comparison_says_when_its_runs_come_from_different_machines(tmp_path):
+    a, b = make_run(tmp_path / "a", four()), make_run(tmp_path / "b", four())
+    doc = json.loads((b / "run.json").read_text())
+    doc["machine"]["cpu"] = "AMD EPYC"  # the published CPU runs' TTFT doubled between two such machines
+    (b / "run.json").write_text(json.dumps(doc))
+    assert "**These runs come from different machines** (`a`: test, 2 cores, GPU none; `b`: AMD EPYC" in (
+        comparison.write([a, b]))
 
 
 def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_path):

@@ -26,7 +26,8 @@ HOSTS = ["kvh1", "kvh2", "kvh3"]
 
 
 def tier_matrix(path: Path, faulty: bool) -> Path:
-    """loadtests/matrix.yaml with a new kvscope-fs: the faulty canary connector, or a smaller RAM tier."""
+    """loadtests/matrix.yaml with a new kvscope-fs: the faulty canary connector, or files only (no RAM tier:
+    every hit from the disk tier it certifies)."""
     doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
     tier = next(c for c in doc["configs"] if c["name"] == "kvscope-fs")
     extra = tier["kv_transfer_config"]["kv_connector_extra_config"]
@@ -35,8 +36,8 @@ def tier_matrix(path: Path, faulty: bool) -> Path:
         tier["kv_transfer_config"].update(kv_connector="FaultCanary", kv_connector_module_path="kvscope_connector.canary")
         extra["fault"] = "second-hit"
     else:
-        tier["description"] = "kvscope-fs, next version: a 32 MiB RAM tier in front of the directory"
-        extra["ram_bytes"] = 33554432
+        tier["description"] = "kvscope-fs, next version: files only, no RAM tier in front"
+        extra["ram_bytes"] = 0
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -127,4 +128,4 @@ def test_a_good_tier_rolls_to_every_host_one_at_a_time_every_gate_pass(cluster, 
     assert [b.hosts for b in r.batches] == [["kvh1"], ["kvh2"], ["kvh3"]] and all(b.state == "passed" for b in r.batches)
     assert all(g.verdicts["kvscope-fs"] == "PASS" and g.verified_hits >= 12 for b in r.batches for g in b.gates)
     for h in HOSTS:
-        assert '"ram_bytes": 33554432' in served(cluster, h)["kvscope-fs"]["server_args"][-1]
+        assert '"ram_bytes": 0' in served(cluster, h)["kvscope-fs"]["server_args"][-1]

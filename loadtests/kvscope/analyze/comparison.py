@@ -11,6 +11,7 @@ import pandas as pd
 
 from kvscope.analyze import html, plots
 from kvscope.analyze.report import RunError, _md_table, analyze, workload_digest
+from kvscope.artifacts import RunInfo, read_json
 
 
 def table(folders: list[Path]) -> pd.DataFrame:
@@ -54,15 +55,34 @@ def plot(frame: pd.DataFrame, path: Path) -> str:
     return plots.save(fig, path)
 
 
+def machine_warning(folders: list[Path]) -> str:
+    """A sentence when the runs come from different machines or modes (a change in speed may be the machine's,
+    and an exact run has no speed); "" when they do not."""
+    runs = [read_json(Path(f) / "run.json", RunInfo) for f in folders]
+    machines = {(r.machine.get("cpu"), r.machine.get("cores"), r.machine.get("gpu")) for r in runs}
+    words = []
+    if len(machines) > 1:
+        words.append("**These runs come from different machines** (" + "; ".join(
+            f"`{r.run_id}`: {r.machine.get('cpu')}, {r.machine.get('cores')} cores, "
+            f"GPU {r.machine.get('gpu') or 'none'}" for r in runs)
+            + "): a change in speed may be the machine's, not the tier's.")
+    if len({r.mode for r in runs}) > 1:
+        words.append("**The runs served in different modes** (" + ", ".join(f"`{r.run_id}` {r.mode}" for r in runs)
+                     + "): an exact-mode run gives no speed.")
+    return " ".join(words)
+
+
 def write(folders: list[Path], out: Path | None = None) -> str:
     """The comparison as markdown; with `out`, a folder with comparison.md, comparison.html and its plot."""
     frame = table(folders)
+    warning = machine_warning(folders)
     cols = ["config", "run", "vllm", "verdict", "hits", "hit_ttft_p50_ms", "hit_ttft_p50_ms_change", "speedup_hits",
             "speedup_ci95", "speedup_hits_change", "hit_rate", "advice"]
     order = {c: i for i, c in enumerate(dict.fromkeys(frame.config))}
     rows = frame.iloc[frame.config.map(order).argsort(kind="stable")][cols]
     text = ("# kvscope comparison\n\nRuns: " + ", ".join(f"`{f}`" for f in folders) + ". `*_change`: relative "
-            "to the first run (-0.2 = 20 % lower).\n\n" + _md_table(rows) + "\n")
+            "to the first run (-0.2 = 20 % lower).\n\n" + (warning + "\n\n" if warning else "") + _md_table(rows)
+            + "\n")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         text += f"\n![Speed-up per run]({plot(frame, out / 'speedup.png')})\n"
