@@ -208,3 +208,10 @@ def test_a_bench_refuses_servers_of_both_modes_and_an_exact_bench_of_normal_serv
         serving_mode(normal, exact=True)
     with pytest.raises(matrix.ConfigError, match="apc serve in normal mode, the others batch-invariant"):
         serving_mode([server("baseline", "golden", True), server("apc", "candidate", False)], exact=False)
+
+
+def test_a_writer_must_name_another_config_of_the_matrix(tmp_path, doc):
+    cfg(doc, "kvscope-shared-b")["writer"] = "nowhere"
+    with pytest.raises(matrix.ConfigError, match="config 'kvscope-shared-b': field 'writer': no config named"):
+        matrix.load(write(tmp_path, doc))
+    assert matrix.load(SHIPPED).get("kvscope-shared-b").writer == "kvscope-shared"

@@ -61,6 +61,7 @@ class RenderedServer(Artifact):
     upstream: list[str] = Field(default_factory=list)  # upstream reports about this path, for the report
     exact: bool = False  # served batch-invariant (the platform's exact mode)
     tiers: list[str] = Field(default_factory=list)  # the tiers it certifies (its connector's load log names them)
+    writer: str | None = None  # shared-store scenarios: the config whose server writes what this one loads
 
     @model_validator(mode="before")
     @classmethod

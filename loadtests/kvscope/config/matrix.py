@@ -153,6 +153,9 @@ class StorageConfig(Strict):
     upstream: list[Link] = Field(
         default_factory=list, description="upstream reports about this path (issue or PR links), listed beside "
         "its verdict in the report")
+    writer: str | None = Field(
+        default=None, pattern=NAME, description="shared-store scenarios: the config whose server writes the store "
+        "this one loads from (their prime phase goes to it, the measure phase here)")
     tiers: list[StoreName] = Field(
         default_factory=list, description="the tiers this config certifies (as its connector's load log names "
         "them: ram, disk): each must serve at least --min-hits verified hits, or the config cannot PASS")
@@ -310,6 +313,8 @@ def _cross_config_errors(configs: list[StorageConfig]) -> list[str]:
             errors.append(f"config '{cfg.name}': field 'port': {cfg.port} is already used by '{ports[cfg.port]}'")
         else:
             ports[cfg.port] = cfg.name
+    errors += [f"config '{cfg.name}': field 'writer': no config named '{cfg.writer}'" for cfg in configs
+               if cfg.writer is not None and (cfg.writer not in names or cfg.writer == cfg.name)]
     return errors
 
 

@@ -103,7 +103,8 @@ def render(
     return RenderedServer(config=cfg.name, role=cfg.role, port=port, platform=platform,
                           served_model_name=model_dir.name, server_args=args, env=env, stores=stores,
                           store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages),
-                          upstream=list(cfg.upstream), exact=mode is not None, tiers=list(cfg.tiers))
+                          upstream=list(cfg.upstream), exact=mode is not None, tiers=list(cfg.tiers),
+                          writer=cfg.writer)
 
 
 def model_errors(model_dir: Path) -> list[str]:

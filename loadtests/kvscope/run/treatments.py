@@ -324,6 +324,10 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     unknown = [n for n in scenario_names if n not in all_scenarios]
     if unknown:
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {sorted(all_scenarios)}")
+    sharing = [s for s in chosen if s.writer and any(all_scenarios[n].shared for n in scenario_names)]
+    if missing := [f"{s.config} (writer {s.writer})" for s in sharing if s.writer not in by_name]:
+        raise ConfigError(f"shared scenarios send a config's prime phase to its writer's server, which is not "
+                          f"deployed: {', '.join(missing)}")
     restarting = [n for n in scenario_names if all_scenarios[n].restart]
     if restarting and not restart_cmd:
         raise ConfigError(f"scenario(s) {restarting} restart servers: give --restart-cmd (make bench sets it), a "
@@ -376,8 +380,10 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                     continue
                 users = all_scenarios[name].users or level
                 restart = all_scenarios[name].restart and server.role == "candidate"
-                _treatment(server, label, folder, phase_files, {**opts, "users": users, "restart": restart},
-                           status_path, f"[{step}/{total}] {where}")
+                writer = by_name.get(server.writer or "") if all_scenarios[name].shared else None
+                _treatment(server, label, folder, phase_files,
+                           {**opts, "users": users, "restart": restart, "writer": writer}, status_path,
+                           f"[{step}/{total}] {where}")
         golden = next(s for s in chosen if s.role == "golden")
         where = "golden's continuations"
         print("golden scores the answers that split from its own ...", end="", flush=True)
@@ -421,14 +427,22 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
     print(f"{progress}: warm-up, reset", end="", flush=True)
     warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
     row = StatusRow(config=server.config, scenario=scenario, reset=reset(server))
+    writer = opts.get("writer")
+    if writer is not None:  # a shared store: the writer stores what this server then loads
+        row.reset["writer"] = writer.config
+        row.reset["writer_reset"] = reset(writer)
     for phase in ("prime", "measure"):
         if phase == "measure" and opts.get("restart"):
             print(", restart", end="", flush=True)
             row.phases["restart"] = restart(server, opts["restart_cmd"])
         if (scenario, phase) in phase_files:
             workload, part = phase_files[scenario, phase]
+            target = server
+            if phase == "prime" and writer is not None:
+                target = writer.model_copy(update={"config": server.config, "deployed_as": writer.config})
+                print(f", {phase} on {writer.config}", end="", flush=True)
             print(f", {phase} {len(part)} requests", end="", flush=True)
-            row.phases[phase] = _phase(server, workload, part, folder, stem, phase, opts)
+            row.phases[phase] = _phase(target, workload, part, folder, stem, phase, opts)
     if server.fault:
         row.fault_log = _keep_log(server, "fault_log", folder / "faults" / f"{stem}.jsonl")
     if connector_log(server, "load_log") is not None:

@@ -69,6 +69,8 @@ class Scenario(Strict):
     reuse: float = Field(default=0.5, ge=0, le=1, description="share of every prompt that a shared prefix reuses")
     prompt_tokens: int = Field(default=512, ge=1, description="tokens per prompt (kind reuse)")
     prefixes: int = Field(default=4, ge=1, description="distinct shared prefixes, taken in turn (kind reuse)")
+    shared: bool = Field(default=False, description="a config with a writer (matrix) gets its prime phase sent to "
+                         "the writer's server and its measure phase to its own: it loads what another server stored")
     restart: bool = Field(default=False, description="restart each candidate's server between the prime phase "
                           "(which stores) and the measure phase (which loads): a persistent tier must still serve")
 
@@ -76,8 +78,8 @@ class Scenario(Strict):
     def _trace_has_a_file(self) -> Scenario:
         if (self.kind == "trace") != (self.trace is not None):
             raise ValueError("a trace scenario names its trace file (field 'trace'), and only a trace scenario does")
-        if self.restart and self.prime != "replay":
-            raise ValueError("a restart scenario needs prime: replay (the phase whose blocks the restart must keep)")
+        if (self.restart or self.shared) and self.prime != "replay":
+            raise ValueError("a restart or shared scenario needs prime: replay (the phase that stores the blocks)")
         return self
 
 
