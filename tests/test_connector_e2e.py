@@ -8,6 +8,7 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -280,3 +281,30 @@ def test_chunked_prefill_preemption_and_vllm_prefix_caching_stay_identical(conne
     loaded = sum(v for k, v in after.items() if k.startswith("kvscope:connector_") and "_hits" in k) \
         - sum(v for k, v in middle.items() if k.startswith("kvscope:connector_") and "_hits" in k)
     assert loaded > 0 and after.get("kvscope:connector_corrupt_total", 0) == 0
+
+
+SHARED = """scenarios:
+  - name: shared-small
+    kind: rag
+    num_docs: 8
+    doc_tokens_median: 120
+    docs_per_query: 2
+    num_queries: 6
+    max_tokens: 12
+    prime: replay
+    shared: true
+"""
+
+
+def test_a_shared_scenario_stores_through_the_writer_and_the_reader_loads_it(connector_run, tmp_path):
+    run_dir, _ = connector_run
+    (tmp_path / "s.yaml").write_text(SHARED)
+    out = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--deployment", str(run_dir / "deployment.json"),
+                          "--results", str(tmp_path), "--scenarios-file", str(tmp_path / "s.yaml"), "--configs",
+                          "baseline,kvscope-shared-b", "--scenarios", "shared-small", "--run-id", "sh", "--report",
+                          "--min-hits", "2"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    status = {json.loads(line)["config"]: json.loads(line) for line in (tmp_path / "sh" / "status.jsonl").open()}
+    assert status["kvscope-shared-b"]["reset"]["writer"] == "kvscope-shared" and "writer" not in status["baseline"]["reset"]
+    loads = [json.loads(line) for line in (tmp_path / "sh" / "loads" / "kvscope-shared-b__shared-small.jsonl").open()]
+    assert sum(line.get("disk", 0) for line in loads) > 0  # its first loads: the files the writer stored

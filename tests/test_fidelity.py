@@ -169,8 +169,10 @@ def test_two_floors_the_control_for_direct_comparisons_and_golden_rescored_for_c
 
 
 def test_the_tolerances_follow_their_floors_with_a_least_value_and_are_assumed_without_one():
-    t, _ = fidelity.tolerance(1e-5, 0.5, "float32")
-    assert t.direct == pytest.approx(3e-5) and t.continuation == pytest.approx(1.5) and not t.exact
+    t, _ = fidelity.tolerance(1e-5, 0.5, "float32")  # a hit's cached prefix is another kernel path: both floors
+    assert t.direct == pytest.approx(1.5) and t.continuation == pytest.approx(1.5) and not t.exact
+    t, _ = fidelity.tolerance(0.5, 1e-5, "float32")
+    assert t.direct == pytest.approx(1.5) and t.continuation == pytest.approx(3e-5)
     assert fidelity.tolerance(0.0, 0.0, "float32")[0].direct == fidelity.FLOOR_NATS["float32"]
     assert fidelity.tolerance(0.2, None, "bfloat16")[0].direct == pytest.approx(0.6)
     t, source = fidelity.tolerance(None, None, "bfloat16")
