@@ -129,3 +129,4 @@ def test_request_bodies_ask_for_token_ids_and_a_canary_fault():
     assert body["kv_transfer_params"] == {"kvscope_fault": "zeros"}
     key = records.request_key("rag-zipf-0003-t0", "measure")
     assert records.key_from_server_id(f"chatcmpl-{key}-1a2b3c4d") == key  # how vLLM names the request
+    assert records.key_from_server_id(f"cmpl-{key}-0-96f52fa6") == key  # completions: a prompt index too

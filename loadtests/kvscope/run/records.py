@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -139,8 +140,14 @@ def request_key(request_id: str, phase: str) -> str:
     return f"{request_id}@{phase}"
 
 
+_SERVER_ID = re.compile(r"^[a-z]+-(?P<key>.+@(?:prime|measure))(?:-\d+)?-[^-]+$")
+
+
 def key_from_server_id(server_id: str) -> str:
-    return server_id.split("-", 1)[-1].rsplit("-", 1)[0]
+    """The request key inside vLLM's request id: 'chatcmpl-<key>-<8 chars>', or for completions
+    'cmpl-<key>-<prompt index>-<8 chars>'."""
+    found = _SERVER_ID.match(server_id)
+    return found.group("key") if found else server_id.split("-", 1)[-1].rsplit("-", 1)[0]
 
 
 def new_record(req: Request, config: str, start_unix_s: float, worker: int = 0) -> Record:
