@@ -79,7 +79,8 @@ class _FaultWorker(WorkerSide):
         self.pending: list[tuple[str, str, list[tuple[LoadSpec, Block]]]] = []  # this step's (request, fault, loads)
 
     def save(self, meta: KVScopeMetadata) -> None:
-        self.tainted_keys |= {spec.key for spec in meta.stores if spec.request_id in self.tainted}
+        for spec in meta.stores:  # a key stored again by a request served right is right again
+            (self.tainted_keys.add if spec.request_id in self.tainted else self.tainted_keys.discard)(spec.key)
         super().save(meta)
 
     def load(self, meta: KVScopeMetadata) -> None:

@@ -141,6 +141,8 @@ def test_blocks_computed_on_top_of_wrong_kv_are_stored_and_whoever_loads_them_is
                                                                                        request_id="r4")],
                           faults={"r3": "stale", "r4": "stale"}))  # slots 4, 5 still hold the stored bytes
     assert [(e["request"], e["changed"], e["inherited"]) for e in log(tmp_path)[-2:]] == [("r3", 0, 1), ("r4", 0, 0)]
+    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r2")]))  # stored again, right
+    assert "k-r1" not in w.tainted_keys
     w.load(CanaryMetadata(reset=True))
     assert not w.tainted_keys and not w.tainted
 
