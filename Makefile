@@ -142,7 +142,7 @@ test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docke
 test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	bash ansible/scripts/dockerd.sh start
-	$(PY) -m pytest -rs tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
+	$(PY) -m pytest -rs --durations=15 tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
 
 test-fast: setup ## the tests that start no vLLM server (a minute or two)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests

@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, SESSION_CONFIGS
 
 from kvscope import artifacts
+from kvscope.analyze import fidelity
 from kvscope.artifacts import Treatment
 from kvscope.config.matrix import CANARY_FAULTS as FAULTS
 from kvscope.run.records import read
@@ -84,7 +85,7 @@ def test_the_repeated_request_hits_every_cache_and_counters_agree(short_run):
     assert apc["vllm:prefix_cache_hits_total"] == second_hit(run, "apc")
     fs = rows["kvscope-fs", "repeat-867"]["phases"]["measure"]["metrics_delta"]
     assert fs["vllm:external_prefix_cache_hits_total"] == second_hit(run, "kvscope-fs")
-    assert rows["kvscope-fs", "repeat-867"]["reset"]["stores_wiped"] == ["blocks"]
+    assert rows["kvscope-fs", "repeat-867"]["reset"]["stores_wiped"] == ["blocks", "log"]  # its load log too
 
 
 def second_hit(run, config) -> int:
@@ -119,7 +120,7 @@ def test_every_file_of_the_run_folder_is_a_typed_artifact(short_run):
     _, run = short_run
     models = {"records": artifacts.Record, "workloads": artifacts.Request, "continuations": artifacts.Continuation,
               "faults": artifacts.FaultEvent}
-    assert artifacts.read_json(run / "run.json", artifacts.RunInfo).scorer["version"] == 2
+    assert artifacts.read_json(run / "run.json", artifacts.RunInfo).scorer["version"] == fidelity.SCORER_VERSION
     assert len(artifacts.read_jsonl(run / "status.jsonl", artifacts.StatusRow)) == 28
     for folder, model in models.items():
         files = sorted((run / folder).glob("*.jsonl"))

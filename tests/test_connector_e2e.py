@@ -61,6 +61,7 @@ def connector_run(tmp_path_factory, model_dir):
     fsonly = json.loads(json.dumps(by_name["kvscope-fs"]))
     fsonly.update(name="kvscope-fsonly", description="filesystem tier only: every hit is read from disk")
     fsonly["kv_transfer_config"]["kv_connector_extra_config"]["ram_bytes"] = 0
+    by_name["kvscope-fs"]["kv_transfer_config"]["kv_connector_extra_config"]["ram_bytes"] = 16 * 2**20  # RAM, then disk
     tight = json.loads(json.dumps(by_name["kvscope-fs"]))
     tight.update(name="kvscope-apc-tight", description="vLLM prefix caching on, chunked prefill, a KV cache "
                  "of 1984 tokens: concurrent long answers are preempted and resumed")

@@ -61,7 +61,8 @@ def ttft_by_scenario(plt, folder: Path, roles: dict[str, str], recs: dict, scena
         _plain_log_labels(ax.xaxis)
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("share of requests")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    if axes[0][-1].get_legend_handles_labels()[0]:  # a run whose every request failed plots nothing
+        axes[0][-1].legend(fontsize=7, loc="lower right")
     return save(fig, folder / "ttft_cdf.png")
 
 
@@ -79,7 +80,8 @@ def ttft_vs_cached(plt, folder: Path, roles: dict[str, str], recs: dict) -> str:
            title="TTFT against the cached share of the prompt")
     _plain_log_labels(ax.yaxis)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     return save(fig, folder / "ttft_vs_cached.png")
 
 
