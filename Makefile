@@ -148,7 +148,22 @@ test-fast: setup ## the tests that start no vLLM server (a minute or two)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	$(PY) -m pytest -rs -m "not server" tests
 
-help: ## list the targets
+help: ## list the targets and the variables they read
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@printf '\nVariables (make bench CONFIGS=apc,kvscope-fs ...)\n'; sed -n 's/^#> //p' Makefile
+
+#> CONFIGS      configs of the matrix to deploy, bench or roll, comma-separated (default: the CPU selection)
+#> SCENARIOS    workloads of loadtests/scenarios.yaml to run, comma-separated
+#> USERS        concurrent Locust users; 1,4,16 sweeps the load
+#> REPEATS      run every treatment this many times (the spread)
+#> MATRIX       a storage-config matrix of your own (default loadtests/matrix.yaml)
+#> MODEL        a Hugging Face model folder of your own (default: the tiny model `make model` builds)
+#> INVENTORY    the Ansible inventory whose hosts serve (default ansible/inventories/local)
+#> RUNTIME      process (default) or container (the CPU image, make images-cpu)
+#> EXACT        1: serve batch-invariant and judge bitwise (GPU; refused on the CPU)
+#> RUN_ID       the run folder's name under results/ (default: the time, UTC); RESUME=1 continues it
+#> SLO          a service-level objective for the summary: ttft=500,tpot=50 (ms)
+#> RUN, RUNS    make report RUN=results/<id>; make compare RUNS=results/a,results/b [OUT=dir]
+#> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=
 
 .PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench rollout report compare bench-connector test-deps test test-fast help

@@ -32,3 +32,10 @@ def test_a_users_matrix_and_model_reach_the_deployment(tmp_path):
 def test_bench_records_the_command_as_the_user_typed_it():
     line = next(x for x in dry_run("bench", "RUN_ID=r1", "USERS=4").splitlines() if "kvscope.cli bench" in x)
     assert line.startswith("KVSCOPE_COMMAND='make bench") and "RUN_ID=r1" in line and "USERS=4" in line
+
+
+def test_make_help_names_every_variable_a_user_sets():
+    out = subprocess.run(["make", "help"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    for name in ("CONFIGS", "SCENARIOS", "USERS", "REPEATS", "MATRIX", "MODEL", "INVENTORY", "RUNTIME", "EXACT",
+                 "RUN_ID", "RESUME", "SLO", "RUNS", "OUT", "SERIAL", "IMAGE", "ROLLOUT_ID"):
+        assert name in out.split("Variables", 1)[1], name

@@ -35,3 +35,36 @@ def test_the_results_index_names_no_other_cpu_than_each_runs_own():
         machine = row.split(" | ")[2]
         for vendor in ("Intel", "AMD"):
             assert vendor in cpu or vendor not in machine, (name, cpu, machine)
+
+
+def test_report_json_gives_a_published_runs_verdicts_and_gate_for_scripts(tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = shutil.copytree(REPO / "results" / name, tmp_path / name)
+    out = subprocess.run([sys.executable, "-m", "kvscope.cli", "report", str(run), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    doc = json.loads(out.stdout)  # nothing but the document on stdout
+    published = pd.read_csv(REPO / "results" / name / "verdicts.csv")
+    assert [v["verdict"] for v in doc["verdicts"]] == list(published.verdict)
+    assert doc["gate"]["exit"] == out.returncode and doc["gate"]["words"].endswith(f"(exit {out.returncode})")
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import argparse
+
+    from kvscope.cli import build_parser
+
+    def parsers(p):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    silent = [(p.prog, a.dest) for p in parsers(build_parser()) for a in p._actions
+              if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert silent == []

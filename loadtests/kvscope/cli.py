@@ -140,6 +140,9 @@ def _report(folder: Path, args) -> int:
     from kvscope.analyze import overview, report
 
     code = report.write(folder, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
+    if args.json:  # for scripts: the verdicts and the gate, nothing else on stdout
+        print(report.as_json(folder, code))
+        return code
     print(report.console(folder))
     print(f"report: {folder / 'report.md'}\ngate: {report.GATE_WORDS[code]}")
     return code
@@ -148,6 +151,9 @@ def _report(folder: Path, args) -> int:
 def cmd_report(args) -> int:
     if (Path(args.run) / "rollout.json").exists():  # a rollout's record (kvscope rollout): rollout.md
         from kvscope.rollout import report as rollout_report
+
+        if args.json:
+            raise matrix_mod.ConfigError("--json gives a bench run's verdicts; a rollout's are in its rollout.json")
 
         return rollout_report.main(Path(args.run))
     return _report(Path(args.run), args)
@@ -181,6 +187,8 @@ def _gate_options(s) -> None:
                    help="share of failed requests a config may have before it is INCOMPLETE")
     s.add_argument("--slo", default="", metavar="ttft=MS,tpot=MS",
                    help="service-level objective: the summary adds the share of requests that met it, and goodput")
+    s.add_argument("--json", action="store_true",
+                   help="print the verdicts, the detection power and the gate as JSON (for scripts) instead of text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("validate", help="validate the matrix (and a selection for a platform)")
     s.add_argument("--matrix", type=Path, default=argparse.SUPPRESS, help="storage-config matrix YAML")
-    s.add_argument("--configs", default="")
-    s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--configs", default="", help="a selection to check for --platform, comma-separated")
+    s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu", help="the platform the selection runs on")
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")
@@ -209,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ca-file", default=None, metavar="PEM",
                    help="with --endpoint: the CAs https endpoints' certificates are checked against (default: the "
                         "system's)")
-    s.add_argument("--results", default="results")
-    s.add_argument("--scenarios-file", dest="scenarios", default=str(HARNESS / "scenarios.yaml"))
+    s.add_argument("--results", default="results", help="the run folder goes to RESULTS/<run-id>/")
+    s.add_argument("--scenarios-file", dest="scenarios", default=str(HARNESS / "scenarios.yaml"),
+                   help="the scenarios YAML (workloads) to pick --scenarios from")
     s.add_argument("--configs", default="", help="comma-separated; default every deployed config")
     s.add_argument("--scenarios", dest="scenarios_list", default=DEFAULT_SCENARIOS, help="comma-separated names")
     s.add_argument("--users", default="2", help="concurrent Locust users (closed loop); 1,4,16 sweeps the load")
@@ -225,8 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssh-config", default="/var/lib/kvscope/netns/config", help="ssh config naming the worker hosts")
     s.add_argument("--master-host", default="", help="address the workers reach this (master) host at")
     s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
-    s.add_argument("--timeout-s", type=float, default=1800)
-    s.add_argument("--run-id", default=None)
+    s.add_argument("--timeout-s", type=float, default=1800, help="the most one treatment's Locust run may take")
+    s.add_argument("--run-id", default=None, help="the run folder's name (default: the time, UTC)")
     s.add_argument("--resume", action="store_true", help="continue the run folder of --run-id")
     s.add_argument("--report", action="store_true", help="score and write the report when the run ends")
     s.add_argument("--exact", action="store_true",
@@ -241,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed); "
                                       "a rollout's folder: rollout.md")
-    s.add_argument("run")
+    s.add_argument("run", help="a run folder (results/<run-id>) or a rollout's")
     _gate_options(s)
     s.set_defaults(func=cmd_report)
 
@@ -251,13 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("status", help="list the servers of a deployment folder and whether they run")
-    s.add_argument("--run-dir", default="runs/local")
+    s.add_argument("--run-dir", default="runs/local", help="the deployment folder (deploy's kvscope_run_dir)")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("build-model", help="build the tiny offline Qwen3 model (or --shape qwen3-4b)")
-    s.add_argument("--out", required=True)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--shape", choices=["tiny", "qwen3-4b"], default="tiny")
+    s.add_argument("--out", required=True, help="the model folder to write")
+    s.add_argument("--seed", type=int, default=0, help="the weights' random seed (the same seed, the same bytes)")
+    s.add_argument("--shape", choices=["tiny", "qwen3-4b"], default="tiny",
+                   help="tiny (CPU tests), or Qwen3-4B's shape with random weights (GPU runs)")
     s.set_defaults(func=cmd_build_model)
     return p
 

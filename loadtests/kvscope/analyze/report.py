@@ -375,6 +375,16 @@ def console(folder: Path) -> str:
     return "\n".join(lines)
 
 
+def as_json(folder: Path, code: int) -> str:
+    """The verdicts, the detection power and the gate of a written report, as one JSON document."""
+    v = pd.read_csv(Path(folder) / "verdicts.csv")
+    power = pd.read_csv(Path(folder) / "power.csv")
+    doc = {"run": str(folder), "gate": {"exit": code, "words": GATE_WORDS[code]},
+           "interrupted": read_json(Path(folder) / "run.json", RunInfo).interrupted,
+           "verdicts": json.loads(v.to_json(orient="records")), "power": json.loads(power.to_json(orient="records"))}
+    return json.dumps(doc, indent=1)
+
+
 GATE_WORDS = {verdicts.GATE_OK: "every verdict as expected (exit 0)",
               verdicts.GATE_FAIL: "FAILED: a verdict its role does not allow (exit 1)",
               verdicts.GATE_INCONCLUSIVE: "inconclusive: nothing failed, but not everything was verified (exit 3)"}
