@@ -139,10 +139,13 @@ test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docke
 	  command -v mmdebstrap >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	  openssh-server iproute2 docker.io mmdebstrap)
 
-test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs)
+test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs; not test-slow)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	bash ansible/scripts/dockerd.sh start
-	$(PY) -m pytest -rs --durations=15 tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
+	$(PY) -m pytest -rs --durations=15 -m "not slow" tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
+
+test-slow: test-deps setup model ## the real-server tests beyond CI's budget: rollouts on namespace hosts (~12 min)
+	$(PY) -m pytest -rs --durations=15 -m slow tests
 
 test-fast: setup ## the tests that start no vLLM server (a minute or two)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
@@ -166,4 +169,4 @@ help: ## list the targets and the variables they read
 #> RUN, RUNS    make report RUN=results/<id>; make compare RUNS=results/a,results/b [OUT=dir]
 #> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=
 
-.PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench rollout report compare bench-connector test-deps test test-fast help
+.PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench rollout report compare bench-connector test-deps test test-fast test-slow help

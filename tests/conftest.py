@@ -42,6 +42,8 @@ SESSION_DEPLOY = ("-e", f"vllm_configs={SESSION_CONFIGS}", "-e", "vllm_port_offs
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "server: starts real vLLM servers (minutes); `make test-fast` skips them")
+    config.addinivalue_line("markers", "slow: real servers for longer than CI's budget allows; `make test` skips "
+                                       "them, `make test-slow` runs them")
 
 
 def pytest_collection_modifyitems(items):

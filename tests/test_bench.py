@@ -198,6 +198,12 @@ def test_reset_wipes_nothing_outside_the_deployments_stores_folder(tmp_path):
     assert row["stores_wiped"] == [] and row["stores_refused"] == ["abs", "dots", "root"]
 
 
+def locust_in(session: int) -> bool:
+    """A Locust process runs in the process session `session`."""
+    found = subprocess.run(["pgrep", "-s", str(session), "-f", "--", "-m locust"], capture_output=True, text=True)
+    return bool(found.stdout.split())
+
+
 def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishes_it(deployment, tmp_path):
     scenarios = tmp_path / "scenarios.yaml"
     scenarios.write_text(SMALL)
@@ -210,7 +216,9 @@ def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishe
     deadline = time.monotonic() + 300
     while not (status.exists() and status.read_text().count("\n") >= 2) and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(3)  # into the third treatment: rag-small's Locust is running
+    # into the third treatment, while its Locust runs (a fixed sleep let a fast machine finish the run first)
+    while not locust_in(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]

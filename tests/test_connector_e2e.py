@@ -1,5 +1,6 @@
-"""kvscope's connector through real vLLM servers: identical to golden with hits from RAM, from disk after a
-restart, from a directory shared by two servers, and under injected faults, each fault counted."""
+"""kvscope's connector through real vLLM servers: identical to golden with hits from disk before and after a
+restart, from a directory shared by two servers, and under injected faults, each fault counted (RAM-tier hits:
+kvscope-ram in tests/test_cluster.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from kvscope.run import metrics
 
 pytestmark = pytest.mark.server
 
-PORTS = {"baseline": 8199, "kvscope-fs": 8191, "kvscope-fsonly": 8192, "kvscope-shared": 8193,
+PORTS = {"baseline": 8199, "kvscope-fs": 8191, "kvscope-shared": 8193,
          "kvscope-shared-b": 8194, "kvscope-apc-tight": 8188}
 
 
@@ -58,16 +59,12 @@ def connector_run(tmp_path_factory, model_dir):
     """The module's own servers, golden included (apart from the session's, so fewer run at once)."""
     doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
     by_name = {c["name"]: c for c in doc["configs"]}
-    fsonly = json.loads(json.dumps(by_name["kvscope-fs"]))
-    fsonly.update(name="kvscope-fsonly", description="filesystem tier only: every hit is read from disk")
-    fsonly["kv_transfer_config"]["kv_connector_extra_config"]["ram_bytes"] = 0
-    by_name["kvscope-fs"]["kv_transfer_config"]["kv_connector_extra_config"]["ram_bytes"] = 16 * 2**20  # RAM, then disk
     tight = json.loads(json.dumps(by_name["kvscope-fs"]))
     tight.update(name="kvscope-apc-tight", description="vLLM prefix caching on, chunked prefill, a KV cache "
                  "of 1984 tokens: concurrent long answers are preempted and resumed")
     tight["flags"] = {"--enable-prefix-caching": True, "--max-num-batched-tokens": 128, "--max-model-len": 1536,
                       "--kv-cache-memory-bytes": 2048 * 4096}  # 4 KiB of KV per token in the tiny model
-    configs = [by_name["baseline"], by_name["kvscope-fs"], fsonly, by_name["kvscope-shared"],
+    configs = [by_name["baseline"], by_name["kvscope-fs"], by_name["kvscope-shared"],
                by_name["kvscope-shared-b"], tight]
     for c in configs:
         c["port"] = PORTS[c["name"]]
@@ -92,7 +89,7 @@ def block_files(store: Path) -> list[Path]:
     return sorted(store.rglob("*.safetensors"))
 
 
-def test_hits_from_ram_then_from_disk_after_a_restart_are_identical_to_golden(connector_run, golden):
+def test_hits_from_disk_before_and_after_a_restart_are_identical_to_golden(connector_run, golden):
     run_dir, extra = connector_run
     port = PORTS["kvscope-fs"]
     for p in prompts("restart"):
@@ -115,7 +112,7 @@ def test_hits_from_ram_then_from_disk_after_a_restart_are_identical_to_golden(co
 
 def test_corrupt_truncated_and_foreign_blocks_are_misses_and_counted(connector_run, golden):
     run_dir, _ = connector_run
-    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+    port, store = PORTS["kvscope-fs"], store_of(run_dir, "kvscope-fs")
     ps = prompts("faults")
     for p in ps:
         complete(port, p)
@@ -141,7 +138,7 @@ def test_blocks_computed_in_the_step_a_load_failed_are_never_served_later(connec
     # The step whose load fails still computes the rest of the prompt, on top of the block it lacked; those
     # blocks must not be stored (they were, verified and signed: a longer prompt then loaded them).
     run_dir, _ = connector_run
-    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+    port, store = PORTS["kvscope-fs"], store_of(run_dir, "kvscope-fs")
     text = prompts("after-fail", 1)[0]
     a, b, c = text[:800], text[:1600], text
     earlier = set(block_files(store))
@@ -157,7 +154,7 @@ def test_blocks_computed_in_the_step_a_load_failed_are_never_served_later(connec
 
 def test_store_removed_mid_run_keeps_serving_and_refills(connector_run, golden):
     run_dir, _ = connector_run
-    port, store = PORTS["kvscope-fsonly"], store_of(run_dir, "kvscope-fsonly")
+    port, store = PORTS["kvscope-fs"], store_of(run_dir, "kvscope-fs")
     shutil.rmtree(store)
     for p in prompts("removed"):
         assert complete(port, p) == (golden(p), 0)
@@ -171,7 +168,7 @@ def _mount(*args) -> bool:
 
 
 def _fresh_store(run_dir: Path) -> Path:
-    store = store_of(run_dir, "kvscope-fsonly")
+    store = store_of(run_dir, "kvscope-fs")
     shutil.rmtree(store, ignore_errors=True)
     store.mkdir(parents=True)
     return store
@@ -181,7 +178,7 @@ def _limit_file_size(run_dir: Path, limit: int) -> None:
     """Set RLIMIT_FSIZE of the server's engine processes (the connector's save thread): a write past `limit`
     bytes fails with EFBIG, as one fails on a full disk (Python ignores SIGXFSZ). The API server, which
     writes the log, keeps its limit."""
-    leader = servers_of(run_dir)["kvscope-fsonly"]["pid"]
+    leader = servers_of(run_dir)["kvscope-fs"]["pid"]
     for pid in servers.group_members(leader):
         if pid != leader:
             resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
@@ -190,7 +187,7 @@ def _limit_file_size(run_dir: Path, limit: int) -> None:
 @pytest.mark.parametrize("full", ["tmpfs", "file-size-limit"])
 def test_a_full_store_is_counted_and_outputs_stay_identical(connector_run, golden, full):
     run_dir, _ = connector_run
-    port, store = PORTS["kvscope-fsonly"], _fresh_store(run_dir)
+    port, store = PORTS["kvscope-fs"], _fresh_store(run_dir)
     if full == "tmpfs" and not _mount("-t", "tmpfs", "-o", "size=160k", "tmpfs", str(store)):
         pytest.skip("mounting a small tmpfs is not allowed here (needs root and CAP_SYS_ADMIN); "
                     "the file-size-limit case covers a full store without a mount")
@@ -210,7 +207,7 @@ def test_a_full_store_is_counted_and_outputs_stay_identical(connector_run, golde
 
 def test_a_read_only_store_is_counted_and_outputs_stay_identical(connector_run, golden):
     run_dir, _ = connector_run
-    port, store = PORTS["kvscope-fsonly"], _fresh_store(run_dir)
+    port, store = PORTS["kvscope-fs"], _fresh_store(run_dir)
     mounted = _mount("-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(store))
     if not mounted and os.geteuid() == 0:
         pytest.skip("a read-only store needs a mount here: root ignores directory modes")

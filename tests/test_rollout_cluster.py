@@ -20,7 +20,7 @@ from conftest import PLAYBOOK, REPO
 
 from kvscope.rollout.record import identity, load
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # 11.5 minutes on 2 cores: `make test-slow`
 
 NETNS = REPO / "ansible" / "inventories" / "netns"
 HOSTS_SH = REPO / "ansible" / "scripts" / "netns-hosts.sh"
