@@ -153,7 +153,7 @@ test-fast: setup ## the tests that start no vLLM server (a minute or two)
 
 help: ## list the targets and the variables they read
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@printf '\nVariables (make bench CONFIGS=apc,kvscope-fs ...)\n'; sed -n 's/^#> //p' Makefile
+	@printf '\nVariables (make bench CONFIGS=baseline,apc,kvscope-fs ...)\n'; sed -n 's/^#> //p' Makefile
 
 #> CONFIGS      configs of the matrix to deploy, bench or roll, comma-separated (default: the CPU selection)
 #> SCENARIOS    workloads of loadtests/scenarios.yaml to run, comma-separated
@@ -167,6 +167,8 @@ help: ## list the targets and the variables they read
 #> RUN_ID       the run folder's name under results/ (default: the time, UTC); RESUME=1 continues it
 #> SLO          a service-level objective for the summary: ttft=500,tpot=50 (ms)
 #> RUN, RUNS    make report RUN=results/<id>; make compare RUNS=results/a,results/b [OUT=dir]
-#> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=
+#> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=, ROLLOUT_ARGS=
+#> TORCH_INDEX  where setup finds torch==2.13.0+cpu (PyTorch's CPU index; a mirror, or empty)
+#> IMAGE_ARGS   make images: extra Ansible options (-e image_push=true)
 
 .PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench rollout report compare bench-connector test-deps test test-fast test-slow help

@@ -219,6 +219,7 @@ def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishe
     # into the third treatment, while its Locust runs (a fixed sleep let a fast machine finish the run first)
     while not locust_in(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert proc.poll() is None, "the bench finished before its third treatment's Locust was seen"
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]

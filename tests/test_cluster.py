@@ -1,5 +1,5 @@
 """The cluster path for real, on one machine: network-namespace hosts with their own sshd, the process runtime
-deployed over SSH to two of them (all three: tests/test_rollout_cluster.py), Locust's distributed mode with a
+deployed over SSH to two of them (rollouts on them: tests/test_rollout_cluster.py), Locust's distributed mode with a
 worker on each host and the master here, the records and logs collected to the controller, and teardown."""
 
 from __future__ import annotations

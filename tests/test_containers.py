@@ -1,6 +1,7 @@
 """The container runtime for real: the CPU image built through the build play (classic builder, a base made
 from Debian's packages), then baseline and kvscope-fs deployed as its containers through the vllm role,
-benched, scored and torn down by label (two configs: CI's time; the process runtime's tests cover the rest). Needs a Docker engine (make test starts one)."""
+benched, scored and torn down by label. Two configs, for CI's time: without a control the run is scored with
+the assumed fp32 tolerance, not a measured floor; the process runtime's tests cover the verdict itself. Needs a Docker engine (make test starts one)."""
 
 from __future__ import annotations
 

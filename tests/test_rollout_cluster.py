@@ -54,7 +54,7 @@ def two_hosts(folder: Path) -> Path:
 
 def playbook(name: str, run_root: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-    cmd = [str(PLAYBOOK), "-i", str(run_root.parent / "inventory"), str(REPO / "ansible" / name),
+    cmd = [str(PLAYBOOK), "-i", str(run_root.parent / "netns"), str(REPO / "ansible" / name),
            "-e", f"kvscope_run_root={run_root}", *extra]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
@@ -62,7 +62,7 @@ def playbook(name: str, run_root: Path, *extra: str) -> subprocess.CompletedProc
 def make_rollout(run_root: Path, results: Path, matrix: Path, rollout_id: str) -> subprocess.CompletedProcess:
     """`make rollout` as a user types it (setup and the model are made already: -o keeps make from redoing them)."""
     cmd = ["make", "-o", ".venv/.installed", "-o", "models/tiny-qwen3/model.safetensors", "rollout",
-           f"INVENTORY={run_root.parent / 'inventory'}", "CONFIGS=kvscope-fs", f"MATRIX={matrix}", f"ROLLOUT_ID={rollout_id}",
+           f"INVENTORY={run_root.parent / 'netns'}", "CONFIGS=kvscope-fs", f"MATRIX={matrix}", f"ROLLOUT_ID={rollout_id}",
            # a gate smaller than the default (12 repeats, 16 RAG queries, 20 verified hits): CI's time
            f"ROLLOUT_ARGS=-e kvscope_run_root={run_root} --results {results} --gate-repeats 8 --gate-queries 10 "
            "--min-hits 12"]
@@ -82,7 +82,7 @@ def cluster(tmp_path_factory, model_dir):
     if up.returncode != 0:
         pytest.fail(f"namespace hosts did not come up (root and openssh-server needed):\n{up.stderr}")
     run_root = tmp_path_factory.mktemp("rollout") / "runs"
-    two_hosts(run_root.parent / "inventory")
+    two_hosts(run_root.parent / "netns")  # named so: make rollout reads ansible/bench/netns.mk, as for the user's
     try:
         # kvh1: the golden baseline and kvscope-fs; kvh2: kvscope-fs (one playbook run, the hosts at once)
         configs = "{{ 'baseline,kvscope-fs' if inventory_hostname == 'kvh1' else 'kvscope-fs' }}"

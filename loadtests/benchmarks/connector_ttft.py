@@ -159,7 +159,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="2300", help="prompt lengths in tokens, comma-separated (a sweep)")
     ap.add_argument("--repeats", type=int, default=3, help="requests per prompt and server")
     ap.add_argument("--pause", type=float, default=1.5, help="seconds of quiet before each measured request")
-    ap.add_argument("--eviction", action="store_true", help="also measure each config after evicting its RAM tier")
+    ap.add_argument("--eviction", action="store_true", help="also measure each config after evicting its RAM tier "
+                    "(a config with a RAM tier in front of files, e.g. kvscope-shared; kvscope-fs has none)")
     ap.add_argument("--load-users", type=int, default=0, help="concurrent streams of misses (0: no load phase)")
     ap.add_argument("--load-requests", type=int, default=4, help="misses per stream")
     ap.add_argument("--load-tokens", type=int, default=8192)

@@ -140,7 +140,7 @@ def _report(folder: Path, args) -> int:
     from kvscope.analyze import overview, report
 
     code = report.write(folder, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
-    if args.json:  # for scripts: the verdicts and the gate, nothing else on stdout
+    if getattr(args, "json", False):  # kvscope report --json: the verdicts and the gate, nothing else on stdout
         print(report.as_json(folder, code))
         return code
     print(report.console(folder))
@@ -187,8 +187,6 @@ def _gate_options(s) -> None:
                    help="share of failed requests a config may have before it is INCOMPLETE")
     s.add_argument("--slo", default="", metavar="ttft=MS,tpot=MS",
                    help="service-level objective: the summary adds the share of requests that met it, and goodput")
-    s.add_argument("--json", action="store_true",
-                   help="print the verdicts, the detection power and the gate as JSON (for scripts) instead of text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssh-config", default="/var/lib/kvscope/netns/config", help="ssh config naming the worker hosts")
     s.add_argument("--master-host", default="", help="address the workers reach this (master) host at")
     s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
-    s.add_argument("--timeout-s", type=float, default=1800, help="the most one treatment's Locust run may take")
+    s.add_argument("--timeout-s", type=float, default=1800, help="the most each Locust phase of a treatment may run")
     s.add_argument("--run-id", default=None, help="the run folder's name (default: the time, UTC)")
     s.add_argument("--resume", action="store_true", help="continue the run folder of --run-id")
     s.add_argument("--report", action="store_true", help="score and write the report when the run ends")
@@ -252,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "a rollout's folder: rollout.md")
     s.add_argument("run", help="a run folder (results/<run-id>) or a rollout's")
     _gate_options(s)
+    s.add_argument("--json", action="store_true",
+                   help="print the verdicts, the detection power and the gate as JSON (for scripts) instead of text")
     s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("compare", help="put runs side by side (they must share a workload)")
