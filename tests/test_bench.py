@@ -216,8 +216,12 @@ def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishe
     deadline = time.monotonic() + 300
     while not (status.exists() and status.read_text().count("\n") >= 2) and time.monotonic() < deadline:
         time.sleep(0.2)
-    # into the third treatment, while its Locust runs (a fixed sleep let a fast machine finish the run first)
-    while not locust_in(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+    # into the third treatment (golden's rag-small) once it has records, while its Locust still runs (a fixed
+    # sleep let a fast machine finish the run first; an interrupt before golden's first record leaves nothing
+    # to score rag-small against, which the report refuses)
+    golden = tmp_path / "cut" / "records" / "baseline__rag-small.jsonl"
+    while not (golden.exists() and golden.stat().st_size and locust_in(proc.pid)) and proc.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.02)
     assert proc.poll() is None, "the bench finished before its third treatment's Locust was seen"
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
