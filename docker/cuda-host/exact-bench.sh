@@ -4,7 +4,8 @@
 #          cache and CPU offload, kvscope's connector, LMCache (in-process and multi-process) and UCM's NFS
 #          store, and the canary's nine faults; QUERIES queries per scenario (>= 60 broken hits per fault);
 #  tiny:   beside it, the tiny model in fp32, exact: golden, control, kvscope-fs and the canary;
-#  normal: then the same 4B workload without batch invariance, same flags otherwise: speed, and the mode's cost;
+#  normal: then the same 4B workload without batch invariance on baseline, apc and kvscope-fs, same flags
+#          otherwise: speed, and the mode's cost (three servers start in a fraction of the ten's time);
 #  failed-load: last, on the freed GPU, loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt
 #          whose KV load failed?).
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
@@ -32,7 +33,7 @@ EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16 "$correct,canary,lmcac
   "$users" > "$out/exact.log" 2>&1
 keep exact exact.log results/h200-exact-4b-bf16
 wait
-bash "$here/bench.sh" qwen3-4b h200-normal-4b-bf16 "$correct" "$bf16" "$users" > "$out/normal.log" 2>&1
+bash "$here/bench.sh" qwen3-4b h200-normal-4b-bf16 baseline,apc,kvscope-fs "$bf16" "$users" > "$out/normal.log" 2>&1
 keep normal normal.log results/h200-normal-4b-bf16
 python3 loadtests/repro/vllm_failed_load.py models/tiny --dtype float32 > "$out/failed-load.txt" 2>&1
 echo "exit $?" >> "$out/failed-load.txt"
