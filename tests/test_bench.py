@@ -217,8 +217,8 @@ def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishe
     while not (status.exists() and status.read_text().count("\n") >= 2) and time.monotonic() < deadline:
         time.sleep(0.2)
     # into the third treatment (golden's rag-small) once it has records, while its Locust still runs (a fixed
-    # sleep let a fast machine finish the run first; an interrupt before golden's first record leaves nothing
-    # to score rag-small against, which the report refuses)
+    # sleep let a fast machine finish the run first; an interrupt before golden's first record is
+    # test_report.py's test_bench_report_interrupted_before_goldens_first_record_...)
     golden = tmp_path / "cut" / "records" / "baseline__rag-small.jsonl"
     while not (golden.exists() and golden.stat().st_size and locust_in(proc.pid)) and proc.poll() is None \
             and time.monotonic() < deadline:

@@ -233,11 +233,58 @@ def test_a_canary_missed_on_a_hit_it_broke_fails_the_gate(tmp_path):
 
 
 def test_missing_golden_records_are_named(tmp_path):
+    from kvscope import cli
+
     outputs = four()
     del outputs["baseline"]
-    run = make_run(tmp_path / "run", outputs)
+    run = make_run(tmp_path / "run", outputs)  # not interrupted (run.json says so): a folder assembled wrongly
     with pytest.raises(report.RunError, match=r"baseline__s\.jsonl: golden records missing"):
         report.write(run)
+    assert cli.main(["report", str(run)]) == 2 and not (run / "report.md").exists()
+
+
+def interrupted_before_golden(folder, golden_file):
+    """make_run's folder as a Ctrl-C in scenario t leaves it before golden's first record there: run.json says
+    so, t has its workload and no status row; golden's records file is absent, or created and still empty."""
+    run = make_run(folder, four())
+    doc = json.loads((run / "run.json").read_text())
+    doc["scenarios"]["t"], doc["interrupted"] = {}, "KeyboardInterrupt during baseline x t"
+    (run / "run.json").write_text(json.dumps(doc))
+    (run / "workloads" / "t.measure.jsonl").write_text('{"request_id": "r0"}\n')
+    if golden_file == "empty":
+        (run / "records" / "baseline__t.jsonl").touch()
+    return run
+
+
+@pytest.mark.parametrize("golden_file", ["absent", "empty"])
+def test_a_run_interrupted_before_goldens_first_record_is_reported_inconclusive(tmp_path, capsys, golden_file):
+    from kvscope import cli
+
+    run = interrupted_before_golden(tmp_path / "run", golden_file)
+    assert cli.main(["report", str(run)]) == 3  # inconclusive, not bad input (2)
+    note = "golden records missing for scenario t: the run was interrupted before golden's first answer; " \
+           "fidelity of its treatments not scored"
+    assert note in capsys.readouterr().out and note in (run / "report.md").read_text()
+    v = verdicts(run)
+    assert v.verdict["apc"] == "INCOMPLETE" and v.verdict["control"] == "INCOMPLETE"  # no PASS without golden
+    assert v.verdict["canary-shift"] == "FAIL" and v.as_expected["canary-shift"]  # s was scored
+    fid = pd.read_csv(run / "summary.csv").set_index(["config", "scenario"]).fidelity
+    assert fid["apc", "t"] == "golden missing" and fid["apc", "s"] == "ok"
+
+
+def test_bench_report_interrupted_before_goldens_first_record_writes_the_report_and_exits_130(tmp_path,
+                                                                                             monkeypatch):
+    from kvscope import cli
+    from kvscope.run import treatments
+
+    run = interrupted_before_golden(tmp_path / "cut", "absent")
+
+    def ctrl_c(*args, **kw):
+        raise treatments.Interrupted(run, "KeyboardInterrupt during baseline x t", 4, 8) from KeyboardInterrupt()
+
+    monkeypatch.setattr(treatments, "run", ctrl_c)
+    assert cli.main(["bench", "--run-id", "cut", "--results", str(tmp_path), "--report"]) == 130
+    assert "golden records missing for scenario t" in (run / "report.md").read_text()
 
 
 def test_truncated_records_are_named(tmp_path):

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-FIDELITY_COLOURS = {"ok": "#4daf4a", "FAIL": "#e41a1c", "partly unscored": "#ffbf00", "no data": "#bdbdbd"}
+FIDELITY_COLOURS = {"ok": "#4daf4a", "FAIL": "#e41a1c", "partly unscored": "#ffbf00", "no data": "#bdbdbd",
+                    "golden missing": "#bdbdbd"}
 
 
 def _style(role: str, colour) -> dict:

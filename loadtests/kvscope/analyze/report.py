@@ -51,7 +51,7 @@ def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str],
         for scenario in run.scenarios:
             path = folder / "records" / f"{server.config}__{scenario}.jsonl"
             if not path.exists():
-                if server.role == "golden":
+                if server.role == "golden" and not run.interrupted:  # a run cut short reports what finished
                     raise RunError(f"{path}: golden records missing; fidelity cannot be scored without them")
                 recs[server.config, scenario] = []
                 continue
@@ -60,6 +60,18 @@ def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str],
             except ArtifactError as exc:
                 raise RunError(str(exc)) from exc
     return run, status, recs
+
+
+def golden_missing(folder: Path, run: RunInfo) -> list[str]:
+    """Why a scenario's answers could not be scored: golden recorded none (an absent or empty file)."""
+    why = "the run was interrupted before golden's first answer" if run.interrupted else "golden recorded no answer"
+    golden = run.golden().config
+    return [f"golden records missing for scenario {scenario}: {why}; fidelity of its treatments not scored"
+            for scenario in run.scenarios if _empty(folder / "records" / f"{golden}__{scenario}.jsonl")]
+
+
+def _empty(path: Path) -> bool:
+    return not path.exists() or not path.stat().st_size
 
 
 def workload_digest(folder: Path) -> str:
@@ -170,7 +182,7 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
             "degenerate": int(sc.degenerate.sum()) if len(sc) else 0,
             "needle_golden": _share(sc.needle_golden) if len(sc) else None,
             "needle_candidate": _share(sc.needle_candidate) if len(sc) else None,
-            "fidelity": _cell_fidelity(sc),
+            "fidelity": _cell_fidelity(sc) if recs[golden, scenario] else "golden missing",
         })
     return pd.DataFrame(rows)
 
@@ -361,8 +373,9 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
 def console(folder: Path) -> str:
     """The verdicts and the detection power of a written report, as plain text for the terminal."""
     v = pd.read_csv(Path(folder) / "verdicts.csv")
-    interrupted = read_json(Path(folder) / "run.json", RunInfo).interrupted
-    lines = [f"INCOMPLETE RUN: stopped early ({interrupted})"] if interrupted else []
+    run = read_json(Path(folder) / "run.json", RunInfo)
+    lines = [f"INCOMPLETE RUN: stopped early ({run.interrupted})"] if run.interrupted else []
+    lines += golden_missing(Path(folder), run)
     lines += [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
              for r in v.itertuples()]
     power = pd.read_csv(Path(folder) / "power.csv")
@@ -379,8 +392,9 @@ def as_json(folder: Path, code: int) -> str:
     """The verdicts, the detection power and the gate of a written report, as one JSON document."""
     v = pd.read_csv(Path(folder) / "verdicts.csv")
     power = pd.read_csv(Path(folder) / "power.csv")
-    doc = {"run": str(folder), "gate": {"exit": code, "words": GATE_WORDS[code]},
-           "interrupted": read_json(Path(folder) / "run.json", RunInfo).interrupted,
+    run = read_json(Path(folder) / "run.json", RunInfo)
+    doc = {"run": str(folder), "gate": {"exit": code, "words": GATE_WORDS[code]}, "interrupted": run.interrupted,
+           "golden_missing": golden_missing(Path(folder), run),
            "verdicts": json.loads(v.to_json(orient="records")), "power": json.loads(power.to_json(orient="records"))}
     return json.dumps(doc, indent=1)
 
@@ -420,6 +434,8 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
     if run.interrupted:
         lines += [f"**This run is incomplete: it stopped early ({run.interrupted}).** The treatments it finished "
                   "are scored below; continue it with `make bench RESUME=1 RUN_ID=" + run.run_id + "`.", ""]
+    if missing := golden_missing(folder, run):
+        lines += [f"- **{note}**" for note in missing] + [""]
     lines += ["## Summary", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
     ov = a.overview.copy()
     ov["verdict"] = [f"**{x}**" for x in ov.verdict]
