@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from kvscope.config import matrix
-from kvscope.config.render import render
+from kvscope.config.render import flag_value, render
 
 SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml"
 
@@ -185,8 +185,12 @@ def test_exact_mode_serves_every_server_batch_invariant_and_is_refused_where_the
     for name in ("baseline", "control", "kvscope-fs", "canary"):
         out = render(m, m.get(name), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
         assert out.exact and out.env["VLLM_BATCH_INVARIANT"] == "1"
+        # FA3 (Hopper's default) is not batch-invariant in mixed decode+prefill batches (vllm#51902): the
+        # H200 run of 2026-12-02 served FA3 and its control differed from golden on 6 of 112 answers
+        assert flag_value(out.server_args, "--attention-config.flash_attn_version") == "2"
     plain = render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1")
     assert not plain.exact and "VLLM_BATCH_INVARIANT" not in plain.env
+    assert not any(a.startswith("--attention-config") for a in plain.server_args)
     with pytest.raises(matrix.ConfigError, match="platform 'cpu': no exact mode"):
         render(m, m.get("baseline"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
 

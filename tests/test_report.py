@@ -328,6 +328,21 @@ def test_a_comparison_says_when_its_runs_come_from_different_machines(tmp_path):
         comparison.write([a, b]))
 
 
+def test_a_comparison_of_an_exact_and_a_normal_run_gives_the_exact_modes_cost(tmp_path):
+    a, b = make_run(tmp_path / "a", four()), make_run(tmp_path / "b", four())
+    doc = json.loads((b / "run.json").read_text())
+    doc["mode"] = "exact"
+    (b / "run.json").write_text(json.dumps(doc))
+    for recs in (b / "records").glob("*.jsonl"):  # batch-invariant serving: every answer 1.5x as slow
+        lines = [json.loads(x) for x in recs.read_text().splitlines()]
+        recs.write_text("".join(json.dumps({**x, "ttft_s": x["ttft_s"] * 1.5}) + "\n" for x in lines))
+    cost = comparison.mode_cost([a, b]).set_index("config")
+    assert cost.loc["baseline", "ttft_p50_ms_exact"] == 1.5 * cost.loc["baseline", "ttft_p50_ms_normal"]
+    assert cost.loc["baseline", "ttft_p50_change"] == 0.5 and cost.loc["apc", "ttft_p50_change"] == 0.5
+    assert "The exact mode's cost" in comparison.write([a, b])
+    assert comparison.mode_cost([a, a]) is None and "mode's cost" not in comparison.write([a, a])
+
+
 def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_path):
     run = make_run(tmp_path / "run1", four())
     doc = json.loads((run / "run.json").read_text())

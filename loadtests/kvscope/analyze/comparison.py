@@ -1,5 +1,6 @@
 """Runs side by side (two connector versions, two machines): each config's verdict, hit TTFT and speed-up
-per run, the change from the first run, and a plot of the speed-ups with their intervals.
+per run, the change from the first run, and a plot of the speed-ups with their intervals; for a normal and
+an exact run of one workload, what the exact mode costs.
 """
 
 from __future__ import annotations
@@ -10,18 +11,26 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import html, plots
-from kvscope.analyze.report import RunError, _md_table, analyze, workload_digest
+from kvscope.analyze.overview import throughput, tpot
+from kvscope.analyze.report import Analysis, RunError, _md_table, analyze, workload_digest
 from kvscope.artifacts import RunInfo, read_json
+
+
+def _analyses(folders: list[Path]) -> list[Analysis]:
+    digests = {str(f): workload_digest(f) for f in folders}
+    if len(set(digests.values())) != 1:
+        raise RunError(f"runs replayed different workloads (digests {digests}); comparing them would mislead")
+    return [analyze(f) for f in folders]
 
 
 def table(folders: list[Path]) -> pd.DataFrame:
     """One row per config and run, from each run's overview; `*_change` against the first run."""
-    digests = {str(f): workload_digest(f) for f in folders}
-    if len(set(digests.values())) != 1:
-        raise RunError(f"runs replayed different workloads (digests {digests}); comparing them would mislead")
+    return _table(_analyses(folders))
+
+
+def _table(analyses: list[Analysis]) -> pd.DataFrame:
     frames = []
-    for f in folders:
-        a = analyze(f)
+    for a in analyses:
         ov = a.overview.copy()
         ov.insert(0, "run", a.run.run_id)
         ov.insert(1, "vllm", a.run.servers[0].vllm_version)
@@ -32,6 +41,37 @@ def table(folders: list[Path]) -> pd.DataFrame:
         base = both.config.map(first[col]) if len(first) else None
         both[f"{col}_change"] = ((both[col] - base) / base).round(3) if base is not None else None
     return both
+
+
+def mode_cost(folders: list[Path]) -> pd.DataFrame | None:
+    """What batch-invariant serving costs, from a normal and an exact run of one workload (same servers' flags
+    otherwise): per config both served, TTFT p50, TPOT p50 and output tokens/s of the measured requests in
+    each mode, and the exact run's change (0.25 = 25 % more); None unless the runs are one of each mode."""
+    return _mode_cost(_analyses(folders))
+
+
+def _mode_cost(analyses: list[Analysis]) -> pd.DataFrame | None:
+    by_mode = {a.run.mode: a for a in analyses}
+    if len(analyses) != 2 or set(by_mode) != {"normal", "exact"}:
+        return None
+    both = [c for c in by_mode["normal"].verdicts.config if c in set(by_mode["exact"].verdicts.config)]
+    rows = []
+    for config in both:
+        row: dict = {"config": config}
+        for mode, a in by_mode.items():
+            done = [r for (c, _), rs in a.recs.items() if c == config for r in rs if r.ok and r.phase == "measure"]
+            ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+            tpots = [t for r in done if (t := tpot(r)) is not None]
+            row[f"ttft_p50_ms_{mode}"] = round(float(np.median(ttfts)) * 1000, 2) if ttfts else None
+            row[f"tpot_p50_ms_{mode}"] = round(float(np.median(tpots)) * 1000, 2) if tpots else None
+            tokens = throughput(done)[1]
+            row[f"tokens_per_s_{mode}"] = round(tokens, 1) if tokens else None
+        for col in ("ttft_p50", "tpot_p50", "tokens_per_s"):
+            unit = "" if col == "tokens_per_s" else "_ms"
+            normal, exact = row[f"{col}{unit}_normal"], row[f"{col}{unit}_exact"]
+            row[f"{col}_change"] = round(exact / normal - 1, 3) if normal and exact is not None else None
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def plot(frame: pd.DataFrame, path: Path) -> str:
@@ -68,14 +108,16 @@ def machine_warning(folders: list[Path]) -> str:
             + "): a change in speed may be the machine's, not the tier's.")
     if len({r.mode for r in runs}) > 1:
         words.append("**The runs served in different modes** (" + ", ".join(f"`{r.run_id}` {r.mode}" for r in runs)
-                     + "): an exact-mode run gives no speed.")
+                     + "): an exact-mode run gives no speed-ups; what the mode costs is below, for one run of each.")
     return " ".join(words)
 
 
 def write(folders: list[Path], out: Path | None = None) -> str:
     """The comparison as markdown; with `out`, a folder with comparison.md, comparison.html and its plot."""
-    frame = table(folders)
+    analyses = _analyses(folders)
+    frame = _table(analyses)
     warning = machine_warning(folders)
+    cost = _mode_cost(analyses)
     cols = ["config", "run", "vllm", "verdict", "hits", "hit_ttft_p50_ms", "hit_ttft_p50_ms_change", "speedup_hits",
             "speedup_ci95", "speedup_hits_change", "hit_rate", "advice"]
     order = {c: i for i, c in enumerate(dict.fromkeys(frame.config))}
@@ -83,6 +125,10 @@ def write(folders: list[Path], out: Path | None = None) -> str:
     text = ("# kvscope comparison\n\nRuns: " + ", ".join(f"`{f}`" for f in folders) + ". `*_change`: relative "
             "to the first run (-0.2 = 20 % lower).\n\n" + (warning + "\n\n" if warning else "") + _md_table(rows)
             + "\n")
+    if cost is not None:
+        text += ("\n## The exact mode's cost\n\nThe same workload served normally and batch-invariant: TTFT "
+                 "p50, TPOT p50 and output tokens/s of every measured request; `*_change`: exact against normal "
+                 "(0.25 = 25 % more).\n\n" + _md_table(cost) + "\n")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         text += f"\n![Speed-up per run]({plot(frame, out / 'speedup.png')})\n"
