@@ -243,6 +243,21 @@ def test_missing_golden_records_are_named(tmp_path):
     assert cli.main(["report", str(run)]) == 2 and not (run / "report.md").exists()
 
 
+def test_a_golden_treatment_that_recorded_nothing_loses_no_other_result(tmp_path, capsys):
+    # golden's treatment ran (its status row says so) and its Locust died before the first answer: the
+    # finished treatments are still reported, inconclusive, instead of the report refusing the folder
+    from kvscope import cli
+
+    run = make_run(tmp_path / "run", four())
+    (run / "records" / "baseline__s.jsonl").unlink()
+    status = [json.loads(x) for x in (run / "status.jsonl").read_text().splitlines()]
+    status[0]["phases"] = {"measure": {"locust_exit": 2, "locust_stderr_tail": ["boom"]}}
+    (run / "status.jsonl").write_text("".join(json.dumps(x) + "\n" for x in status))
+    assert cli.main(["report", str(run)]) == 3
+    assert "golden records missing for scenario s: golden recorded no answer" in capsys.readouterr().out
+    assert verdicts(run).verdict["apc"] == "INCOMPLETE"
+
+
 def interrupted_before_golden(folder, golden_file):
     """make_run's folder as a Ctrl-C in scenario t leaves it before golden's first record there: run.json says
     so, t has its workload and no status row; golden's records file is absent, or created and still empty."""

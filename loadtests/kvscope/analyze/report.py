@@ -47,11 +47,14 @@ def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str],
     status_file = folder / "status.jsonl"
     status = read_jsonl(status_file, StatusRow) if status_file.exists() else []
     recs: dict[tuple[str, str], list[Record]] = {}
+    ran = {(row.config, row.scenario) for row in status}
     for server in run.servers:
         for scenario in run.scenarios:
             path = folder / "records" / f"{server.config}__{scenario}.jsonl"
             if not path.exists():
-                if server.role == "golden" and not run.interrupted:  # a run cut short reports what finished
+                # A run cut short, or a golden treatment that ran and recorded nothing, reports what finished;
+                # a folder without golden's records and no trace of its treatment is assembled wrongly.
+                if server.role == "golden" and not run.interrupted and (server.config, scenario) not in ran:
                     raise RunError(f"{path}: golden records missing; fidelity cannot be scored without them")
                 recs[server.config, scenario] = []
                 continue
