@@ -79,9 +79,13 @@ VALIDATE_CONFIGS = $(if $(and $(filter file,$(origin CONFIGS)),$(filter-out file
 validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=..., and a selection: CONFIGS=...)
 	$(KVSCOPE) --matrix $(call q,$(MATRIX)) validate $(if $(VALIDATE_CONFIGS),--configs $(call q,$(VALIDATE_CONFIGS)))
 
-deploy: setup $(if $(strip $(MODEL)),,model) $(if $(filter container,$(RUNTIME)),images-cpu) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=, RUNTIME=)
+# DRY_RUN=1: Ansible's --check; the selection is rendered (into runs/dry-run/, apart from a live deployment's
+# files) and checked, each server's command printed, and nothing started.
+DRY_RUN_ARGS = $(if $(DRY_RUN),--check -e $(call q,vllm_rendered=$(abspath runs/dry-run)/rendered-{{ inventory_hostname }}.json))
+deploy: setup $(if $(strip $(MODEL)),,model) $(if $(and $(filter container,$(RUNTIME)),$(if $(DRY_RUN),,1)),images-cpu) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=, RUNTIME=; DRY_RUN=1 starts nothing)
 	$(PRE_DEPLOY)
-	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(USER_ARGS) $(ON_CRASH)
+	$(if $(DRY_RUN),mkdir -p runs/dry-run)
+	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(USER_ARGS) $(ON_CRASH) $(DRY_RUN_ARGS)
 
 status: $(VENV)/.installed ## list the deployed servers on INVENTORY's hosts and whether they are healthy
 	$(PLAYBOOK) ansible/status.yml $(USER_ARGS)
@@ -164,6 +168,7 @@ help: ## list the targets and the variables they read
 #> INVENTORY    the Ansible inventory whose hosts serve (default ansible/inventories/local)
 #> RUNTIME      process (default) or container (the CPU image, make images-cpu)
 #> EXACT        1: serve batch-invariant and judge bitwise (GPU; refused on the CPU)
+#> DRY_RUN      make deploy DRY_RUN=1: render and check the selection, print each server's command, start nothing
 #> RUN_ID       the run folder's name under results/ (default: the time, UTC); RESUME=1 continues it
 #> SLO          a service-level objective for the summary: ttft=500,tpot=50 (ms)
 #> RUN, RUNS    make report RUN=results/<id>; make compare RUNS=results/a,results/b [OUT=dir]

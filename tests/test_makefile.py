@@ -41,5 +41,25 @@ def test_make_help_names_every_variable_a_user_sets():
     named = set(re.findall(r"\b[A-Z][A-Z_]+\b", out.split("Variables", 1)[1]))
     for name in ("CONFIGS", "SCENARIOS", "USERS", "REPEATS", "MATRIX", "MODEL", "INVENTORY", "RUNTIME", "EXACT",
                  "RUN_ID", "RESUME", "SLO", "RUN", "RUNS", "OUT", "SERIAL", "IMAGE", "ROLLOUT_ID", "ROLLOUT_ARGS",
-                 "TORCH_INDEX", "IMAGE_ARGS"):
+                 "TORCH_INDEX", "IMAGE_ARGS", "DRY_RUN"):
         assert name in named, name
+
+
+def test_deploy_dry_run_renders_checks_and_prints_each_servers_command_without_starting_any(tmp_path, model_dir):
+    # make deploy DRY_RUN=1 is Ansible's --check with the rendering kept apart from a live deployment's
+    line = next(x for x in dry_run("deploy", "DRY_RUN=1").splitlines() if "deploy.yml" in x)
+    assert "--check" in line and "vllm_rendered=" in line and "runs/dry-run/" in line
+    assert "--check" not in next(x for x in dry_run("deploy").splitlines() if "deploy.yml" in x)
+    from conftest import ansible
+
+    run_dir = tmp_path / "run"
+    out = ansible("deploy.yml", run_dir, "--check", "-e", "vllm_configs=baseline,kvscope-fs",
+                  "-e", f"vllm_rendered={tmp_path}/rendered.json", "-e", "vllm_port_offset=700")
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert "baseline would run: python -m vllm.entrypoints.openai.api_server --model" in out.stdout
+    assert "--port 8800" in out.stdout and "--no-enable-prefix-caching" in out.stdout  # baseline's own
+    assert "kvscope-fs would run:" in out.stdout and "--kv-transfer-config" in out.stdout
+    assert (tmp_path / "rendered.json").exists() and not run_dir.exists()  # nothing written where servers live
+    bad = ansible("deploy.yml", run_dir, "--check", "-e", "vllm_configs=baseline,no-such-config",
+                  "-e", f"vllm_rendered={tmp_path}/rendered.json")
+    assert bad.returncode != 0 and "no-such-config" in bad.stdout
