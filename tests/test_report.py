@@ -490,3 +490,31 @@ def test_a_connector_module_that_does_not_import_is_named_in_the_report(tmp_path
     md = (run / "report.md").read_text()
     assert ("connector modules of apc: `lmcache.integration.vllm.vllm_v1_adapter` ok, `lmcache.cuda_ops` "
             "**does not import**: ImportError: undefined symbol: _ZN3c10") in md
+
+
+def test_a_report_has_one_speed_up_the_summarys(tmp_path):
+    # the verdict table once carried a median of per-scenario speed-ups beside the summary's pooled one, and
+    # the two disagreed in a published report (0.8 against 0.94): speed lives in the summary alone
+    run = make_run(tmp_path / "run", four())
+    report.write(run, min_hits=1)
+    assert not [c for c in pd.read_csv(run / "verdicts.csv").columns if "speedup" in c]
+    md = (run / "report.md").read_text()
+    verdict_table = md.split("## Verdicts", 1)[1].split("\n\n", 2)[1]
+    assert "speedup" not in verdict_table and "speed-up" in md.split("## Verdicts", 1)[0]
+
+
+def test_the_summary_keeps_candidates_apart_from_canaries(tmp_path):
+    run = make_run(tmp_path / "run", four())
+    report.write(run, min_hits=1)
+    summary = (run / "report.md").read_text().split("## Summary", 1)[1].split("## Verdicts", 1)[0]
+    first, canaries = summary.split("\n| config |")[1], summary.split("Canaries")[1]
+    assert "| apc |" in first and "canary-shift" not in first
+    assert "| canary-shift | **FAIL** | wrong KV caught" in canaries and "speed-up" not in canaries.split("\n\n")[1]
+
+
+def test_the_html_colours_each_verdict(tmp_path):
+    run = make_run(tmp_path / "run", four())
+    report.write(run, min_hits=1)
+    page = (run / "report.html").read_text()
+    assert '<strong class="verdict-fail">FAIL</strong>' in page and '<strong class="verdict-pass">PASS</strong>' in page
+    assert ".verdict-fail" in page and ".verdict-pass" in page  # styled, not only named

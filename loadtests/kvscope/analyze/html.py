@@ -25,7 +25,12 @@ img { max-width: 100%; border: 1px solid #ddd; }
 code { background: #f4f4f4; padding: 0 3px; font-size: 12px; }
 details summary { cursor: pointer; color: #555; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
+strong[class^="verdict-"] { padding: 0 4px; border-radius: 3px; }
+.verdict-pass { background: #d8f0d8; } .verdict-fail, .verdict-crashed, .verdict-invalid { background: #f6d3d3; }
+.verdict-unverified, .verdict-incomplete { background: #f8ebc4; } .verdict-golden { background: #e3e3e3; }
 """
+# A verdict as the report writes it (in bold), coloured so that a page is read at a glance.
+VERDICT = re.compile(r"<strong>(PASS|FAIL|GOLDEN|UNVERIFIED|INCOMPLETE|INVALID|CRASHED)</strong>")
 POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 # The one piece of HTML a report writes itself, the folded server flags, as it reads once HTML is text.
 FOLD = re.compile(r'<p>&lt;details markdown="1"&gt;&lt;summary&gt;(.*?)&lt;/summary&gt;</p>')
@@ -46,6 +51,7 @@ def render(folder: Path, text: str, title: str) -> str:
     md.inlinePatterns.deregister("html")
     body = FOLD.sub(r"<details><summary>\1</summary>", md.convert(text)).replace(UNFOLD, "</details>")
     body = re.sub(r'src="([\w.-]+\.png)"', lambda m: _inline(folder, m), body)
+    body = VERDICT.sub(lambda m: f'<strong class="verdict-{m.group(1).lower()}">{m.group(1)}</strong>', body)
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{POLICY}\"><title>{escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>\n{body}\n</body></html>\n")
