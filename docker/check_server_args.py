@@ -24,10 +24,11 @@ def main(path: str) -> int:
         args = server["server_args"]
         try:
             parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
-            AsyncEngineArgs.from_cli_args(parsed)
+            engine = AsyncEngineArgs.from_cli_args(parsed)
             if "--kv-transfer-config" in args:
                 KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
-            print(f"{server['config']}: ok")
+            version = getattr(engine.attention_config, "flash_attn_version", None)
+            print(f"{server['config']}: ok" + (f" (flash_attn_version {version})" if version else ""))
         except (Exception, SystemExit) as exc:  # argparse exits on bad flags
             failures += 1
             print(f"{server['config']}: {type(exc).__name__}: {exc}")

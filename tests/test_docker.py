@@ -59,10 +59,11 @@ def test_ansible_lint_production_profile_passes():
     assert "Profile 'production' was required, and it passed" in out.stdout + out.stderr
 
 
-def render_cuda(tmp_path, matrix_file, configs) -> str:
+def render_cuda(tmp_path, matrix_file, configs, *extra) -> str:
     out = tmp_path / "rendered.json"
     res = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", matrix_file, "render", "--configs", ",".join(configs),
-              "--platform", "cuda", "--model", REPO / "models" / "tiny-qwen3", "--run-dir", tmp_path, "--out", out)
+              "--platform", "cuda", "--model", REPO / "models" / "tiny-qwen3", "--run-dir", tmp_path, "--out", out,
+              *extra)
     assert res.returncode == 0, res.stderr
     return str(out)
 
@@ -75,6 +76,12 @@ def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
         assert f"{name}: ok" in out.stdout
     env = {s["config"]: s["env"] for s in json.loads(open(rendered).read())["kvscope_servers"]}
     assert env["ucm-blend"]["ENABLE_UCM_PATCH"] == "1" and env["ucm-pipeline"]["ENABLE_UCM_PATCH"] == "1"
+    # exact mode's flags too: every server batch-invariant on FlashAttention 2, as vLLM's parser reads them
+    exact = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py",
+                render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml", ["baseline", *GPU_CONFIGS], "--exact"))
+    assert exact.returncode == 0, exact.stdout + exact.stderr
+    for name in GPU_CONFIGS:
+        assert f"{name}: ok (flash_attn_version 2)" in exact.stdout
 
 
 def test_the_argument_check_catches_a_misspelt_flag_and_a_bad_value(tmp_path, model_dir):

@@ -195,6 +195,17 @@ def test_exact_mode_serves_every_server_batch_invariant_and_is_refused_where_the
         render(m, m.get("baseline"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
 
 
+def test_a_flag_given_whole_and_by_key_is_refused_since_vllm_would_drop_the_whole_one(tmp_path):
+    # vLLM's parser appends `--attention-config.flash_attn_version 2` as a JSON object of its own after every
+    # other argument, so a config's `--attention-config '{"backend": ...}'` would be silently replaced
+    m = matrix.load(SHIPPED)
+    cfg = m.get("kvscope-fs").model_copy(update={"flags": {"--attention-config": '{"backend": "TRITON_ATTN"}'}})
+    render(m, cfg, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1")  # alone: fine
+    with pytest.raises(matrix.ConfigError, match="'--attention-config' is given whole and by key "
+                                                 r"\('--attention-config.flash_attn_version'\)"):
+        render(m, cfg, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
+
+
 def test_a_bench_refuses_servers_of_both_modes_and_an_exact_bench_of_normal_servers():
     from kvscope.artifacts import Treatment
     from kvscope.run.treatments import serving_mode, treatments

@@ -348,14 +348,22 @@ def test_a_comparison_of_an_exact_and_a_normal_run_gives_the_exact_modes_cost(tm
     doc = json.loads((b / "run.json").read_text())
     doc["mode"] = "exact"
     (b / "run.json").write_text(json.dumps(doc))
-    for recs in (b / "records").glob("*.jsonl"):  # batch-invariant serving: every answer 1.5x as slow
+    slower = {"baseline": 1.5, "control": 1.5, "apc": 2.0, "canary-shift": 2.0}  # as batch-invariant serving is
+    for recs in (b / "records").glob("*.jsonl"):
+        k = slower[recs.name.split("__")[0]]
         lines = [json.loads(x) for x in recs.read_text().splitlines()]
-        recs.write_text("".join(json.dumps({**x, "ttft_s": x["ttft_s"] * 1.5}) + "\n" for x in lines))
-    cost = comparison.mode_cost([a, b]).set_index("config")
-    assert cost.loc["baseline", "ttft_p50_ms_exact"] == 1.5 * cost.loc["baseline", "ttft_p50_ms_normal"]
-    assert cost.loc["baseline", "ttft_p50_change"] == 0.5 and cost.loc["apc", "ttft_p50_change"] == 0.5
+        recs.write_text("".join(json.dumps({**x, "ttft_s": x["ttft_s"] * k, "itl_s": [t * k for t in x["itl_s"]],
+                                            "e2e_s": x["e2e_s"] * k, "start_unix_s": x["start_unix_s"] * k})
+                                 + "\n" for x in lines))
+    for runs in ([a, b], [b, a]):  # either order: the change is exact against normal
+        cost = comparison.mode_cost(runs).set_index("config")
+        assert cost.loc["baseline", "ttft_p50_ms_exact"] == round(1.5 * cost.loc["baseline", "ttft_p50_ms_normal"], 2)
+        assert cost.loc["baseline", "ttft_p50_change"] == 0.5 and cost.loc["apc", "ttft_p50_change"] == 1.0
+        assert cost.loc["baseline", "tpot_p50_change"] == 0.5 and cost.loc["apc", "tpot_p50_change"] == 1.0
+        assert cost.loc["apc", "tokens_per_s_change"] == -0.5  # twice the time for the same tokens
     assert "The exact mode's cost" in comparison.write([a, b])
     assert comparison.mode_cost([a, a]) is None and "mode's cost" not in comparison.write([a, a])
+    assert comparison.mode_cost([a, b, a]) is None
 
 
 def test_a_config_that_did_not_start_gets_a_crashed_row_and_fails_the_gate(tmp_path):

@@ -57,19 +57,18 @@ def _mode_cost(analyses: list[Analysis]) -> pd.DataFrame | None:
     both = [c for c in by_mode["normal"].verdicts.config if c in set(by_mode["exact"].verdicts.config)]
     rows = []
     for config in both:
-        row: dict = {"config": config}
+        raw: dict[str, float | None] = {}
         for mode, a in by_mode.items():
             done = [r for (c, _), rs in a.recs.items() if c == config for r in rs if r.ok and r.phase == "measure"]
             ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
             tpots = [t for r in done if (t := tpot(r)) is not None]
-            row[f"ttft_p50_ms_{mode}"] = round(float(np.median(ttfts)) * 1000, 2) if ttfts else None
-            row[f"tpot_p50_ms_{mode}"] = round(float(np.median(tpots)) * 1000, 2) if tpots else None
-            tokens = throughput(done)[1]
-            row[f"tokens_per_s_{mode}"] = round(tokens, 1) if tokens else None
-        for col in ("ttft_p50", "tpot_p50", "tokens_per_s"):
-            unit = "" if col == "tokens_per_s" else "_ms"
-            normal, exact = row[f"{col}{unit}_normal"], row[f"{col}{unit}_exact"]
-            row[f"{col}_change"] = round(exact / normal - 1, 3) if normal and exact is not None else None
+            raw[f"ttft_p50_ms_{mode}"] = float(np.median(ttfts)) * 1000 if ttfts else None
+            raw[f"tpot_p50_ms_{mode}"] = float(np.median(tpots)) * 1000 if tpots else None
+            raw[f"tokens_per_s_{mode}"] = throughput(done)[1]
+        row: dict = {"config": config, **{k: round(v, 2) if v is not None else None for k, v in raw.items()}}
+        for col in ("ttft_p50_ms", "tpot_p50_ms", "tokens_per_s"):
+            normal, exact = raw[f"{col}_normal"], raw[f"{col}_exact"]
+            row[f"{col.removesuffix('_ms')}_change"] = round(exact / normal - 1, 3) if normal and exact else None
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -108,7 +107,8 @@ def machine_warning(folders: list[Path]) -> str:
             + "): a change in speed may be the machine's, not the tier's.")
     if len({r.mode for r in runs}) > 1:
         words.append("**The runs served in different modes** (" + ", ".join(f"`{r.run_id}` {r.mode}" for r in runs)
-                     + "): an exact-mode run gives no speed-ups; what the mode costs is below, for one run of each.")
+                     + "): an exact-mode run gives no speed-ups" + ("; what the mode costs is below." if len(runs) == 2
+                                                                   else "; compare one run of each for its cost."))
     return " ".join(words)
 
 

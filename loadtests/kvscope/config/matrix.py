@@ -88,6 +88,17 @@ def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
     return errors
 
 
+def whole_and_key_errors(flags: dict[str, FlagValue]) -> list[str]:
+    """Options given both whole and by key (`--x '{...}'` and `--x.k v`): vLLM's parser appends the keys as a
+    JSON object of their own after every other argument, so the whole value would be dropped silently."""
+    keyed: dict[str, list[str]] = {}
+    for flag in flags:
+        if "." in vllm_flag(flag):
+            keyed.setdefault(vllm_option(flag), []).append(vllm_flag(flag))
+    return [f"flag '{f}' is given whole and by key ({', '.join(repr(k) for k in keyed[vllm_flag(f)])}): vLLM would "
+            "drop the whole value; give its keys as flags of their own" for f in flags if vllm_flag(f) in keyed]
+
+
 def vllm_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
     """Flags named as vLLM's parser names them, so that a later spelling overrides an earlier one."""
     return {vllm_flag(f) if f.startswith("--") else f: v for f, v in flags.items()}

@@ -18,6 +18,7 @@ from kvscope.config.matrix import (
     cache_off_errors,
     flag_errors,
     vllm_flags,
+    whole_and_key_errors,
 )
 
 
@@ -90,6 +91,8 @@ def render(
     port = cfg.port + port_offset
     args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
     flags = {**defaults.flags, **cfg.flags, **(mode.flags if mode else {}), **(overrides or {})}
+    if errors := whole_and_key_errors(flags):
+        raise ConfigError(f"config '{cfg.name}': {'; '.join(errors)}")
     if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
         raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
                           + "; ".join(errors))
