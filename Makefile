@@ -151,7 +151,7 @@ test: test-deps setup model lint ## lint, unit tests and real-server tests, cont
 test-slow: test-deps setup model ## the real-server tests beyond CI's budget: rollouts on namespace hosts (~12 min)
 	$(PY) -m pytest -rs --durations=15 -m slow tests
 
-test-fast: setup ## the tests that start no vLLM server (a minute or two)
+test-fast: setup model ## the tests that start no vLLM server (a few minutes; some render for the tiny model)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	$(PY) -m pytest -rs -m "not server" tests
 
