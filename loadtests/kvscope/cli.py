@@ -123,13 +123,14 @@ def cmd_bench(args) -> int:
 def unanswered(folder: Path) -> list[str]:
     """The treatments of a run folder ('config x scenario') that got no answer at all."""
     from kvscope.artifacts import Record, StatusRow, read_jsonl
+    from kvscope.runfolder import RunFolder
 
     def answered(path: Path) -> bool:
         return path.exists() and any(r.ok for r in read_jsonl(path, Record))
 
-    rows = read_jsonl(folder / "status.jsonl", StatusRow) if (folder / "status.jsonl").exists() else []
-    return [f"{row.config} x {row.scenario}" for row in rows
-            if not answered(folder / "records" / f"{row.config}__{row.scenario}.jsonl")]
+    rf = RunFolder(folder)
+    rows = read_jsonl(rf.status, StatusRow) if rf.status.exists() else []
+    return [f"{row.config} x {row.scenario}" for row in rows if not answered(rf.records(row.config, row.scenario))]
 
 
 def _terminated(signum, frame):
@@ -138,13 +139,14 @@ def _terminated(signum, frame):
 
 def _report(folder: Path, args) -> int:
     from kvscope.analyze import overview, report
+    from kvscope.runfolder import RunFolder
 
     code = report.write(folder, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
     if getattr(args, "json", False):  # kvscope report --json: the verdicts and the gate, nothing else on stdout
         print(report.as_json(folder, code))
         return code
     print(report.console(folder))
-    print(f"report: {folder / 'report.md'}\ngate: {report.GATE_WORDS[code]}")
+    print(f"report: {RunFolder(folder).report_md}\ngate: {report.GATE_WORDS[code]}")
     return code
 
 

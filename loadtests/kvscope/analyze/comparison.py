@@ -14,6 +14,7 @@ from kvscope.analyze import html, plots
 from kvscope.analyze.overview import throughput, tpot
 from kvscope.analyze.report import Analysis, RunError, _md_table, analyze, workload_digest
 from kvscope.artifacts import RunInfo, read_json
+from kvscope.runfolder import RunFolder
 
 
 def _analyses(folders: list[Path]) -> list[Analysis]:
@@ -97,7 +98,7 @@ def plot(frame: pd.DataFrame, path: Path) -> str:
 def machine_warning(folders: list[Path]) -> str:
     """A sentence when the runs come from different machines or modes (a change in speed may be the machine's,
     and an exact run has no speed); "" when they do not."""
-    runs = [read_json(Path(f) / "run.json", RunInfo) for f in folders]
+    runs = [read_json(RunFolder(f).run_json, RunInfo) for f in folders]
     machines = {(r.machine.get("cpu"), r.machine.get("cores"), r.machine.get("gpu")) for r in runs}
     words = []
     if len(machines) > 1:

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvscope.runfolder import RunFolder
+
 FIDELITY_COLOURS = {"ok": "#4daf4a", "FAIL": "#e41a1c", "partly unscored": "#ffbf00", "no data": "#bdbdbd",
                     "golden missing": "#bdbdbd"}
 
@@ -64,7 +66,7 @@ def ttft_by_scenario(plt, folder: Path, roles: dict[str, str], recs: dict, scena
     axes[0][0].set_ylabel("share of requests")
     if axes[0][-1].get_legend_handles_labels()[0]:  # a run whose every request failed plots nothing
         axes[0][-1].legend(fontsize=7, loc="lower right")
-    return save(fig, folder / "ttft_cdf.png")
+    return save(fig, RunFolder(folder).plot("ttft_cdf"))
 
 
 def ttft_vs_cached(plt, folder: Path, roles: dict[str, str], recs: dict) -> str:
@@ -83,7 +85,7 @@ def ttft_vs_cached(plt, folder: Path, roles: dict[str, str], recs: dict) -> str:
     ax.grid(alpha=0.3, which="both")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    return save(fig, folder / "ttft_vs_cached.png")
+    return save(fig, RunFolder(folder).plot("ttft_vs_cached"))
 
 
 def _grid(plt, rows: list[str], cols: list[str]):
@@ -105,7 +107,7 @@ def hit_rate_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataF
     ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
     ax.set_yticks(range(len(configs)), configs, fontsize=8)
     ax.set_title("Token hit rate, measured (LRU: what an ideal cache of that size would hit)", fontsize=9)
-    return save(fig, folder / "hit_rates.png")
+    return save(fig, RunFolder(folder).plot("hit_rates"))
 
 
 def fidelity_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataFrame, scenarios: list[str]) -> str:
@@ -127,7 +129,7 @@ def fidelity_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataF
     ax.set_xticks(range(len(scenarios)), scenarios, fontsize=8)
     ax.set_yticks(range(len(configs)), [f"{c} ({roles[c]})" for c in configs], fontsize=8)
     ax.set_title("Fidelity against golden: green every scored answer within tolerance, red any FAIL", fontsize=9)
-    return save(fig, folder / "fidelity_matrix.png")
+    return save(fig, RunFolder(folder).plot("fidelity_matrix"))
 
 
 def load_sweep(plt, folder: Path, table: pd.DataFrame) -> str:
@@ -146,7 +148,7 @@ def load_sweep(plt, folder: Path, table: pd.DataFrame) -> str:
     _plain_log_labels(ax.yaxis)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    return save(fig, folder / "load_sweep.png")
+    return save(fig, RunFolder(folder).plot("load_sweep"))
 
 
 CAPTIONS = {

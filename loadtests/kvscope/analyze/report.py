@@ -32,6 +32,7 @@ from kvscope.config.matrix import ROLE_ORDER
 from kvscope.config.render import flag_value
 from kvscope.run import continuations, metrics
 from kvscope.run.records import key_from_server_id, read
+from kvscope.runfolder import RunFolder
 
 
 class RunError(ValueError):
@@ -39,18 +40,18 @@ class RunError(ValueError):
 
 
 def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str], list[Record]]]:
-    folder = Path(folder)
-    run_file = folder / "run.json"
+    rf = RunFolder(folder)
+    run_file = rf.run_json
     if not run_file.exists():
         raise RunError(f"{run_file}: missing; not a kvscope run folder")
     run = read_json(run_file, RunInfo)
-    status_file = folder / "status.jsonl"
+    status_file = rf.status
     status = read_jsonl(status_file, StatusRow) if status_file.exists() else []
     recs: dict[tuple[str, str], list[Record]] = {}
     ran = {(row.config, row.scenario) for row in status}
     for server in run.servers:
         for scenario in run.scenarios:
-            path = folder / "records" / f"{server.config}__{scenario}.jsonl"
+            path = rf.records(server.config, scenario)
             if not path.exists():
                 # A run cut short, or a golden treatment that ran and recorded nothing, reports what finished;
                 # a folder without golden's records and no trace of its treatment is assembled wrongly.
@@ -70,7 +71,7 @@ def golden_missing(folder: Path, run: RunInfo) -> list[str]:
     why = "the run was interrupted before golden's first answer" if run.interrupted else "golden recorded no answer"
     golden = run.golden().config
     return [f"golden records missing for scenario {scenario}: {why}; fidelity of its treatments not scored"
-            for scenario in run.scenarios if _empty(folder / "records" / f"{golden}__{scenario}.jsonl")]
+            for scenario in run.scenarios if _empty(RunFolder(folder).records(golden, scenario))]
 
 
 def _empty(path: Path) -> bool:
@@ -81,7 +82,7 @@ def workload_digest(folder: Path) -> str:
     """Identity of a run's workload: the hash of its requests (without their schema version, so runs that
     replayed the same requests before schema versions existed compare equal)."""
     digest = hashlib.sha256()
-    for path in sorted((Path(folder) / "workloads").glob("*.jsonl")):
+    for path in sorted(RunFolder(folder).workloads.glob("*.jsonl")):
         digest.update(path.name.encode())
         for line in path.read_text().splitlines():
             row = {k: v for k, v in json.loads(line).items() if k != "schema_version"}
@@ -220,14 +221,14 @@ def expected_answers(folder: Path, scenarios) -> dict[str, int]:
     """Measure-phase requests per scenario, from the run's workload files."""
     out = {}
     for scenario in scenarios:
-        path = Path(folder) / "workloads" / f"{scenario}.measure.jsonl"
+        path = RunFolder(folder).workload(scenario, "measure")
         out[scenario] = sum(1 for _ in open(path)) if path.exists() else 0
     return out
 
 
 def tiers_served(folder: Path, config: str, scenarios) -> dict[str, dict[str, int]] | None:
     """Request key -> tier -> blocks it served, from the connector's load logs; None when the run kept none."""
-    paths = [Path(folder) / "loads" / f"{config}__{s}.jsonl" for s in scenarios]
+    paths = [RunFolder(folder).loads(config, s) for s in scenarios]
     if not any(p.exists() for p in paths):
         return None
     out: dict[str, dict[str, int]] = {}
@@ -241,7 +242,7 @@ def tiers_served(folder: Path, config: str, scenarios) -> dict[str, dict[str, in
 
 def fault_changes(folder: Path, config: str, scenarios) -> dict[str, int] | None:
     """Request key -> blocks the canary changed, from its fault logs; None when the run kept no log."""
-    paths = [Path(folder) / "faults" / f"{config}__{s}.jsonl" for s in scenarios]
+    paths = [RunFolder(folder).faults(config, s) for s in scenarios]
     if not any(p.exists() for p in paths):
         return None
     out: dict[str, int] = {}
@@ -344,37 +345,39 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
           max_failed: float = verdicts.MAX_FAILED_SHARE, slo: dict[str, float] | None = None) -> int:
     """Write report.md, the CSV tables and the plots; record the scorer in run.json; return the gate's exit
     code (verdicts.gate)."""
-    folder = Path(folder)
+    folder, rf = Path(folder), RunFolder(folder)
     a = analyze(folder, min_hits, max_failed, slo)
-    a.scores.to_csv(folder / "scores.csv", index=False)
-    a.summary.to_csv(folder / "summary.csv", index=False)
-    a.verdicts.to_csv(folder / "verdicts.csv", index=False)
-    a.overview.to_csv(folder / "overview.csv", index=False)
-    a.power.to_csv(folder / "power.csv", index=False)
+    for name, frame in (("scores", a.scores), ("summary", a.summary), ("verdicts", a.verdicts),
+                        ("overview", a.overview), ("power", a.power)):
+        frame.to_csv(rf.table(name), index=False)
+    tier = overview.tiers(a.status)
+    if len(tier.columns) > 1:
+        tier.to_csv(rf.table("tiers"), index=False)
     present = set(a.summary.config) if len(a.summary) else set()
     sweep = overview.sweep(a.run, a.recs)
     if len(sweep):
-        sweep.to_csv(folder / "sweep.csv", index=False)
+        sweep.to_csv(rf.table("sweep"), index=False)
     pngs = plots.draw(folder, {s.config: s.role for s in a.run.servers if s.config in present}, a.summary, a.recs,
                       sweep)
     text = _markdown(a, pngs, folder)
-    (folder / "report.md").write_text(text)
-    (folder / "report.html").write_text(html.render(folder, text, f"kvscope report: run {a.run.run_id}"))
+    rf.report_md.write_text(text)
+    rf.report_html.write_text(html.render(folder, text, f"kvscope report: run {a.run.run_id}"))
     run = a.run.model_copy(update={"scorer": {"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
                                               "max_failed_share": max_failed, **a.floor}})
-    write_json(folder / "run.json", run)
+    write_json(rf.run_json, run)
     return verdicts.gate(a.verdicts)
 
 
 def console(folder: Path) -> str:
     """The verdicts and the detection power of a written report, as plain text for the terminal."""
-    v = pd.read_csv(Path(folder) / "verdicts.csv")
-    run = read_json(Path(folder) / "run.json", RunInfo)
+    rf = RunFolder(folder)
+    v = pd.read_csv(rf.table("verdicts"))
+    run = read_json(rf.run_json, RunInfo)
     lines = [f"INCOMPLETE RUN: stopped early ({run.interrupted})"] if run.interrupted else []
     lines += golden_missing(Path(folder), run)
     lines += [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
              for r in v.itertuples()]
-    power = pd.read_csv(Path(folder) / "power.csv")
+    power = pd.read_csv(rf.table("power"))
     if len(power):
         lines += ["", "detection power (wrong KV served by each canary treatment, caught):"]
         lines += [f"  {r.fault:<12} {r.detected:>4} of {r.affected_hits:<4} hits it broke  rate {r.rate:.3f} "
@@ -386,9 +389,9 @@ def console(folder: Path) -> str:
 
 def as_json(folder: Path, code: int) -> str:
     """The verdicts, the detection power and the gate of a written report, as one JSON document."""
-    v = pd.read_csv(Path(folder) / "verdicts.csv")
-    power = pd.read_csv(Path(folder) / "power.csv")
-    run = read_json(Path(folder) / "run.json", RunInfo)
+    rf = RunFolder(folder)
+    v, power = pd.read_csv(rf.table("verdicts")), pd.read_csv(rf.table("power"))
+    run = read_json(rf.run_json, RunInfo)
     doc = {"run": str(folder), "gate": {"exit": code, "words": GATE_WORDS[code]}, "interrupted": run.interrupted,
            "golden_missing": golden_missing(Path(folder), run),
            "verdicts": json.loads(v.to_json(orient="records")), "power": json.loads(power.to_json(orient="records"))}
@@ -523,7 +526,6 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
         lines += ["Where the prompt tokens came from, and the connector's own counters, over the measure phases "
                   "(vLLM's `prompt_tokens_by_source` and `prompt_tokens_cached_by_source`, `kvscope:connector_*`; "
                   "columns that are zero everywhere are left out):", "", _md_table(tier), ""]
-        tier.to_csv(folder / "tiers.csv", index=False)
     hit_cols = ["config", "scenario", "hit_rate_per_request", "hit_rate_counters", "hit_rate_counters_local",
                 "hit_rate_counters_external", "hit_rate_theoretical"]
     lines += [_md_table(summary[hit_cols]), ""]

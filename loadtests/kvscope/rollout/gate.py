@@ -21,6 +21,7 @@ from kvscope.analyze import fidelity, report
 from kvscope.artifacts import Artifact, Treatment, read_json
 from kvscope.rollout.record import GateResult
 from kvscope.run import treatments
+from kvscope.runfolder import RunFolder
 
 SCENARIOS = ["gate-repeat", "gate-rag"]
 
@@ -62,20 +63,21 @@ def run(spec: GateSpec) -> int:
         return exc.exit_code
     code = report.write(folder, spec.min_hits)
     print(report.console(folder))
-    print(f"report: {folder / 'report.md'}\ngate: {report.GATE_WORDS[code]}")
+    print(f"report: {RunFolder(folder).report_md}\ngate: {report.GATE_WORDS[code]}")
     return code
 
 
 def result(host: str, folder: Path, rel: str, code: int, configs: list[str]) -> GateResult:
     """A finished gate's verdicts and hits, read from its run folder (verdicts.csv, scores.csv)."""
     out = GateResult(host=host, folder=rel, exit_code=code)
-    if (folder / "verdicts.csv").exists():
-        v = pd.read_csv(folder / "verdicts.csv")
+    rf = RunFolder(folder)
+    if rf.table("verdicts").exists():
+        v = pd.read_csv(rf.table("verdicts"))
         out.verdicts = dict(zip(v.config, v.verdict))
         out.why = {r.config: str(r.why) for r in v.itertuples()}
         out.verified_hits = int(v[v.config.isin(configs)].verified_hits.sum())
-    if (folder / "scores.csv").exists():
-        s = pd.read_csv(folder / "scores.csv")
+    if rf.table("scores").exists():
+        s = pd.read_csv(rf.table("scores"))
         hits = s[s.config.isin(configs) & (s.phase == "measure") & s.cls.isin(fidelity.SCORED)
                  & (s.cached_tokens.fillna(0) > 0)]
         out.hits, out.wrong_hits = len(hits), int((hits.cls == "FAIL").sum())

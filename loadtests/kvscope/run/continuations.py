@@ -20,6 +20,7 @@ from pathlib import Path
 from kvscope import auth
 from kvscope.artifacts import Continuation, Record, Treatment, append_jsonl, read_jsonl
 from kvscope.run.records import read, request_key
+from kvscope.runfolder import RunFolder
 
 TOP = 5
 
@@ -45,8 +46,7 @@ def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list
     `unverified`, never identical)."""
     if not splits:
         configs = [golden.config]
-    out_dir = Path(folder) / "continuations"
-    out_dir.mkdir(exist_ok=True)
+    rf = RunFolder(folder)
     counts: dict[str, int] = {}
     for scenario in scenarios:
         gold = {request_key(r.request_id, r.phase): r for r in _records(folder, golden.config, scenario)
@@ -66,7 +66,8 @@ def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list
                 except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError):
                     continue
                 lines.append(Continuation(request_id=rec.request_id, phase=rec.phase, start=start, logprobs=tops))
-            path = out_dir / f"{config}__{scenario}.jsonl"
+            path = rf.continuations(config, scenario)
+            path.parent.mkdir(exist_ok=True)
             path.unlink(missing_ok=True)
             append_jsonl(path, lines)
             counts[config] = counts.get(config, 0) + len(lines)
@@ -82,13 +83,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def _records(folder: Path, config: str, scenario: str) -> list[Record]:
-    path = Path(folder) / "records" / f"{config}__{scenario}.jsonl"
+    path = RunFolder(folder).records(config, scenario)
     return read(path) if path.exists() else []
 
 
 def load(folder: Path, config: str, scenario: str) -> dict[str, tuple[int, list[dict]]]:
     """request key -> (start, golden's alternatives per position from start), as collect() wrote them."""
-    path = Path(folder) / "continuations" / f"{config}__{scenario}.jsonl"
+    path = RunFolder(folder).continuations(config, scenario)
     if not path.exists():
         return {}
     return {request_key(c.request_id, c.phase): (c.start, [{t: lp for t, lp in pos} for pos in c.logprobs])

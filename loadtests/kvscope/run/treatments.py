@@ -44,6 +44,7 @@ from kvscope.deploy import servers
 from kvscope.run import continuations, metrics
 from kvscope.run.records import SESSION_LOST
 from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
+from kvscope.runfolder import RunFolder
 
 LOCUSTFILE = HARNESS / "locustfile.py"
 
@@ -208,12 +209,11 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
             "worker_errors": worker_errors, "sessions_lost": len(lost), "sessions_lost_tail": lost[-3:]}
 
 
-def _phase(server: Treatment, workload: Path, reqs: list[Request], folder: Path, stem: str, phase: str,
-           opts) -> dict:
+def _phase(server: Treatment, workload: Path, reqs: list[Request], records: Path, locust: Path, opts) -> dict:
     base = server.url
     before = _snapshot(base)
-    row = run_locust(server, workload, folder / "records" / f"{stem}.jsonl", opts["users"], opts["processes"],
-                     opts["rate"], opts["timeout_s"], opts["remote"], folder / "locust" / f"{stem}.{phase}")
+    row = run_locust(server, workload, records, opts["users"], opts["processes"], opts["rate"], opts["timeout_s"],
+                     opts["remote"], locust)
     after = _snapshot(base)
     row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
     row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
@@ -341,9 +341,10 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if folder.exists() and not resume:
         raise ConfigError(f"run folder {folder} exists: its records would be mixed with new ones; choose another "
                           "RUN_ID, or continue that run with --resume")
-    if resume and not (folder / "run.json").exists():
+    rf = RunFolder(folder)
+    if resume and not rf.run_json.exists():
         raise ConfigError(f"--resume: {folder} has no run.json; nothing to continue")
-    (folder / "records").mkdir(parents=True, exist_ok=True)
+    rf.create()
     tokenizer = Tokenizer.from_file(str(Path(chosen[0].model_path) / "tokenizer.json"))
     capacity = min(s.kv_capacity_tokens or 0 for s in chosen) or None
     context = min((s.max_model_len for s in chosen if s.max_model_len), default=None)
@@ -354,10 +355,10 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         for phase in ("prime", "measure"):
             part = [r for r in workloads[name] if r.phase == phase]
             if part:
-                phase_files[label, phase] = (folder / "workloads" / f"{label}.{phase}.jsonl", part)
+                phase_files[label, phase] = (rf.workload(label, phase), part)
                 write_jsonl(part, phase_files[label, phase][0])
     if not resume:
-        write_json(folder / "run.json", RunInfo(
+        write_json(rf.run_json, RunInfo(
             run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed,
             scenarios={label: {**all_scenarios[name].model_dump(), "users": u, "repeat": r}
                        for label, (name, u, r) in labels.items()},
@@ -367,7 +368,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
 
     opts = {"processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote,
             "restart_cmd": restart_cmd}
-    status_path = folder / "status.jsonl"
+    status_path = rf.status
     done = _done(status_path)
     total, step, where = len(chosen) * len(labels), 0, "the first treatment"
     try:
@@ -414,16 +415,18 @@ class Interrupted(Exception):
 
 
 def _set_interrupted(folder: Path, why: str | None) -> None:
-    info = read_json(folder / "run.json", RunInfo)
+    run_json = RunFolder(folder).run_json
+    info = read_json(run_json, RunInfo)
     if info.interrupted != why:
-        write_json(folder / "run.json", info.model_copy(update={"interrupted": why}))
+        write_json(run_json, info.model_copy(update={"interrupted": why}))
 
 
 def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict, opts: dict, status_path: Path,
                progress: str) -> None:
     """Reset one server, run a scenario's phases on it, and append its status row."""
-    stem = f"{server.config}__{scenario}"
-    (folder / "records" / f"{stem}.jsonl").unlink(missing_ok=True)  # a treatment cut short is run again
+    rf = RunFolder(folder)
+    records = rf.records(server.config, scenario)
+    records.unlink(missing_ok=True)  # a treatment cut short is run again
     print(f"{progress}: warm-up, reset", end="", flush=True)
     warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
     row = StatusRow(config=server.config, scenario=scenario, reset=reset(server))
@@ -442,11 +445,12 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
                 target = writer.model_copy(update={"config": server.config, "deployed_as": writer.config})
                 print(f", {phase} on {writer.config}", end="", flush=True)
             print(f", {phase} {len(part)} requests", end="", flush=True)
-            row.phases[phase] = _phase(target, workload, part, folder, stem, phase, opts)
+            row.phases[phase] = _phase(target, workload, part, records, rf.locust(server.config, scenario, phase),
+                                       opts)
     if server.fault:
-        row.fault_log = _keep_log(server, "fault_log", folder / "faults" / f"{stem}.jsonl")
+        row.fault_log = _keep_log(server, "fault_log", rf.faults(server.config, scenario))
     if connector_log(server, "load_log") is not None:
-        row.load_log = _keep_log(server, "load_log", folder / "loads" / f"{stem}.jsonl")
+        row.load_log = _keep_log(server, "load_log", rf.loads(server.config, scenario))
     print(f" ({sum(p['seconds'] for p in row.phases.values()):.1f} s)", flush=True)
     append_jsonl(status_path, [row])
 
