@@ -63,3 +63,15 @@ def test_deploy_dry_run_renders_checks_and_prints_each_servers_command_without_s
     bad = ansible("deploy.yml", run_dir, "--check", "-e", "vllm_configs=baseline,no-such-config",
                   "-e", f"vllm_rendered={tmp_path}/rendered.json")
     assert bad.returncode != 0 and "no-such-config" in bad.stdout
+
+
+def test_environments_and_models_are_ignored_as_folders_and_as_links(tmp_path):
+    # a worktree that links the venvs and the model instead of building them once committed the links
+    import shutil
+
+    shutil.copy(REPO / ".gitignore", tmp_path / ".gitignore")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    for name in (".venv", ".venv-vllm", "models", "runs", ".device"):
+        (tmp_path / name).symlink_to(tmp_path / "elsewhere")
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert out.split() == ["??", ".gitignore"]
