@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import html, plots
-from kvscope.analyze.overview import throughput, tpot
+from kvscope.analyze.overview import answered, throughput, tpot
 from kvscope.analyze.report import Analysis, RunError, _md_table, analyze, workload_digest
 from kvscope.artifacts import RunInfo, read_json
 from kvscope.runfolder import RunFolder
@@ -60,7 +60,7 @@ def _mode_cost(analyses: list[Analysis]) -> pd.DataFrame | None:
     for config in both:
         raw: dict[str, float | None] = {}
         for mode, a in by_mode.items():
-            done = [r for (c, _), rs in a.recs.items() if c == config for r in rs if r.ok and r.phase == "measure"]
+            done = answered(a.recs, config)
             ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
             tpots = [t for r in done if (t := tpot(r)) is not None]
             raw[f"ttft_p50_ms_{mode}"] = float(np.median(ttfts)) * 1000 if ttfts else None

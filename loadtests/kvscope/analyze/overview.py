@@ -51,6 +51,11 @@ def parse_slo(text: str) -> dict[str, float]:
     return slo
 
 
+def answered(recs: dict, config: str) -> list[Record]:
+    """A config's answered measure-phase requests, over every scenario."""
+    return [r for (c, _), rs in recs.items() if c == config for r in rs if r.ok and r.phase == "measure"]
+
+
 def tpot(r: Record) -> float | None:
     """Time per output token after the first: the mean of a request's inter-token latencies."""
     return float(np.mean(r.itl_s)) if r.itl_s else None
@@ -122,9 +127,9 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
         caught = power[power.config == v.config] if len(power) else power
         detected = (f"{int(caught.detected.iloc[0])} of {int(caught.affected_hits.iloc[0])} hits it broke"
                     if len(caught) else "")
-        mine = [r for (c, _), rs in recs.items() if c == v.config for r in rs]
+        mine = answered(recs, v.config)
         req_s, tok_s = throughput(mine) if not exact else (None, None)
-        tpots = [t for r in mine if r.ok and r.phase == "measure" and (t := tpot(r)) is not None and not exact]
+        tpots = [t for r in mine if (t := tpot(r)) is not None and not exact]
         met = goodput(mine, slo or {})
         repeats = int(run.load.get("repeats", 1))
         each: list[float] = []  # the speed-up of each repeat alone

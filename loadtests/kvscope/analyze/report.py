@@ -359,7 +359,7 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
         sweep.to_csv(rf.table("sweep"), index=False)
     pngs = plots.draw(folder, {s.config: s.role for s in a.run.servers if s.config in present}, a.summary, a.recs,
                       sweep)
-    text = _markdown(a, pngs, folder)
+    text = _markdown(a, pngs, folder, tier)
     rf.report_md.write_text(text)
     rf.report_html.write_text(html.render(folder, text, f"kvscope report: run {a.run.run_id}"))
     run = a.run.model_copy(update={"scorer": {"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
@@ -425,7 +425,7 @@ def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
     return out
 
 
-def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
+def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.DataFrame) -> str:
     run, summary, scores, floor = a.run, a.summary, a.scores, a.floor
     m = run.machine
     first = run.servers[0]
@@ -521,7 +521,6 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path) -> str:
                   "ttft_p99_ms_miss", "n_hit", "ttft_p50_ms_hit", "ttft_p90_ms_hit", "ttft_p99_ms_hit", "itl_p50_ms",
                   "e2e_p50_ms", "speedup_hits", "speedup_all"]
     lines += [_md_table(summary[speed_cols]), ""]
-    tier = overview.tiers(a.status)
     if len(tier.columns) > 1:
         lines += ["Where the prompt tokens came from, and the connector's own counters, over the measure phases "
                   "(vLLM's `prompt_tokens_by_source` and `prompt_tokens_cached_by_source`, `kvscope:connector_*`; "
