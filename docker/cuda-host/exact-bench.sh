@@ -10,11 +10,12 @@
 #          whose KV load failed?).
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
 # folders are written under OUT_DIR/results, outside the checkout: a tool that syncs the checkout while the
-# run goes on (the lent H200's does, at every call) would remove them there.
-#   docker/cuda-host/exact-bench.sh OUT_DIR [QUERIES=56] [USERS=16]
+# run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default).
+#   [PARTS=tiny,exact,normal,failed-load] docker/cuda-host/exact-bench.sh OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
-here=$(dirname "$0")
+here=$(dirname "$0"); parts=,${PARTS:-tiny,exact,normal,failed-load},
+want() { [[ $parts == *,$1,* ]]; }
 export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries RESULTS=$out/results
 correct=baseline,control,apc,offload-cpu-tier,kvscope-ram,kvscope-fs
 bf16='{"dtype": "bfloat16"}'
@@ -24,18 +25,24 @@ keep() {  # keep PART FILES...: what a part made, in one archive (paths under OU
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
-(
+want tiny && (
   EXACT=1 RUN_DIR=runs/cuda-host-tiny PORT_OFFSET=1000 bash "$here/bench.sh" tiny h200-exact-tiny-fp32 \
     baseline,control,kvscope-fs,canary '{"kv-cache-memory-bytes": 536870912}' 8 > "$out/tiny.log" 2>&1
   keep tiny tiny.log results/h200-exact-tiny-fp32
 ) &
-EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16 "$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs" "$bf16" \
-  "$users" > "$out/exact.log" 2>&1
-keep exact exact.log results/h200-exact-4b-bf16
+if want exact; then
+  EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16 "$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs" "$bf16" \
+    "$users" > "$out/exact.log" 2>&1
+  keep exact exact.log results/h200-exact-4b-bf16
+fi
 wait
-bash "$here/bench.sh" qwen3-4b h200-normal-4b-bf16 baseline,apc,kvscope-fs "$bf16" "$users" > "$out/normal.log" 2>&1
-keep normal normal.log results/h200-normal-4b-bf16
-python3 loadtests/repro/vllm_failed_load.py models/tiny --dtype float32 > "$out/failed-load.txt" 2>&1
-echo "exit $?" >> "$out/failed-load.txt"
-keep failed-load failed-load.txt
+if want normal; then
+  bash "$here/bench.sh" qwen3-4b h200-normal-4b-bf16 baseline,apc,kvscope-fs "$bf16" "$users" > "$out/normal.log" 2>&1
+  keep normal normal.log results/h200-normal-4b-bf16
+fi
+if want failed-load; then
+  python3 loadtests/repro/vllm_failed_load.py models/tiny --dtype float32 > "$out/failed-load.txt" 2>&1
+  echo "exit $?" >> "$out/failed-load.txt"
+  keep failed-load failed-load.txt
+fi
 touch "$out/DONE"
