@@ -133,6 +133,18 @@ def test_a_scenario_that_never_ran_is_incomplete(tmp_path):
     assert verdicts(run).loc["apc", "why"] == "scenario s did not run"
 
 
+def test_a_treatment_stopped_mid_run_says_how_many_answers_it_recorded(tmp_path):
+    # an H200 trace run stopped in kvscope-fs's treatment: 26 of 100 records, no status row; the report said
+    # "did not run"
+    outputs = four()
+    outputs["apc"] = GOOD[:1]
+    run = make_run(tmp_path / "run", outputs, status=False)
+    (run / "status.jsonl").write_text("".join(json.dumps({"config": c, "scenario": "s", "phases": {}}) + "\n"
+                                              for c in outputs if c != "apc"))
+    assert report.write(run, min_hits=1) == 3
+    assert verdicts(run).loc["apc", "why"] == "scenario s did not finish: 1 of 2 answers recorded"
+
+
 def test_no_cache_hits_is_unverified(tmp_path):
     run = make_run(tmp_path / "run", four(), apc={"cached": [0, 0]})
     assert report.write(run, min_hits=1) == 3

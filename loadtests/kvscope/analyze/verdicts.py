@@ -148,8 +148,9 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         if misses and role in ("candidate", "canary"):
             why += f"; {misses} of them cache misses, which differ from golden without any cached KV"
         return "FAIL", why
-    incomplete = [f"scenario {s} did not run" for s in expected if s not in ran]
     present = sc.groupby("scenario").size().to_dict()
+    incomplete = [f"scenario {s} did not finish: {present[s]} of {n} answers recorded" if present.get(s)
+                  else f"scenario {s} did not run" for s, n in expected.items() if s not in ran]
     incomplete += [f"{s}: {present.get(s, 0)} of {n} answers recorded" for s, n in expected.items()
                    if s in ran and present.get(s, 0) < n]
     total = sum(expected.values())
