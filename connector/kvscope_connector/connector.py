@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-COUNTERS = ("ram_hits", "fs_hits", "misses", "corrupt", "io_errors", "saves", "save_errors", "load_bytes",
-            "save_bytes", "load_seconds", "save_seconds", "evictions")
+COUNTERS = ("ram_hits", "fs_hits", "misses", "corrupt", "io_errors", "saves", "save_errors", "saves_skipped",
+            "load_bytes", "save_bytes", "load_seconds", "save_seconds", "evictions")
 
 
 @dataclass

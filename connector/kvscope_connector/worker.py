@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from itertools import islice
 from typing import NamedTuple, TypeVar
 
@@ -37,7 +38,7 @@ from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
 from .store import FsTier, RamTier, Stats, Tier
 from .transfer import Side, SlotPool
 
-MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this a save waits for it
+MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this, files are skipped
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
 LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk; beside a GPU, page-cache
 # reads into pinned memory scale further (the host's cores are otherwise idle)
@@ -452,18 +453,28 @@ class WorkerSide:
 
     def save(self, meta: KVScopeMetadata) -> None:
         """Send this step's new blocks towards the host, then hand them to the save thread; none of a request
-        whose load failed this step."""
+        whose load failed this step. With the save thread behind, the step's files are skipped (a later
+        lookup misses them on disk) rather than waited for; its RAM saves, which the scheduler's index
+        counts on, wait."""
         meta.stores = [spec for spec in meta.stores if spec.request_id not in self.broken]
+        self._collect()
+        if self.saving and self._pending() + self.block_bytes() * len(meta.stores) > MAX_PENDING_BYTES:
+            self.stats.saves_skipped += sum(spec.to_fs for spec in meta.stores)
+            meta.stores = [replace(spec, to_fs=False) for spec in meta.stores if spec.to_ram]
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()
         saved = self.copy_out([spec.block_id for spec in meta.stores])
         held = self.block_bytes() * len(saved.blocks)
-        while self.saving and sum(b for _, _, b in self.saving) + held > MAX_PENDING_BYTES:
+        while self.saving and self._pending() + held > MAX_PENDING_BYTES:
             self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
+
+    def _pending(self) -> int:
+        """Bytes of host copies handed to the save thread and not yet stored."""
+        return sum(held for _, _, held in self.saving)
 
     def _store(self, evict: list[str], stores: list[StoreSpec], saved: Saved, seconds: float) -> Stats:
         """On the save thread: wait for the blocks to reach the host, apply RAM evictions, store the blocks

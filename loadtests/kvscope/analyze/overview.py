@@ -178,6 +178,7 @@ TIER_COLUMNS = {  # counter (summed over a config's measure phases) -> column
     "kvscope:connector_io_errors_total": "io_errors",
     "kvscope:connector_evictions_total": "evictions",
     "kvscope:connector_save_errors_total": "save_errors",
+    "kvscope:connector_saves_skipped_total": "saves_skipped",
     "vllm:num_preemptions_total": "preemptions",
 }
 
