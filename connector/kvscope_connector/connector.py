@@ -158,6 +158,7 @@ class KVScopeConnector(KVConnectorBase_V1):
             ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
             self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs, checksum)
             self.worker_side.load_log = extra("load_log", None)
+            self.worker_side.may_skip_files = vllm_config.parallel_config.tensor_parallel_size == 1
 
     # Worker-side methods
 

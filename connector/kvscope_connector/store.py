@@ -44,7 +44,7 @@ class Stats:
     io_errors: int = 0
     saves: int = 0
     save_errors: int = 0
-    saves_skipped: int = 0  # files not written: the save thread was behind (a later miss, never a stall)
+    saves_skipped: int = 0  # files not written because the save thread was behind: later misses
     load_bytes: int = 0
     save_bytes: int = 0
     load_seconds: float = 0.0

@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import replace
 from itertools import islice
 from typing import NamedTuple, TypeVar
 
@@ -109,6 +108,7 @@ class WorkerSide:
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
         self.saving: list[tuple[Future, set[str], int]] = []  # (job, keys it stores, bytes it holds), oldest first
+        self.may_skip_files = True  # with the save thread behind (False with several tensor-parallel ranks)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take vLLM's per-layer KV caches, each [num_blocks, ...]. On the CPU, loads copy with numpy into
@@ -453,24 +453,37 @@ class WorkerSide:
 
     def save(self, meta: KVScopeMetadata) -> None:
         """Send this step's new blocks towards the host, then hand them to the save thread; none of a request
-        whose load failed this step. With the save thread behind, the step's files are skipped (a later
-        lookup misses them on disk) rather than waited for; its RAM saves, which the scheduler's index
-        counts on, wait."""
-        meta.stores = [spec for spec in meta.stores if spec.request_id not in self.broken]
-        self._collect()
-        if self.saving and self._pending() + self.block_bytes() * len(meta.stores) > MAX_PENDING_BYTES:
-            self.stats.saves_skipped += sum(spec.to_fs for spec in meta.stores)
-            meta.stores = [replace(spec, to_fs=False) for spec in meta.stores if spec.to_ram]
+        whose load failed this step."""
+        meta.stores = self._shed_files([spec for spec in meta.stores if spec.request_id not in self.broken])
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()
         saved = self.copy_out([spec.block_id for spec in meta.stores])
         held = self.block_bytes() * len(saved.blocks)
-        while self.saving and self._pending() + held > MAX_PENDING_BYTES:
+        while self._pending() and self._pending() + held > MAX_PENDING_BYTES:
             self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
+
+    def _shed_files(self, stores: list[StoreSpec]) -> list[StoreSpec]:
+        """With the save thread behind, the file-only saves beyond the backlog's room, skipped rather than
+        waited for (a later lookup misses them on disk). Saves to RAM are kept whole, files included: the
+        scheduler's index counts on them, and a block the RAM tier evicts within a step is read from its
+        file. Not with several tensor-parallel ranks: each would skip on its own timing, and the scheduler
+        looks up rank 0's files only."""
+        self._collect()
+        pending = self._pending()
+        if not pending or not self.may_skip_files:
+            return stores
+        room, kept = MAX_PENDING_BYTES - pending, []
+        for spec in stores:
+            if spec.to_ram or room >= self.block_bytes():
+                kept.append(spec)
+                room -= self.block_bytes()
+            else:
+                self.stats.saves_skipped += 1
+        return kept
 
     def _pending(self) -> int:
         """Bytes of host copies handed to the save thread and not yet stored."""

@@ -102,37 +102,62 @@ def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key
     assert w.take_load_errors() == set() and (w.stats.saves, w.stats.ram_hits) == (1, 1)
 
 
-def test_a_save_thread_behind_drops_file_only_saves_instead_of_stalling_the_forward(tmp_path, checks, monkeypatch):
-    # The H200 trace run (2026-12-02): prompts up to 32k tokens saved faster than the disk wrote them, and
-    # each save then waited for the save thread on the forward path: kvscope-fs's TTFT p50 30 s, golden's
-    # 1.5 s. A file the scheduler finds on disk or not at all may be skipped (a later miss); a RAM save may
-    # not (the scheduler's index counts on it), so only that one still waits.
+def in_background(fn) -> threading.Event:
+    """Set once fn has returned."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (fn(), done.set()), daemon=True).start()
+    return done
+
+
+def test_a_save_thread_behind_skips_file_only_saves_instead_of_stalling_the_forward(tmp_path, checks, monkeypatch):
+    # The H200 trace run (2026-12-02): prompts up to 32k tokens saved to disk while every save beyond 1 GiB
+    # pending waited for the save thread on the forward path; kvscope-fs's hits took 30 s, golden's 1.5 s.
+    # A file the scheduler finds on disk or not at all may be skipped (a later miss). A RAM save may not
+    # (the scheduler's index counts on it), nor its file (a block the RAM tier evicts is read from it).
     import kvscope_connector.worker as worker_module
     w = worker(tmp_path, checks=checks)
     monkeypatch.setattr(worker_module, "MAX_PENDING_BYTES", w.block_bytes())
-    gate = threading.Event()
-    w.saver.submit(gate.wait)  # the save thread is busy
-    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))  # within the backlog
-    done = threading.Event()
-    threading.Thread(target=lambda: (w.save(KVScopeMetadata(stores=[StoreSpec(2, "k2", to_ram=False, to_fs=True),
-                                                                    StoreSpec(3, "k3", to_ram=True, to_fs=True)])),
-                                     done.set())).start()
-    assert not done.wait(0.3)  # k3's RAM part waits for the save thread
-    gate.set()
-    assert done.wait(10)
-    w.flush()
-    assert w.fs.contains("k1") and not w.fs.contains("k2") and not w.fs.contains("k3") and w.ram.contains("k3")
-    assert (w.stats.saves, w.stats.saves_skipped) == (2, 2)
-    gate2 = threading.Event()
-    w.saver.submit(gate2.wait)
-    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k4", to_ram=False, to_fs=True)]))
-    w.save(KVScopeMetadata(stores=[StoreSpec(5, "k5", to_ram=False, to_fs=True)]))  # returns: nothing to wait for
-    gate2.set()
-    w.flush()
-    assert w.fs.contains("k4") and not w.fs.contains("k5") and w.stats.saves_skipped == 3
-    w.save(KVScopeMetadata(stores=[StoreSpec(6, "k6", False, True), StoreSpec(7, "k7", False, True)]))
-    w.flush()  # a step larger than the backlog allows, with nothing pending: stored whole
-    assert w.fs.contains("k6") and w.fs.contains("k7") and w.stats.saves_skipped == 3
+    gates = [threading.Event() for _ in range(4)]
+    try:
+        w.saver.submit(gates[0].wait)  # the save thread is busy
+        w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))  # within the backlog
+        both = KVScopeMetadata(stores=[StoreSpec(2, "k2", to_ram=False, to_fs=True),
+                                       StoreSpec(3, "k3", to_ram=True, to_fs=True)])
+        saved = in_background(lambda: w.save(both))
+        assert not saved.wait(0.3)  # k3 waits, whole
+        gates[0].set()
+        assert saved.wait(10)
+        w.flush()
+        assert w.fs.contains("k1") and not w.fs.contains("k2") and w.fs.contains("k3") and w.ram.contains("k3")
+        assert (w.stats.saves, w.stats.saves_skipped) == (2, 1)
+
+        w.saver.submit(gates[1].wait)
+        w.save(KVScopeMetadata(stores=[StoreSpec(4, "k4", False, True)]))
+        assert in_background(lambda: w.save(KVScopeMetadata(stores=[StoreSpec(5, "k5", False, True)]))).wait(2)
+        gates[1].set()
+        w.flush()
+        assert w.fs.contains("k4") and not w.fs.contains("k5") and w.stats.saves_skipped == 2
+
+        w.saver.submit(gates[2].wait)  # pending: a job that holds no bytes (RAM evictions only)
+        w.save(KVScopeMetadata(ram_evict=["k3"]))
+        big = KVScopeMetadata(stores=[StoreSpec(6, "k6", False, True), StoreSpec(7, "k7", False, True)])
+        assert in_background(lambda: w.save(big)).wait(2)  # no bytes pending: nothing to wait for
+        gates[2].set()
+        w.flush()  # a step larger than the backlog allows, with no bytes pending: stored whole
+        assert w.fs.contains("k6") and w.fs.contains("k7") and w.stats.saves_skipped == 2
+
+        w.may_skip_files = False  # several tensor-parallel ranks: every rank stores every block
+        w.saver.submit(gates[3].wait)
+        w.save(KVScopeMetadata(stores=[StoreSpec(1, "k8", False, True)]))
+        saved = in_background(lambda: w.save(KVScopeMetadata(stores=[StoreSpec(2, "k9", False, True)])))
+        assert not saved.wait(0.3)
+        gates[3].set()
+        assert saved.wait(10)
+        w.flush()
+        assert w.fs.contains("k8") and w.fs.contains("k9") and w.stats.saves_skipped == 2
+    finally:
+        for gate in gates:
+            gate.set()
 
 
 def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path, checks):
