@@ -80,6 +80,18 @@ def test_in_exact_mode_a_control_that_differs_says_the_stack_is_not_invariant_an
     assert "control vs golden, `r0@measure` token 0: 1e-07 nat" in md
 
 
+def test_a_control_answer_that_splits_at_token_0_counts_as_differing(tmp_path):
+    # the H200 trace run: 4 of the control's answers split from golden at token 0, where no position is
+    # compared, and the report said "96 of them differ at all" of 100 that all differed; in exact mode such a
+    # control would not have said the stack is not invariant
+    outputs = four()
+    outputs["control"] = [[9, 2, 3], [4, 5, 6]]
+    run = make_run(tmp_path / "run", outputs, mode="exact")
+    assert report.write(run, min_hits=1) == 1
+    md = (run / "report.md").read_text()
+    assert "**Exact mode does not hold on this stack**: 1 of the control's answers" in md
+
+
 def verdicts(run):
     return pd.read_csv(run / "verdicts.csv").set_index("config")
 

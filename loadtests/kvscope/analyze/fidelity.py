@@ -31,6 +31,7 @@ near tie that golden could not score: no continuation was recorded).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -250,10 +251,9 @@ def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s
     return "benign", f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden scores the rest alike"
 
 
-def direct_noise(golden: dict[str, Record], control: list[Record]) -> list[Deviation]:
-    """Where the control's answers differ from golden's, where the tokens agree (one per answer compared:
-    its largest difference); golden keyed by records.request_key."""
-    found = []
+def _against_golden(golden: dict[str, Record], control: list[Record]) -> Iterator[tuple[str, int | None, tuple]]:
+    """Each control answer golden also answered: (key, first divergence, (largest difference where the tokens
+    agree, its position))."""
     for rec in control:
         key = request_key(rec.request_id, rec.phase)
         gold = golden.get(key)
@@ -261,10 +261,20 @@ def direct_noise(golden: dict[str, Record], control: list[Record]) -> list[Devia
             continue
         i = first_divergence(gold.output_token_ids, rec.output_token_ids)
         n = len(rec.output_token_ids) if i is None else i
-        dev, at = max_deviation((p, alts(gold, p), alts(rec, p)) for p in range(n))
-        if dev is not None:
-            found.append(Deviation("control vs golden", key, at, dev))
-    return found
+        yield key, i, max_deviation((p, alts(gold, p), alts(rec, p)) for p in range(n))
+
+
+def direct_noise(golden: dict[str, Record], control: list[Record]) -> list[Deviation]:
+    """Where the control's answers differ from golden's, where the tokens agree (one per answer compared:
+    its largest difference); golden keyed by records.request_key."""
+    return [Deviation("control vs golden", key, at, dev)
+            for key, _, (dev, at) in _against_golden(golden, control) if dev is not None]
+
+
+def differing(golden: dict[str, Record], control: list[Record]) -> int:
+    """How many of the control's answers are not bitwise equal to golden's: other tokens, or other logprobs
+    where the tokens agree (a split at token 0 compares no position, and differs all the same)."""
+    return sum(i is not None or bool(dev) for _, i, (dev, _) in _against_golden(golden, control))
 
 
 def continuation_noise(golden: dict[str, Record], calibration: dict[str, tuple[int, list[Alts]]]) -> list[Deviation]:

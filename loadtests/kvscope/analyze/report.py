@@ -118,7 +118,7 @@ def noise_floor(run: RunInfo, recs: dict, folder: Path) -> dict:
     return {"mode": run.mode, "direct_noise_nats": fidelity.floor(direct),
             "continuation_noise_nats": fidelity.floor(cont), "tolerance_nats": tol.direct,
             "continuation_tolerance_nats": tol.continuation, "tie_band_nats": tol.band, "source": source,
-            "control_answers": len(control), "control_differing": sum(d.nats > 0 for d in direct),
+            "control_answers": len(control), "control_differing": fidelity.differing(by_key, control),
             "golden_rescored": len(calibration), "largest_differences": [d._asdict() for d in nonzero[:5]]}
 
 
