@@ -460,7 +460,7 @@ class WorkerSide:
         started = time.perf_counter()
         saved = self.copy_out([spec.block_id for spec in meta.stores])
         held = self.block_bytes() * len(saved.blocks)
-        while self._pending() and self._pending() + held > MAX_PENDING_BYTES:
+        while 0 < (pending := self._pending()) and pending + held > MAX_PENDING_BYTES:
             self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))

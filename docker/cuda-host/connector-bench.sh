@@ -9,10 +9,7 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}
 . "$(dirname "$0")/env.sh"
 configs=baseline,control,offload-cpu-tier,kvscope-ram,kvscope-fs
-# bf16; CUDA graphs for up to 32 sequences (capture stays short); a context and a GPU KV cache that hold a
-# 32k-token prompt; the servers' start-up memory checks within one GPU
-overrides='{"dtype": "bfloat16", "enforce-eager": false, "max-num-seqs": 32, "max-model-len": 33792,
-  "kv-cache-memory-bytes": 6442450944, "gpu-memory-utilization": 0.15}'
+overrides=$(long_context 6442450944)  # 6 GiB of GPU KV: one 32k-token prompt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
 model qwen3-4b

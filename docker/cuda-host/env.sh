@@ -14,6 +14,12 @@ deploy() {  # deploy CONFIGS [OVERRIDES_JSON]: configs that do not start are rep
   echo "deploy exit $?"
 }
 teardown() { python3 -m ansible playbook -i $inv ansible/teardown.yml "${where[@]}"; }
+long_context() {  # long_context KV_BYTES: server flags (JSON) for 32k-token prompts on the Qwen3-4B shape: bf16;
+  # CUDA graphs for up to 32 sequences (capture stays short); a context that holds a 32k-token prompt; KV_BYTES
+  # of GPU KV cache; the servers' start-up memory checks within one GPU
+  echo "{\"dtype\": \"bfloat16\", \"enforce-eager\": false, \"max-num-seqs\": 32, \"max-model-len\": 33792,
+  \"kv-cache-memory-bytes\": $1, \"gpu-memory-utilization\": 0.15}"
+}
 model() {  # model SHAPE: build it once under models/SHAPE and point the inventory at it
   export KVSCOPE_MODEL_DIR="$PWD/models/$1"
   [ -f "$KVSCOPE_MODEL_DIR/model.safetensors" ] || python3 -m kvscope.cli build-model --shape "$1" --out "$KVSCOPE_MODEL_DIR"

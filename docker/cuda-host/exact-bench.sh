@@ -14,10 +14,10 @@
 #   [PARTS=tiny,exact,normal,failed-load] docker/cuda-host/exact-bench.sh OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
-here=$(dirname "$0"); parts=,${PARTS:-tiny,exact,normal,failed-load},
+here=$(dirname "$0"); all=tiny,exact,normal,failed-load; parts=,${PARTS:-$all},
 want() { [[ $parts == *,$1,* ]]; }
 for part in ${parts//,/ }; do
-  [[ ,tiny,exact,normal,failed-load, == *,$part,* ]] || { echo "exact-bench: no part '$part' (tiny, exact, normal, failed-load)" >&2; exit 2; }
+  [[ ,$all, == *,$part,* ]] || { echo "exact-bench: no part '$part' ($all)" >&2; exit 2; }
 done
 export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries RESULTS=$out/results
 correct=baseline,control,apc,offload-cpu-tier,kvscope-ram,kvscope-fs

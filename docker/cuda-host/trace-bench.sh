@@ -6,10 +6,9 @@
 #   docker/cuda-host/trace-bench.sh OUT_DIR [CONFIGS=baseline,control,apc,offload-cpu-tier,kvscope-fs]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); configs=${2:-baseline,control,apc,offload-cpu-tier,kvscope-fs}
-# a context that holds the trace's 32k-token prompts; 12 GiB of GPU KV a server (~87k tokens: the trace's
-# working set is several times that, so eviction decides); the start-up memory checks within one GPU
-overrides='{"dtype": "bfloat16", "enforce-eager": false, "max-num-seqs": 32, "max-model-len": 33792,
-  "kv-cache-memory-bytes": 12884901888, "gpu-memory-utilization": 0.15}'
+. "$(dirname "$0")/env.sh"
+# 12 GiB of GPU KV a server (~87k tokens: the trace's working set is several times that, so eviction decides)
+overrides=$(long_context 12884901888)
 SCENARIOS=trace-mooncake-full RESULTS=$out/results bash "$(dirname "$0")/bench.sh" qwen3-4b h200-trace-4b-bf16 \
   "$configs" "$overrides" 32 > "$out/trace.log" 2>&1
 tar -czf "$out/trace.tar.gz" -C "$out" --ignore-failed-read trace.log results/h200-trace-4b-bf16 2>/dev/null

@@ -149,10 +149,14 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
             why += f"; {misses} of them cache misses, which differ from golden without any cached KV"
         return "FAIL", why
     present = sc.groupby("scenario").size().to_dict()
-    incomplete = [f"scenario {s} did not finish: {present[s]} of {n} answers recorded" if present.get(s)
-                  else f"scenario {s} did not run" for s, n in expected.items() if s not in ran]
-    incomplete += [f"{s}: {present.get(s, 0)} of {n} answers recorded" for s, n in expected.items()
-                   if s in ran and present.get(s, 0) < n]
+    incomplete = []
+    for s, n in expected.items():
+        got = present.get(s, 0)
+        if s not in ran:  # no status row: stopped before the treatment's end, or never begun
+            incomplete.append(f"scenario {s} did not finish: {got} of {n} answers recorded" if got
+                              else f"scenario {s} did not run")
+        elif got < n:
+            incomplete.append(f"{s}: {got} of {n} answers recorded")
     total = sum(expected.values())
     if counts.get("failed", 0) > max_failed * total:
         incomplete.append(f"{counts['failed']} of {total} requests failed (allowed: {max_failed:.0%})")
