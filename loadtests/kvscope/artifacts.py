@@ -20,6 +20,7 @@ brought up to date on reading (legacy()). Unknown keys are errors: a renamed fie
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -28,6 +29,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 SCHEMA_VERSION = 1
 Role = Literal["golden", "control", "candidate", "canary"]
 Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
+
+
+class Verdict(StrEnum):
+    """A config's verdict: analyze/verdicts.py says when each is given."""
+
+    GOLDEN = "GOLDEN"
+    PASS = "PASS"
+    FAIL = "FAIL"
+    INCOMPLETE = "INCOMPLETE"
+    UNVERIFIED = "UNVERIFIED"
+    INVALID = "INVALID"
+    CRASHED = "CRASHED"
+
+
+class Answer(StrEnum):
+    """One answer's class against golden's: analyze/fidelity.py says when each is given."""
+
+    IDENTICAL = "identical"
+    BENIGN = "benign"
+    FAIL = "FAIL"
+    FAILED = "failed"  # the request failed: no answer
+    NO_GOLDEN = "no-golden"
+    INPUT_DIFFERS = "input-differs"
+    NO_TOKEN_IDS = "no-token-ids"
+    UNVERIFIED = "unverified"  # a near tie golden could not score
 Scheme = Literal["http", "https"]
 A = TypeVar("A", bound="Artifact")
 

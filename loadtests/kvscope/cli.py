@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 from kvscope import HARNESS, __version__
+from kvscope.artifacts import Verdict
 from kvscope.auth import redact_command
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import servers
@@ -115,7 +116,7 @@ def cmd_bench(args) -> int:
         return _report(folder, args)
     if silent := unanswered(folder):
         print(f"kvscope: no answer at all: {', '.join(silent)} (is the server up?); their verdicts would be "
-              "INCOMPLETE", file=sys.stderr)
+              f"{Verdict.INCOMPLETE}", file=sys.stderr)
         return 3
     return 0
 

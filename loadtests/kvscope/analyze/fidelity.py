@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
-from kvscope.artifacts import Record
+from kvscope.artifacts import Answer, Record
 from kvscope.run.continuations import first_divergence
 from kvscope.run.records import request_key
 
@@ -55,8 +55,8 @@ DEGENERATE_MAX_PERIOD = 4
 DEGENERATE_MIN_SHARE = 0.5
 DEGENERATE_MIN_TOKENS = 8
 
-SCORED = ("identical", "benign", "FAIL")
-UNSCORED = ("failed", "no-golden", "input-differs", "no-token-ids", "unverified")
+SCORED = (Answer.IDENTICAL, Answer.BENIGN, Answer.FAIL)
+UNSCORED = (Answer.FAILED, Answer.NO_GOLDEN, Answer.INPUT_DIFFERS, Answer.NO_TOKEN_IDS, Answer.UNVERIFIED)
 
 Alts = dict  # token (an id; a string in records made before scorer 2) -> logprob, at one position
 
@@ -94,7 +94,7 @@ class Score:
     scenario: str
     phase: str
     request_id: str
-    cls: str
+    cls: Answer
     first_divergence: int | None
     golden_margin: float | None
     max_dev: float | None  # the largest logprob difference from golden found where they were compared
@@ -178,63 +178,64 @@ def score(golden: Record | None, cand: Record, tol: Tolerance,
     """Classify one answer. `tol`: the run's tolerances. `continuation`: (start, golden's logprobs of the
     candidate's answer position by position from start), when golden scored it."""
     needle = cand.needle
-    s = Score(cand.config, cand.scenario, cand.phase, cand.request_id, "", None, None, None,
+    # cls: classified below
+    s = Score(cand.config, cand.scenario, cand.phase, cand.request_id, Answer.FAILED, None, None, None,
               repetition(cand.output_token_ids), is_degenerate(cand.output_token_ids),
               None if needle is None or golden is None else needle in golden.output_text,
               None if needle is None else needle in cand.output_text,
               cand.cached_tokens, cand.prompt_tokens, cand.ttft_s, "")
     if not cand.ok:
-        s.cls, s.reason = "failed", cand.error or "failed"
+        s.cls, s.reason = Answer.FAILED, cand.error or "failed"
         return s
     if golden is None or not golden.ok:
-        s.cls, s.reason = "no-golden", "golden answer missing or failed"
+        s.cls, s.reason = Answer.NO_GOLDEN, "golden answer missing or failed"
         return s
     if golden.prompt_sha and cand.prompt_sha and golden.prompt_sha != cand.prompt_sha:
-        s.cls, s.reason = "input-differs", "the server saw other prompt tokens than golden's"
+        s.cls, s.reason = Answer.INPUT_DIFFERS, "the server saw other prompt tokens than golden's"
         return s
     if not cand.output_token_ids or not golden.output_token_ids:
-        s.cls, s.reason = "no-token-ids", "no output token ids to compare (the server ignored return_token_ids)"
+        s.cls, s.reason = Answer.NO_TOKEN_IDS, "no output token ids to compare (the server ignored return_token_ids)"
         return s
     i = first_divergence(golden.output_token_ids, cand.output_token_ids)
     s.first_divergence = i
     n = len(cand.output_token_ids) if i is None else i
     s.max_dev, at = max_deviation((p, alts(golden, p), alts(cand, p)) for p in range(n))
     if s.degenerate and not is_degenerate(golden.output_token_ids):
-        s.cls, s.reason = "FAIL", f"degenerate answer (repetition {s.repetition:.2f}); golden's is not"
+        s.cls, s.reason = Answer.FAIL, f"degenerate answer (repetition {s.repetition:.2f}); golden's is not"
     elif s.needle_golden and not s.needle_candidate:
-        s.cls, s.reason = "FAIL", "golden's answer has the needle fact, the candidate's does not"
+        s.cls, s.reason = Answer.FAIL, "golden's answer has the needle fact, the candidate's does not"
     elif s.max_dev is not None and s.max_dev > tol.direct:
-        s.cls, s.reason = "FAIL", (f"logprob differs by {s.max_dev:.3g} nat at token {at} (exact: bitwise equal "
-                                   "expected)" if tol.exact else
-                                   f"logprob off by {s.max_dev:.3g} nat at token {at} (tolerance {tol.direct:.3g})")
+        s.cls, s.reason = Answer.FAIL, (
+            f"logprob differs by {s.max_dev:.3g} nat at token {at} (exact: bitwise equal expected)" if tol.exact
+            else f"logprob off by {s.max_dev:.3g} nat at token {at} (tolerance {tol.direct:.3g})")
     elif i is None:
-        s.cls = "identical"
+        s.cls = Answer.IDENTICAL
     elif tol.exact:
         s.golden_margin = _margin(alts(golden, i))
-        s.cls, s.reason = "FAIL", f"tokens differ from golden's at token {i} (exact: a correct cache never splits)"
+        s.cls, s.reason = Answer.FAIL, f"tokens differ from golden's at token {i} (exact: a correct cache never splits)"
     else:
         tf = continuation[1] if continuation is not None and continuation[0] == i else None
         s.cls, s.reason = _split(golden, cand, i, tol, tf, s)
     return s
 
 
-def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s: Score) -> tuple[str, str]:
+def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s: Score) -> tuple[Answer, str]:
     """Class and reason of an answer whose tokens split from golden's at position i."""
     g, c = alts(golden, i), alts(cand, i)
     band = tol.band
     s.golden_margin = _margin(g)
     if s.golden_margin is None or s.golden_margin > band:
         margin = "unknown" if s.golden_margin is None else f"{s.golden_margin:.3g}"
-        return "FAIL", f"diverges at token {i}, golden margin {margin} nat (tie band {band:.3g})"
+        return Answer.FAIL, f"diverges at token {i}, golden margin {margin} nat (tie band {band:.3g})"
     if continuation is None:  # only the recorded alternatives can tell
         gaps = [(_gap(g, _chosen(cand, i)), g), (_gap(c, _chosen(golden, i)), c)]
         # a token a side does not list lies at least as far below its best as the last token it lists
         least = [gap if gap is not None else max(a.values()) - min(a.values()) for gap, a in gaps]
         if max(least) > band:
             shown = "/".join(f"{x:.3g}" if gap is not None else f">={x:.3g}" for x, (gap, _) in zip(least, gaps))
-            return "FAIL", (f"diverges at token {i}, golden margin {s.golden_margin:.3g} nat, gaps {shown} "
+            return Answer.FAIL, (f"diverges at token {i}, golden margin {s.golden_margin:.3g} nat, gaps {shown} "
                             f"(tie band {band:.3g})")
-        return "unverified", f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden did not " \
+        return Answer.UNVERIFIED, f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden did not " \
                              "score the rest of the answer"
     cband = tol.continuation_band
     for j, tf in enumerate(continuation, start=i):  # golden's view lists the candidate's own token too
@@ -242,13 +243,15 @@ def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s
             break
         gap, dev = _gap(tf, cand.output_token_ids[j]), deviation(tf, alts(cand, j))
         if gap is None or gap > cband:
-            return "FAIL", (f"near tie at token {i}; token {j} is {'unlisted' if gap is None else f'{gap:.3g} nat'}"
-                            f" below golden's best for the same text (tie band {cband:.3g})")
+            shown = "unlisted" if gap is None else f"{gap:.3g} nat"
+            return Answer.FAIL, (f"near tie at token {i}; token {j} is {shown}"
+                                 f" below golden's best for the same text (tie band {cband:.3g})")
         if dev is not None and dev > tol.continuation:
-            return "FAIL", (f"near tie at token {i}; logprob off by {dev:.3g} nat at token {j} (tolerance "
+            return Answer.FAIL, (f"near tie at token {i}; logprob off by {dev:.3g} nat at token {j} (tolerance "
                             f"{tol.continuation:.3g})")
         s.max_dev = max(s.max_dev or 0.0, dev or 0.0)
-    return "benign", f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden scores the rest alike"
+    return Answer.BENIGN, (f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); "
+                           "golden scores the rest alike")
 
 
 def _against_golden(golden: dict[str, Record], control: list[Record]) -> Iterator[tuple[str, int | None, tuple]]:

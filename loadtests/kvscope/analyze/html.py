@@ -13,6 +13,8 @@ from pathlib import Path
 
 import markdown
 
+from kvscope.artifacts import Verdict
+
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; color: #222; }
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 12.5px; display: block; overflow-x: auto; }
@@ -30,7 +32,7 @@ strong[class^="verdict-"] { padding: 0 4px; border-radius: 3px; }
 .verdict-unverified, .verdict-incomplete { background: #f8ebc4; } .verdict-golden { background: #e3e3e3; }
 """
 # A verdict as the report writes it (in bold), coloured so that a page is read at a glance.
-VERDICT = re.compile(r"<strong>(PASS|FAIL|GOLDEN|UNVERIFIED|INCOMPLETE|INVALID|CRASHED)</strong>")
+VERDICT = re.compile(f"<strong>({'|'.join(Verdict)})</strong>")
 POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 # The one piece of HTML a report writes itself, the folded server flags, as it reads once HTML is text.
 FOLD = re.compile(r'<p>&lt;details markdown="1"&gt;&lt;summary&gt;(.*?)&lt;/summary&gt;</p>')

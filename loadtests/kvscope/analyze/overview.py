@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kvscope.artifacts import Record, RunInfo
+from kvscope.artifacts import Record, RunInfo, Verdict
 
 BOOTSTRAP = 2000
 
@@ -91,7 +91,7 @@ def _pairs(run: RunInfo, recs: dict, config: str, repeat: int | None = None
 
 def advice(v, speed: tuple[float, float, float] | None, detected: str, exact: bool = False) -> str:
     """One sentence a team can act on, from a verdict row and its speed-up on hits (none in exact mode)."""
-    if v.verdict == "PASS" and v.role == "candidate":
+    if v.verdict == Verdict.PASS and v.role == "candidate":
         if exact:
             return f"safe on {v.verified_hits} verified hits, each bitwise equal to golden's"
         if speed is None:
@@ -100,15 +100,15 @@ def advice(v, speed: tuple[float, float, float] | None, detected: str, exact: bo
         faster = (f"{point:.1f}x faster on hits" if low > 1 else f"{point:.2f}x on hits, not measurably faster"
                   if high >= 1 else f"{1 / point:.1f}x slower on hits")
         return f"safe on {v.verified_hits} verified hits, {faster}"
-    if v.verdict == "PASS":
+    if v.verdict == Verdict.PASS:
         return "within the noise floor, as a second cache-off server should be"
-    if v.verdict == "FAIL" and v.role == "canary":
+    if v.verdict == Verdict.FAIL and v.role == "canary":
         return f"wrong KV caught: {detected}" if v.as_expected else f"wrong KV missed: {v.why}"
-    if v.verdict == "FAIL":
+    if v.verdict == Verdict.FAIL:
         return f"unsafe: {v.fail_requests} of {v.scored} scored answers differ from golden's"
-    return {"GOLDEN": "the cache-off reference", "UNVERIFIED": f"not verified: {v.why}",
-            "INCOMPLETE": f"incomplete: {v.why}", "INVALID": f"invalid reference: {v.why}",
-            "CRASHED": f"did not start: {v.why}"}.get(v.verdict, v.why)
+    return {Verdict.GOLDEN: "the cache-off reference", Verdict.UNVERIFIED: f"not verified: {v.why}",
+            Verdict.INCOMPLETE: f"incomplete: {v.why}", Verdict.INVALID: f"invalid reference: {v.why}",
+            Verdict.CRASHED: f"did not start: {v.why}"}.get(v.verdict, v.why)
 
 
 def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFrame, power: pd.DataFrame,

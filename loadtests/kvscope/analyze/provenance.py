@@ -16,7 +16,7 @@ from collections import Counter
 import pandas as pd
 
 from kvscope.analyze import fidelity
-from kvscope.artifacts import Record
+from kvscope.artifacts import Answer, Record
 
 COLUMNS = ["config", "scenario", "hits", "wrong_hits", "wrong_in_load", "suspect_blocks", "stored_by", "reading"]
 
@@ -33,10 +33,10 @@ def treatment(config: str, scenario: str, records: list[Record], scores: pd.Data
             stored_by.setdefault(h, r.request_id)
     loaded = {r.request_id: r.prompt_block_hashes[: (r.cached_tokens or 0) // block_size]
               for r in trace if r.phase == "measure" and r.request_id in cls}
-    wrong = [rid for rid in loaded if cls[rid] == "FAIL"]
+    wrong = [rid for rid in loaded if cls[rid] == Answer.FAIL]
     if not wrong:
         return None
-    vouched = {h for rid, blocks in loaded.items() if cls[rid] != "FAIL" for h in blocks}
+    vouched = {h for rid, blocks in loaded.items() if cls[rid] != Answer.FAIL for h in blocks}
     suspect = Counter(h for rid in wrong for h in loaded[rid] if h not in vouched)
     in_load = sum(all(h in vouched for h in loaded[rid]) for rid in wrong)
     # a block its first holder loaded rather than computed was stored before this treatment

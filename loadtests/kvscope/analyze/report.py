@@ -17,6 +17,7 @@ import pandas as pd
 
 from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, verdicts
 from kvscope.artifacts import (
+    Answer,
     ArtifactError,
     FaultEvent,
     LoadEvent,
@@ -24,6 +25,7 @@ from kvscope.artifacts import (
     RunInfo,
     StatusRow,
     Treatment,
+    Verdict,
     read_json,
     read_jsonl,
     write_json,
@@ -176,12 +178,12 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
             "hit_rate_counters_local": rates["local"],
             "hit_rate_counters_external": rates["external"],
             "hit_rate_theoretical": hitrate.theoretical(measure, server.kv_capacity_tokens, server.block_size),
-            "identical_hit": cls(hit_sc, "identical"), "benign_hit": cls(hit_sc, "benign"),
-            "fail_hit": cls(hit_sc, "FAIL"),
-            "identical_miss": cls(miss_sc, "identical"), "benign_miss": cls(miss_sc, "benign"),
-            "fail_miss": cls(miss_sc, "FAIL"),
+            "identical_hit": cls(hit_sc, Answer.IDENTICAL), "benign_hit": cls(hit_sc, Answer.BENIGN),
+            "fail_hit": cls(hit_sc, Answer.FAIL),
+            "identical_miss": cls(miss_sc, Answer.IDENTICAL), "benign_miss": cls(miss_sc, Answer.BENIGN),
+            "fail_miss": cls(miss_sc, Answer.FAIL),
             "unscored": int((~sc.cls.isin(fidelity.SCORED)).sum()) if len(sc) else 0,
-            "unverified": cls(sc, "unverified"),
+            "unverified": cls(sc, Answer.UNVERIFIED),
             "max_dev": sc.max_dev.max() if len(sc) and sc.max_dev.notna().any() else None,
             "degenerate": int(sc.degenerate.sum()) if len(sc) else 0,
             "needle_golden": _share(sc.needle_golden) if len(sc) else None,
@@ -193,8 +195,8 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
 
 def _cell_fidelity(sc: pd.DataFrame) -> str:
     """One config x scenario at a glance: FAIL, ok (everything scored passed) or what kept it from scoring."""
-    if (sc.cls == "FAIL").any():
-        return "FAIL"
+    if (sc.cls == Answer.FAIL).any():
+        return Answer.FAIL
     if not sc.cls.isin(fidelity.SCORED).any():
         return "no data"
     return "ok" if sc.cls.isin(fidelity.SCORED).all() else "partly unscored"
@@ -270,14 +272,14 @@ def config_verdicts(run: RunInfo, status: list[StatusRow], recs: dict, scores: p
                                                min_hits, max_failed,
                                                tiers_served(folder, config, run.scenarios))
         as_expected = verdict == verdicts.expected_verdict(role)
-        if role == "canary" and verdict == "FAIL" and (
+        if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
             as_expected, why = False, short
         part = summary[summary.config == config]
         sc = scores[(scores.config == config) & (scores.phase == "measure")]
         out.append({
             "config": config, "role": role, "verdict": verdict, "as_expected": as_expected, "why": why,
-            "fail_requests": int((sc.cls == "FAIL").sum()), "scored": int(sc.cls.isin(fidelity.SCORED).sum()),
+            "fail_requests": int((sc.cls == Answer.FAIL).sum()), "scored": int(sc.cls.isin(fidelity.SCORED).sum()),
             "verified_hits": verdicts.verified_hits(sc),
             "hit_requests": int(part.hit_requests.sum()), "failed_requests": int(part.failed.sum()),
             "max_dev": sc.max_dev.max() if sc.max_dev.notna().any() else None,
@@ -287,7 +289,7 @@ def config_verdicts(run: RunInfo, status: list[StatusRow], recs: dict, scores: p
 
 def crashed_verdicts(run: RunInfo) -> pd.DataFrame:
     """A row for each config that did not start: it has no answers, and that is a result too."""
-    return pd.DataFrame([{"config": c.config, "role": c.role, "verdict": "CRASHED", "as_expected": False,
+    return pd.DataFrame([{"config": c.config, "role": c.role, "verdict": Verdict.CRASHED, "as_expected": False,
                           "why": c.why, "fail_requests": 0, "scored": 0, "verified_hits": 0, "hit_requests": 0,
                           "failed_requests": 0, "max_dev": None} for c in run.crashed])
 
@@ -538,7 +540,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
                 "fidelity"]
     lines += [_md_table(summary[fid_cols]), ""]
     order = {s.config: ROLE_ORDER[s.role] for s in run.servers}
-    fails = scores[(scores.cls == "FAIL") & (scores.phase == "measure")]
+    fails = scores[(scores.cls == Answer.FAIL) & (scores.phase == "measure")]
     fails = fails.iloc[fails.config.map(order).argsort(kind="stable")]
     if len(fails):
         lines += ["First FAIL reasons (up to 10; candidates before canaries):", ""]
@@ -553,7 +555,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
                   "loaded. `wrong_in_load`: wrong hits whose every block also served a right answer; "
                   "`suspect_blocks`: blocks only wrong hits loaded; `stored_by`: the requests that stored them.",
                   "", _md_table(prov), ""]
-    failed = scores[scores.cls == "failed"]
+    failed = scores[scores.cls == Answer.FAILED]
     if len(failed):
         lines += ["Failed requests (first error of each config):", ""]
         for config, part in failed.groupby("config"):

@@ -23,7 +23,7 @@ import math
 import pandas as pd
 
 from kvscope.analyze import fidelity
-from kvscope.artifacts import Treatment
+from kvscope.artifacts import Answer, Treatment, Verdict
 
 MIN_VERIFIED_HITS = 20
 MAX_FAILED_SHARE = 0.02
@@ -69,12 +69,12 @@ def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, di
         hit = keys.map({k: n > 0 for k, n in log.items()}).fillna(False) if log is not None \
             else pd.Series(True, index=sc.index)
         affected, unaffected = sc[hit.astype(bool)], sc[~hit.astype(bool)]
-        detected = int((affected.cls == "FAIL").sum())
+        detected = int((affected.cls == Answer.FAIL).sum())
         n = len(affected)
         rows.append({"fault": server.fault or config, "config": config, "affected_hits": n,
                      "detected": detected, "rate": round(detected / n, 4) if n else None,
                      "rate_low95": round(wilson_low(detected, n) or 0.0, 4) if n else None,
-                     "unaffected_hits": len(unaffected), "unaffected_fail": int((unaffected.cls == "FAIL").sum()),
+                     "unaffected_hits": len(unaffected), "unaffected_fail": int((unaffected.cls == Answer.FAIL).sum()),
                      "fault_log": "kept" if log is not None else "missing: every hit counted as affected"})
     return pd.DataFrame(rows, columns=["fault", "config", "affected_hits", "detected", "rate", "rate_low95",
                                        "unaffected_hits", "unaffected_fail", "fault_log"])
@@ -82,7 +82,7 @@ def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, di
 
 def verified_hits(sc: pd.DataFrame) -> int:
     """Cache hits that scored identical or benign."""
-    return int((sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)).sum())
+    return int((sc.cls.isin([Answer.IDENTICAL, Answer.BENIGN]) & (sc.cached_tokens.fillna(0) > 0)).sum())
 
 
 def power_shortfall(row) -> str | None:
@@ -103,7 +103,7 @@ def tier_hits(sc: pd.DataFrame, served: dict[str, dict[str, int]] | None) -> dic
     -> tier -> blocks, from the connector's load log (None: the run kept none)."""
     if served is None:
         return None
-    ok = sc[sc.cls.isin(["identical", "benign"]) & (sc.cached_tokens.fillna(0) > 0)]
+    ok = sc[sc.cls.isin([Answer.IDENTICAL, Answer.BENIGN]) & (sc.cached_tokens.fillna(0) > 0)]
     out: dict[str, int] = {}
     for key in ok.request_id + "@" + ok.phase:
         for tier, blocks in served.get(key, {}).items():
@@ -138,16 +138,17 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
     sc = scores[(scores.config == config) & (scores.phase == "measure")]
     counts = sc.cls.value_counts().to_dict()
     if role == "golden":
-        problems = reference_problems + [f"{counts.get('failed', 0)} failed answers"] * bool(counts.get("failed"))
-        return ("INVALID", "; ".join(problems)) if problems else ("GOLDEN", "cache-off reference")
-    if counts.get("FAIL"):
-        fails = sc[sc.cls == "FAIL"]
+        failed = counts.get(Answer.FAILED, 0)
+        problems = reference_problems + [f"{failed} failed answers"] * bool(failed)
+        return (Verdict.INVALID, "; ".join(problems)) if problems else (Verdict.GOLDEN, "cache-off reference")
+    if counts.get(Answer.FAIL):
+        fails = sc[sc.cls == Answer.FAIL]
         scored = int(sc.cls.isin(fidelity.SCORED).sum())
-        why = f"{counts['FAIL']} of {scored} scored answers; first: {fails.iloc[0].reason}"
+        why = f"{counts[Answer.FAIL]} of {scored} scored answers; first: {fails.iloc[0].reason}"
         misses = int((fails.cached_tokens.fillna(0) == 0).sum())
         if misses and role in ("candidate", "canary"):
             why += f"; {misses} of them cache misses, which differ from golden without any cached KV"
-        return "FAIL", why
+        return Verdict.FAIL, why
     present = sc.groupby("scenario").size().to_dict()
     incomplete = []
     for s, n in expected.items():
@@ -158,11 +159,11 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         elif got < n:
             incomplete.append(f"{s}: {got} of {n} answers recorded")
     total = sum(expected.values())
-    if counts.get("failed", 0) > max_failed * total:
-        incomplete.append(f"{counts['failed']} of {total} requests failed (allowed: {max_failed:.0%})")
-    incomplete += [f"{counts[c]} answers {c}" for c in ("no-token-ids", "no-golden") if counts.get(c)]
+    if counts.get(Answer.FAILED, 0) > max_failed * total:
+        incomplete.append(f"{counts[Answer.FAILED]} of {total} requests failed (allowed: {max_failed:.0%})")
+    incomplete += [f"{counts[c]} answers {c}" for c in (Answer.NO_TOKEN_IDS, Answer.NO_GOLDEN) if counts.get(c)]
     if incomplete:
-        return "INCOMPLETE", "; ".join(incomplete)
+        return Verdict.INCOMPLETE, "; ".join(incomplete)
     verified = verified_hits(sc)
     hits = tier_hits(sc, served)
     unverified = []
@@ -170,24 +171,24 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         unverified.append(f"{verified} verified cache hits (at least {min_hits} needed)")
     elif short := tier_shortfall(server.tiers, hits, min_hits):
         unverified.append(short)
-    if counts.get("unverified"):
-        unverified.append(f"{counts['unverified']} near ties golden could not score")
+    if counts.get(Answer.UNVERIFIED):
+        unverified.append(f"{counts[Answer.UNVERIFIED]} near ties golden could not score")
     unverified += reference_problems
     if unverified:
-        return "UNVERIFIED", "; ".join(unverified)
+        return Verdict.UNVERIFIED, "; ".join(unverified)
     if role == "control":
-        return "PASS", "within the noise floor"
+        return Verdict.PASS, "within the noise floor"
     per_tier = ", ".join(f"{t} {(hits or {}).get(t, 0)}" for t in server.tiers)
-    return "PASS", f"{verified} verified cache hits" + (f" (by tier: {per_tier})" if per_tier else "")
+    return Verdict.PASS, f"{verified} verified cache hits" + (f" (by tier: {per_tier})" if per_tier else "")
 
 
-def expected_verdict(role: str) -> str:
-    return {"golden": "GOLDEN", "canary": "FAIL"}.get(role, "PASS")
+def expected_verdict(role: str) -> Verdict:
+    return {"golden": Verdict.GOLDEN, "canary": Verdict.FAIL}.get(role, Verdict.PASS)
 
 
 def gate(verdicts: pd.DataFrame) -> int:
     """The exit code of a run's verdicts (see the module docstring)."""
     bad = verdicts[~verdicts.as_expected]
-    if bad.verdict.isin(["FAIL", "PASS", "CRASHED"]).any():
+    if bad.verdict.isin([Verdict.FAIL, Verdict.PASS, Verdict.CRASHED]).any():
         return GATE_FAIL
     return GATE_INCONCLUSIVE if len(bad) else GATE_OK

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
-from kvscope.artifacts import Treatment, write_json
+from kvscope.artifacts import Treatment, Verdict, write_json
 from kvscope.rollout import gate as gate_mod
 from kvscope.rollout import report
 from kvscope.rollout.ansible import RolloutError
@@ -244,13 +244,14 @@ class Engine:
         missing = {c: (after.servers[c].health if c in after.servers else "not deployed")
                    for c in self.r.configs if after.serving(c) is None}
         if missing:  # the new version did not come up: CRASHED, nothing to bench
-            return GateResult(host=host, folder="", exit_code=1, verdicts=dict.fromkeys(missing, "CRASHED"),
+            return GateResult(host=host, folder="", exit_code=1, verdicts=dict.fromkeys(missing, Verdict.CRASHED),
                               why=missing)
         try:
             return self.gate(self.r, batch, host, self.batch_dir(batch))
         except RolloutError as exc:  # no golden to compare with: no verdict, so the change does not stay
             golden = self.r.golden.get("config", "golden")
-            return GateResult(host=host, folder="", exit_code=1, verdicts={golden: "CRASHED"}, why={golden: str(exc)})
+            return GateResult(host=host, folder="", exit_code=1, verdicts={golden: Verdict.CRASHED},
+                              why={golden: str(exc)})
 
     def _rollback(self, batch: Batch) -> int:
         """Put the batch's hosts back to what they served before; verify it. During this, Ctrl-C waits."""

@@ -18,7 +18,7 @@ import pandas as pd
 import yaml
 
 from kvscope.analyze import fidelity, report
-from kvscope.artifacts import Artifact, Treatment, read_json
+from kvscope.artifacts import Answer, Artifact, Treatment, read_json
 from kvscope.rollout.record import GateResult
 from kvscope.run import treatments
 from kvscope.runfolder import RunFolder
@@ -80,7 +80,7 @@ def result(host: str, folder: Path, rel: str, code: int, configs: list[str]) -> 
         s = pd.read_csv(rf.table("scores"))
         hits = s[s.config.isin(configs) & (s.phase == "measure") & s.cls.isin(fidelity.SCORED)
                  & (s.cached_tokens.fillna(0) > 0)]
-        out.hits, out.wrong_hits = len(hits), int((hits.cls == "FAIL").sum())
+        out.hits, out.wrong_hits = len(hits), int((hits.cls == Answer.FAIL).sum())
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvscope.artifacts import Verdict
 from kvscope.rollout.record import (
     EXIT_BAD_INPUT,
     EXIT_INCONCLUSIVE,
@@ -28,12 +29,13 @@ ROLLBACK_STATES = ("rolled-back", "rollback-failed", "rolling-back")
 def gate_words(g: GateResult) -> str:
     """'PASS, 25 verified hits', 'FAIL, 7 of 12 hits wrong', 'CRASHED: ...', 'inconclusive: UNVERIFIED (...)'."""
     if g.exit_code == 0:
-        return f"PASS, {g.verified_hits} verified hits"
-    bad = {c: v for c, v in g.verdicts.items() if v not in ("PASS", "GOLDEN")}
-    if "CRASHED" in bad.values():
-        return "CRASHED: " + "; ".join(f"{c} {g.why.get(c, '')}".strip() for c, v in bad.items() if v == "CRASHED")
-    if "FAIL" in bad.values():
-        return f"FAIL, {g.wrong_hits} of {g.hits} hits wrong"
+        return f"{Verdict.PASS}, {g.verified_hits} verified hits"
+    bad = {c: v for c, v in g.verdicts.items() if v not in (Verdict.PASS, Verdict.GOLDEN)}
+    if Verdict.CRASHED in bad.values():
+        crashed = [f"{c} {g.why.get(c, '')}".strip() for c, v in bad.items() if v == Verdict.CRASHED]
+        return f"{Verdict.CRASHED}: " + "; ".join(crashed)
+    if Verdict.FAIL in bad.values():
+        return f"{Verdict.FAIL}, {g.wrong_hits} of {g.hits} hits wrong"
     if g.exit_code == 3:
         return "inconclusive: " + "; ".join(f"{c} {v} ({g.why.get(c, '')})" for c, v in bad.items())
     return f"gate did not finish (exit {g.exit_code}; {g.folder or 'no run folder'})"
@@ -59,7 +61,7 @@ def headline(r: Rollout) -> str:
     so_far = f"; rolled to {len(done)} of {n} hosts before it" if done else ""
     if r.outcome == "completed":
         if all(g.exit_code == 0 for g in gates):
-            return f"rolled to {len(done)} of {n} hosts, every gate PASS"
+            return f"rolled to {len(done)} of {n} hosts, every gate {Verdict.PASS}"
         k = sum(g.exit_code != 0 for g in gates)
         return f"rolled to {len(done)} of {n} hosts; {k} gate(s) inconclusive, continued (--inconclusive continue)"
     stop = next((b for b in r.batches if b.state in ROLLBACK_STATES), None)
