@@ -23,6 +23,13 @@ def ansible(playbook: str, run_dir: Path, *extra: str) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
+def failure_of(result: subprocess.CompletedProcess) -> str:
+    """What a failed play or make said: each task failure's opening (where Ansible's modules put the error,
+    before the build log they append), then the output's tail."""
+    failures = [line[:1500] for line in result.stdout.splitlines() if line.startswith(("fatal:", "failed:"))]
+    return "\n".join([*failures, "...", result.stdout[-3000:], result.stderr[-2000:]])
+
+
 def servers_of(run_dir: Path) -> dict[str, dict]:
     doc = json.loads((run_dir / "deployment.json").read_text())
     return {s["config"]: s for s in doc["servers"]}
@@ -59,6 +66,6 @@ def deployment(tmp_path_factory, model_dir):
     result = ansible("deploy.yml", run_dir, *SESSION_DEPLOY)
     if result.returncode != 0:
         ansible("teardown.yml", run_dir)
-        pytest.fail(f"deploy failed:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")
+        pytest.fail(f"deploy failed:\n{failure_of(result)}")
     yield run_dir
     ansible("teardown.yml", run_dir)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PLAYBOOK, REPO
+from conftest import PLAYBOOK, REPO, failure_of
 
 from kvscope.run.records import read
 
@@ -65,7 +65,7 @@ def test_deploy_bench_with_distributed_locust_collect_and_teardown_across_hosts(
     run_root = tmp_path / "runs"
     try:
         result = playbook("deploy.yml", run_root, "--limit", "kvh1,kvh2")  # not kvh3 (the control)
-        assert result.returncode == 0, result.stdout[-4000:]
+        assert result.returncode == 0, failure_of(result)
         deployments = [run_root / h / "deployment.json" for h in ("kvh1", "kvh2")]
         where = {s["config"]: s["host"] for d in deployments for s in json.loads(d.read_text())["servers"]}
         assert where == {"baseline": "10.77.0.11", "apc": "10.77.0.11",

@@ -17,7 +17,7 @@ from pydoc_data.topics import topics
 
 import pytest
 import yaml
-from conftest import REPO, ansible, servers_of
+from conftest import REPO, ansible, failure_of, servers_of
 from tokenizers import Tokenizer
 
 from kvscope.deploy import servers
@@ -76,7 +76,7 @@ def connector_run(tmp_path_factory, model_dir):
     result = ansible("deploy.yml", run_dir, *extra)
     if result.returncode != 0:
         ansible("teardown.yml", run_dir)
-        pytest.fail(result.stdout[-4000:])
+        pytest.fail(failure_of(result))
     yield run_dir, extra
     ansible("teardown.yml", run_dir)
 

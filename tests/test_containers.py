@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import REPO, ansible, servers_of
+from conftest import REPO, ansible, failure_of, servers_of
 from test_bench import SMALL
 
 from kvscope.deploy.servers import package_versions
@@ -36,8 +36,18 @@ def cpu_image():
     if docker("version").returncode != 0:
         pytest.fail("no Docker engine answers: `make test` starts one (ansible/scripts/dockerd.sh start, as root)")
     out = subprocess.run(["make", "images-cpu"], cwd=REPO, capture_output=True, text=True, timeout=3000)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.returncode == 0, failure_of(out)
     return json.loads(docker("image", "inspect", IMAGE).stdout)[0]
+
+
+def test_the_build_refuses_a_host_without_room_before_building_anything():
+    # A build host's full disk failed a CI build mid-copy with the error buried in the build log.
+    # A repository with no image yet: an image already built skips the check (nothing to build).
+    args = "IMAGE_ARGS=-e image_min_free_gib=1000000 -e image_repository=kvscope-room-check"
+    out = subprocess.run(["make", "images-cpu", args], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode != 0
+    assert "GiB free; the build needs 1000000 (image_min_free_gib)" in " ".join(out.stdout.split())
+    assert "TASK [image : Build the image" not in out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +66,7 @@ def containers(cpu_image, run_dir):
              "-e", "vllm_port_offset=200", "-e", f"kvscope_model_dir={run_dir / 'model'}")
     result = ansible("deploy.yml", run_dir, *extra)
     try:
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        assert result.returncode == 0, failure_of(result)
         yield run_dir
     finally:
         # a teardown told of other configs still removes every container of this run folder (by label)

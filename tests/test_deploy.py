@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 import yaml
-from conftest import REPO, SESSION_CONFIGS, SESSION_DEPLOY, ansible, servers_of
+from conftest import REPO, SESSION_CONFIGS, SESSION_DEPLOY, ansible, failure_of, servers_of
 
 from kvscope.deploy import servers
 
@@ -226,7 +226,7 @@ def test_your_own_matrix_connector_folder_and_model_deployed_and_scored(tmp_path
     try:
         deploy = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={mine / 'matrix.yaml'}",
                          "-e", f"kvscope_model_dir={model}", "-e", "vllm_configs=baseline,my-tier")
-        assert deploy.returncode == 0, deploy.stdout[-4000:]
+        assert deploy.returncode == 0, failure_of(deploy)
         deployed = servers_of(run_dir)
         assert {s["served_model_name"] for s in deployed.values()} == {"my-model"}
         assert deployed["my-tier"]["env"]["PYTHONPATH"] == str(mine / "connectors")

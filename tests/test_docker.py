@@ -199,3 +199,24 @@ def test_every_images_healthcheck_probes_the_port_its_container_serves_on():
     for dockerfile in sorted((REPO / "docker").glob("*/Dockerfile")):
         check = dockerfile.read_text().split("HEALTHCHECK", 1)[1].split("\nENTRYPOINT", 1)[0]
         assert "KVSCOPE_PORT" in check and ":8000" not in check, dockerfile
+
+
+def test_the_cpu_images_venv_layer_comes_from_a_stage_that_copies_no_kvscope_code():
+    # Each build of a new content tag copied the whole 4 GB venv anew (its stage also held kvscope's code): the
+    # build host's disk filled over CI runs and a build failed in its COPY. The venv's stage must not see the code.
+    stages: dict[str, list[str]] = {}
+    name = ""
+    for line in (REPO / "docker" / "cpu" / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            words = line.split()
+            name = words[3] if len(words) > 3 else "runtime"
+            parent = stages.get(words[1], [])  # a stage FROM another stage starts with its lines
+            stages[name] = list(parent)
+        elif name:
+            stages[name].append(line)
+    venv_from = [line.split("--from=")[1].split()[0] for line in stages["runtime"]
+                 if line.startswith("COPY --from=") and " /opt/venv" in line]
+    assert venv_from, "the runtime stage copies no venv"
+    for stage in venv_from:
+        copied = " ".join(line for line in stages[stage] if line.startswith(("COPY", "ADD")) or "--mount" in line)
+        assert "connector" not in copied and "loadtests" not in copied, stage

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PLAYBOOK, REPO
+from conftest import PLAYBOOK, REPO, failure_of
 
 from kvscope.rollout.record import identity, load
 
@@ -87,7 +87,7 @@ def cluster(tmp_path_factory, model_dir):
         # kvh1: the golden baseline and kvscope-fs; kvh2: kvscope-fs (one playbook run, the hosts at once)
         configs = "{{ 'baseline,kvscope-fs' if inventory_hostname == 'kvh1' else 'kvscope-fs' }}"
         deployed = playbook("deploy.yml", run_root, "-e", f"vllm_configs={configs}")
-        assert deployed.returncode == 0, deployed.stdout[-4000:]
+        assert deployed.returncode == 0, failure_of(deployed)
         yield run_root
     finally:
         playbook("teardown.yml", run_root)

@@ -122,7 +122,7 @@ def fidelity_heatmap(plt, folder: Path, roles: dict[str, str], summary: pd.DataF
         i, j = configs.index(r.config), scenarios.index(r.scenario)
         grid[i, j] = classes.index(r.fidelity)
         scored = r.identical_hit + r.benign_hit + r.fail_hit + r.identical_miss + r.benign_miss + r.fail_miss
-        label = f"FAIL {r.fail_hit + r.fail_miss}/{scored}" if r.fidelity == Answer.FAIL else (
+        label = f"{Answer.FAIL} {r.fail_hit + r.fail_miss}/{scored}" if r.fidelity == Answer.FAIL else (
             f"{r.fidelity} {scored}" if scored else r.fidelity)
         ax.text(j, i, label, ha="center", va="center", fontsize=7)
     ax.imshow(grid, cmap=ListedColormap(list(FIDELITY_COLOURS.values())), vmin=-0.5, vmax=len(classes) - 0.5,

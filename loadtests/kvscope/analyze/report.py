@@ -375,7 +375,7 @@ def console(folder: Path) -> str:
     rf = RunFolder(folder)
     v = pd.read_csv(rf.table("verdicts"))
     run = read_json(rf.run_json, RunInfo)
-    lines = [f"INCOMPLETE RUN: stopped early ({run.interrupted})"] if run.interrupted else []
+    lines = [f"{Verdict.INCOMPLETE} RUN: stopped early ({run.interrupted})"] if run.interrupted else []
     lines += golden_missing(Path(folder), run)
     lines += [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
              for r in v.itertuples()]
@@ -543,7 +543,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
     fails = scores[(scores.cls == Answer.FAIL) & (scores.phase == "measure")]
     fails = fails.iloc[fails.config.map(order).argsort(kind="stable")]
     if len(fails):
-        lines += ["First FAIL reasons (up to 10; candidates before canaries):", ""]
+        lines += [f"First {Answer.FAIL} reasons (up to 10; candidates before canaries):", ""]
         for r in fails.head(10).itertuples():
             lines.append(f"- `{r.config}` / `{r.request_id}` (cached {r.cached_tokens}): {r.reason}")
         lines.append("")

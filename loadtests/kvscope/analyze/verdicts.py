@@ -123,7 +123,7 @@ def tier_shortfall(declared: list[str], hits: dict[str, int] | None, min_hits: i
     if not short:
         return None
     passed = [t for t in declared if t not in short]
-    return (f"PASS for {', '.join(passed)}; " if passed else "") + "; ".join(
+    return (f"{Verdict.PASS} for {', '.join(passed)}; " if passed else "") + "; ".join(
         f"{t} not exercised ({hits.get(t, 0)} verified hits, {min_hits} needed)" for t in short)
 
 
