@@ -120,7 +120,7 @@ def test_every_file_of_the_run_folder_is_a_typed_artifact(short_run):
     _, run = short_run
     models = {"records": artifacts.Record, "workloads": artifacts.Request, "continuations": artifacts.Continuation,
               "faults": artifacts.FaultEvent}
-    assert artifacts.read_json(run / "run.json", artifacts.RunInfo).scorer["version"] == fidelity.SCORER_VERSION
+    assert artifacts.read_json(run / "run.json", artifacts.RunInfo).scorer.version == fidelity.SCORER_VERSION
     assert len(artifacts.read_jsonl(run / "status.jsonl", artifacts.StatusRow)) == 28
     for folder, model in models.items():
         files = sorted((run / folder).glob("*.jsonl"))
@@ -181,7 +181,7 @@ def test_reset_keeps_the_stores_of_a_connector_that_owns_their_layout(tmp_path, 
                                        run_dir=str(tmp_path))  # only what reset reads
     row = reset(server)
     assert sorted(p.name for p in store.iterdir()) == left
-    assert row["stores_wiped"] == ([] if policy == "keep" else ["ucm"])
+    assert row.stores_wiped == ([] if policy == "keep" else ["ucm"])
 
 
 def test_reset_wipes_nothing_outside_the_deployments_stores_folder(tmp_path):
@@ -195,7 +195,7 @@ def test_reset_wipes_nothing_outside_the_deployments_stores_folder(tmp_path):
                                        run_dir=str(tmp_path / "run"))
     row = reset(server)
     assert (outside / "thesis.tex").exists()
-    assert row["stores_wiped"] == [] and row["stores_refused"] == ["abs", "dots", "root"]
+    assert row.stores_wiped == [] and row.stores_refused == ["abs", "dots", "root"]
 
 
 def locust_in(session: int) -> bool:
@@ -275,7 +275,7 @@ def test_reset_wipes_a_store_the_live_server_is_still_writing(tmp_path):
                                        run_dir=str(tmp_path))
     row = reset(server)
     writer.join()
-    assert row["stores_wiped"] == ["blocks"] and "stores_refused" not in row
+    assert row.stores_wiped == ["blocks"] and "stores_refused" not in row.model_fields_set
 
 
 TRACE_AND_RESTART = """scenarios:

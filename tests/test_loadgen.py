@@ -61,5 +61,5 @@ def test_records_that_cannot_be_written_are_counted_and_the_run_still_ends(sse_s
     write_jsonl(requests(6), tmp_path / "w.jsonl")
     row = run_locust(sse_server, tmp_path / "w.jsonl", Path("/dev/full"), users=2, processes=1, rate=0.0,
                      timeout_s=120)  # every write fails with ENOSPC, as on a full disk
-    assert row["seconds"] < 60, row  # not the timeout: each lost session still counts as done
-    assert row["sessions_lost"] == 6 and "No space left on device" in row["sessions_lost_tail"][-1]
+    assert row.seconds < 60, row  # not the timeout: each lost session still counts as done
+    assert row.sessions_lost == 6 and "No space left on device" in row.sessions_lost_tail[-1]

@@ -35,7 +35,7 @@ def test_the_results_index_names_no_other_cpu_than_each_runs_own():
         name = row.split("](", 1)[0][3:]
         if not (REPO / "results" / name / "run.json").exists():  # a repro's folder: no bench, no run.json
             continue
-        cpu = read_json(REPO / "results" / name / "run.json", RunInfo).machine["cpu"]
+        cpu = read_json(REPO / "results" / name / "run.json", RunInfo).machine.cpu
         machine = row.split(" | ")[2]
         for vendor in ("Intel", "AMD"):
             assert vendor in cpu or vendor not in machine, (name, cpu, machine)

@@ -34,7 +34,7 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
     run = {"run_id": folder.name, "command": "kvscope bench (test)", "servers": docs, "scenarios": {"s": {}},
            "machine": {"cpu": "test", "cores": 2, "memory_gib": 1, "arch": "x86_64", "os": "linux", "python": "3",
                        "gpu": None},
-           "load": {"users": 1}, "kv_capacity_tokens_for_sizing": 1024, "mode": mode}
+           "load": {"users": 1, "processes": 1, "rate_sessions_per_s": 0.0}, "kv_capacity_tokens_for_sizing": 1024, "mode": mode}
     (folder / "run.json").write_text(json.dumps(run))
     if status:
         (folder / "status.jsonl").write_text("".join(json.dumps({"config": c, "scenario": "s", "phases": {}}) + "\n"
@@ -109,7 +109,7 @@ def test_report_passes_when_the_canary_fails_and_the_rest_are_identical(tmp_path
     for name in ("summary.csv", "scores.csv", "verdicts.csv", "power.csv", "ttft_cdf.png", "ttft_vs_cached.png",
                  "hit_rates.png", "fidelity_matrix.png"):
         assert (run / name).stat().st_size > 0, name
-    assert "vLLM 0.32.0" in md and "kvscope bench (test)" in md and "- load: users 1;" in md
+    assert "vLLM 0.32.0" in md and "kvscope bench (test)" in md and "- load: users 1, processes 1, rate_sessions_per_s 0.0;" in md
     assert '<details markdown="1"><summary>Server flags per config</summary>' in md  # folded: summary first
     page = (run / "report.html").read_text()  # one self-contained page: every plot inline, nothing fetched
     assert page.count('src="data:image/png;base64,') == 4 and "<table>" in page and 'src="http' not in page
@@ -275,7 +275,7 @@ def test_a_golden_treatment_that_recorded_nothing_loses_no_other_result(tmp_path
     run = make_run(tmp_path / "run", four())
     (run / "records" / "baseline__s.jsonl").unlink()
     status = [json.loads(x) for x in (run / "status.jsonl").read_text().splitlines()]
-    status[0]["phases"] = {"measure": {"locust_exit": 2, "locust_stderr_tail": ["boom"]}}
+    status[0]["phases"] = {"measure": {"locust_exit": 2, "seconds": 1.0, "locust_stderr_tail": ["boom"]}}
     (run / "status.jsonl").write_text("".join(json.dumps(x) + "\n" for x in status))
     assert cli.main(["report", str(run)]) == 3
     assert "golden records missing for scenario s: golden recorded no answer" in capsys.readouterr().out
@@ -444,8 +444,8 @@ def test_the_tier_table_sums_where_tokens_came_from_over_the_measure_phases():
                  "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}": 64.0 * (ram + fs),
                  "kvscope:connector_ram_hits_total": ram, "kvscope:connector_fs_hits_total": fs,
                  "kvscope:connector_load_seconds_total": seconds}
-        return StatusRow(config="kvscope-fs", scenario=scenario, phases={"measure": {"metrics_delta": delta},
-                                                                         "prime": {"metrics_delta": delta}})
+        phase = {"locust_exit": 0, "seconds": 1.0, "metrics_delta": delta}
+        return StatusRow(config="kvscope-fs", scenario=scenario, phases={"measure": phase, "prime": phase})
 
     t = overview.tiers([row("a", 2.0, 1.0, 0.003), row("b", 0.0, 1.0, 0.001)]).set_index("config").loc["kvscope-fs"]
     assert (t.tokens_computed, t.tokens_from_connector, t.ram_block_hits, t.disk_block_hits) == (200, 256, 2, 2)
@@ -495,7 +495,7 @@ def test_a_load_sweep_and_repeats_become_their_own_columns_and_a_sweep_table(tmp
     info = json.loads((run / "run.json").read_text())
     labels = variants(["s"], [1, 4], 2)
     info["scenarios"] = {label: {"users": u, "repeat": r} for label, (_, u, r) in labels.items()}
-    info["load"] = {"users": [1, 4], "repeats": 2}
+    info["load"] = {**info["load"], "users": [1, 4], "repeats": 2}
     (run / "run.json").write_text(json.dumps(info))
     for label in labels:
         (run / "workloads" / f"{label}.measure.jsonl").write_text((run / "workloads" / "s.measure.jsonl").read_text())

@@ -15,6 +15,8 @@ one of these models, and is read and written only here.
 
 Every model carries `schema_version`; a file written before versions existed reads as version 0 and is
 brought up to date on reading (legacy()). Unknown keys are errors: a renamed field must not read as absent.
+The parts of a model (each a Part: run.json's machine, load and scorer, a status row's reset and phases) carry
+no version of their own and are written with the keys they were given: a key an older file lacks stays out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 Role = Literal["golden", "control", "candidate", "canary"]
@@ -65,6 +75,17 @@ class ArtifactError(ValueError):
 class Artifact(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
     schema_version: int = SCHEMA_VERSION
+
+
+class Part(BaseModel):
+    """A part of an artifact: unknown keys are errors; written with the keys it was given, in field order (a
+    key an older file lacks stays out)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_serializer(mode="wrap")
+    def _given_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
 # config -> deploy
@@ -220,15 +241,54 @@ class LoadEvent(Artifact):
     missed: int = 0
 
 
+class Reset(Part):
+    """How one server's tiers were emptied before a treatment."""
+
+    reset_prefix_cache_http: int | str  # the endpoint's HTTP status, or the error that reached none
+    stores_wiped: list[str] = Field(default_factory=list)
+    stores_refused: list[str] = Field(default_factory=list)  # not wiped: outside the run's stores, or still written
+    writer: str | None = None  # a shared store: the config whose server wrote it, reset too
+    writer_reset: Reset | None = None
+
+
+class LocustPhase(Part):
+    """One phase's Locust run: its exit, the server's counter deltas, what went wrong. None: not recorded."""
+
+    locust_exit: int
+    seconds: float
+    locust_stderr_tail: list[str] = Field(default_factory=list)  # on an exit other than 0 or 1
+    worker_errors: list[str] = Field(default_factory=list)  # distributed mode: the workers' failing stderr
+    sessions_lost: int | None = None
+    sessions_lost_tail: list[str] = Field(default_factory=list)
+    metrics_delta: dict[str, float] | None = None  # /metrics over the phase (metrics.delta)
+    metrics_error: str | None = None
+    server_error: str | None = None  # the server's log, when it stopped answering /metrics
+    sessions: int | None = None
+    requests: int | None = None
+
+
+class RestartPhase(Part):
+    """A server restarted between the prime and the measure phase (restart scenarios)."""
+
+    restart_exit: int | None  # None: the command did not run, or timed out
+    seconds: float
+    tail: list[str] = Field(default_factory=list)  # the command's last lines, when it failed
+
+
 class StatusRow(Artifact):
     """One treatment: how its tiers were reset, and each phase's Locust exit, counters and faults."""
 
     config: str
     scenario: str
-    reset: dict[str, Any] = Field(default_factory=dict)
-    phases: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    reset: Reset | None = None
+    phases: dict[str, LocustPhase | RestartPhase] = Field(default_factory=dict)  # prime, restart, measure
     fault_log: str | None = None
     load_log: str | None = None  # what became of the connector's load log of this treatment
+
+    def metrics_delta(self) -> dict[str, float] | None:
+        """The measure phase's counter deltas; None where it did not run or the server did not answer."""
+        measure = self.phases.get("measure")
+        return measure.metrics_delta if isinstance(measure, LocustPhase) else None
 
 
 class Treatment(Manifest):
@@ -246,16 +306,67 @@ class Treatment(Manifest):
         return f"{self.scheme}://{host}:{self.port}"
 
 
+class Machine(Part):
+    """The machine the bench ran on."""
+
+    cpu: str
+    cores: int | None  # os.cpu_count()
+    memory_gib: float
+    arch: str
+    os: str
+    python: str
+    gpu: str | None  # nvidia-smi's name, memory and driver of each GPU; None without one
+
+
+class Load(Part):
+    """The load the bench offered."""
+
+    users: int | list[int]  # a list: a load sweep, one treatment per level
+    repeats: int = 1
+    processes: int
+    rate_sessions_per_s: float  # 0: closed loop
+    locust_worker_hosts: list[str] = Field(default_factory=list)
+
+
+class Difference(Part):
+    """One measured difference behind a noise floor (fidelity.Deviation)."""
+
+    pair: str
+    request: str
+    position: int | None
+    nats: float
+
+
+class Scorer(Part):
+    """How a report scored the run (analyze/report.py): the scorer and its gate thresholds, then the run's
+    noise floors, the tolerances they give, and the largest differences behind them."""
+
+    version: int
+    min_verified_hits: int
+    max_failed_share: float
+    mode: Mode
+    direct_noise_nats: float | None  # None: not measured (no control)
+    continuation_noise_nats: float | None
+    tolerance_nats: float
+    continuation_tolerance_nats: float
+    tie_band_nats: float
+    source: str  # where the tolerance came from, in words
+    control_answers: int
+    control_differing: int
+    golden_rescored: int
+    largest_differences: list[Difference]
+
+
 class RunInfo(Artifact):
     run_id: str
     command: str
-    machine: dict[str, Any]
+    machine: Machine
     servers: list[Treatment]
     crashed: list[Failure] = Field(default_factory=list)
     scenarios: dict[str, dict[str, Any]]
-    load: dict[str, Any]
+    load: Load
     kv_capacity_tokens_for_sizing: int | None = None
-    scorer: dict[str, Any] | None = None
+    scorer: Scorer | None = None  # written by the report
     mode: Mode = "normal"
     interrupted: str | None = None  # why the bench stopped early; the treatments in status.jsonl are intact
 

@@ -99,12 +99,11 @@ def machine_warning(folders: list[Path]) -> str:
     """A sentence when the runs come from different machines or modes (a change in speed may be the machine's,
     and an exact run has no speed); "" when they do not."""
     runs = [read_json(RunFolder(f).run_json, RunInfo) for f in folders]
-    machines = {(r.machine.get("cpu"), r.machine.get("cores"), r.machine.get("gpu")) for r in runs}
+    machines = {(r.machine.cpu, r.machine.cores, r.machine.gpu) for r in runs}
     words = []
     if len(machines) > 1:
         words.append("**These runs come from different machines** (" + "; ".join(
-            f"`{r.run_id}`: {r.machine.get('cpu')}, {r.machine.get('cores')} cores, "
-            f"GPU {r.machine.get('gpu') or 'none'}" for r in runs)
+            f"`{r.run_id}`: {r.machine.cpu}, {r.machine.cores} cores, GPU {r.machine.gpu or 'none'}" for r in runs)
             + "): a change in speed may be the machine's, not the tier's.")
     if len({r.mode for r in runs}) > 1:
         words.append("**The runs served in different modes** (" + ", ".join(f"`{r.run_id}` {r.mode}" for r in runs)

@@ -131,7 +131,7 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
         req_s, tok_s = throughput(mine) if not exact else (None, None)
         tpots = [t for r in mine if (t := tpot(r)) is not None and not exact]
         met = goodput(mine, slo or {})
-        repeats = int(run.load.get("repeats", 1))
+        repeats = run.load.repeats
         each: list[float] = []  # the speed-up of each repeat alone
         for r in range(1, repeats + 1) if repeats > 1 else ():
             if (ci := ratio_ci(_pairs(run, recs, v.config, r)[0])) is not None:
@@ -188,7 +188,7 @@ def tiers(status) -> pd.DataFrame:
     only the columns some config has a non-zero value in."""
     totals: dict[str, dict[str, float]] = {}
     for row in status:
-        delta = (row.phases.get("measure") or {}).get("metrics_delta") or {}
+        delta = row.metrics_delta() or {}
         into = totals.setdefault(row.config, {})
         for key, column in TIER_COLUMNS.items():
             into[column] = into.get(column, 0.0) + delta.get(key, 0.0)

@@ -19,10 +19,14 @@ from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance
 from kvscope.artifacts import (
     Answer,
     ArtifactError,
+    Difference,
     FaultEvent,
     LoadEvent,
+    LocustPhase,
     Record,
+    RestartPhase,
     RunInfo,
+    Scorer,
     StatusRow,
     Treatment,
     Verdict,
@@ -105,9 +109,10 @@ def served_dtype(server: Treatment) -> str | None:
     return flag_value(server.server_args, "--dtype")
 
 
-def noise_floor(run: RunInfo, recs: dict, folder: Path) -> dict:
-    """The run's tolerances and what they rest on: the control against golden (the direct floor), golden's
-    own answers scored again by golden (the continuation floor), and the largest differences behind each."""
+def scorer(run: RunInfo, recs: dict, folder: Path, min_hits: int, max_failed: float) -> Scorer:
+    """The scorer, its gate thresholds, and the run's tolerances and what they rest on: the control against
+    golden (the direct floor), golden's own answers scored again by golden (the continuation floor), and the
+    largest differences behind each."""
     golden = run.golden().config
     by_key = {f"{r.request_id}@{r.phase}": r for (c, _), rs in recs.items() if c == golden for r in rs}
     control = [r for s in run.servers if s.role == "control" for sc in run.scenarios
@@ -117,16 +122,16 @@ def noise_floor(run: RunInfo, recs: dict, folder: Path) -> dict:
     tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), served_dtype(run.golden()),
                                      exact=run.mode == "exact")
     nonzero = sorted((d for d in direct + cont if d.nats > 0), key=lambda d: -d.nats)
-    return {"mode": run.mode, "direct_noise_nats": fidelity.floor(direct),
-            "continuation_noise_nats": fidelity.floor(cont), "tolerance_nats": tol.direct,
-            "continuation_tolerance_nats": tol.continuation, "tie_band_nats": tol.band, "source": source,
-            "control_answers": len(control), "control_differing": fidelity.differing(by_key, control),
-            "golden_rescored": len(calibration), "largest_differences": [d._asdict() for d in nonzero[:5]]}
+    return Scorer(version=fidelity.SCORER_VERSION, min_verified_hits=min_hits, max_failed_share=max_failed,
+                  mode=run.mode, direct_noise_nats=fidelity.floor(direct), continuation_noise_nats=fidelity.floor(cont),
+                  tolerance_nats=tol.direct, continuation_tolerance_nats=tol.continuation, tie_band_nats=tol.band,
+                  source=source, control_answers=len(control), control_differing=fidelity.differing(by_key, control),
+                  golden_rescored=len(calibration),
+                  largest_differences=[Difference(**d._asdict()) for d in nonzero[:5]])
 
 
-def tolerance_of(floor: dict) -> fidelity.Tolerance:
-    return fidelity.Tolerance(floor["tolerance_nats"], floor["continuation_tolerance_nats"],
-                              exact=floor["mode"] == "exact")
+def tolerance_of(s: Scorer) -> fidelity.Tolerance:
+    return fidelity.Tolerance(s.tolerance_nats, s.continuation_tolerance_nats, exact=s.mode == "exact")
 
 
 def score_run(run: RunInfo, recs: dict, folder: Path, tol: fidelity.Tolerance) -> pd.DataFrame:
@@ -140,7 +145,7 @@ def score_run(run: RunInfo, recs: dict, folder: Path, tol: fidelity.Tolerance) -
 def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.DataFrame) -> pd.DataFrame:
     servers = {s.config: s for s in run.servers}
     golden = run.golden().config
-    deltas = {(row.config, row.scenario): (row.phases.get("measure") or {}).get("metrics_delta") for row in status}
+    deltas = {(row.config, row.scenario): row.metrics_delta() for row in status}
     rows = []
     for (config, scenario), records in recs.items():
         server = servers[config]
@@ -314,7 +319,7 @@ class Analysis(NamedTuple):
     run: RunInfo
     status: list[StatusRow]
     recs: dict
-    floor: dict
+    scorer: Scorer
     scores: pd.DataFrame
     summary: pd.DataFrame
     power: pd.DataFrame
@@ -329,8 +334,8 @@ def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     """Everything a report shows, from a run folder alone."""
     folder = Path(folder)
     run, status, recs = _load(folder)
-    floor = noise_floor(run, recs, folder)
-    scores = score_run(run, recs, folder, tolerance_of(floor))
+    scoring = scorer(run, recs, folder, min_hits, max_failed)
+    scores = score_run(run, recs, folder, tolerance_of(scoring))
     summary = summarize(run, status, recs, scores)
     canaries = [s for s in run.servers if s.role == "canary"]
     power = verdicts.power(canaries, scores, {s.config: fault_changes(folder, s.config, run.scenarios)
@@ -339,7 +344,7 @@ def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     crashed = crashed_verdicts(run)
     if len(crashed):
         table = pd.concat([table, crashed], ignore_index=True)
-    return Analysis(run, status, recs, floor, scores, summary, power, table,
+    return Analysis(run, status, recs, scoring, scores, summary, power, table,
                     overview.table(run, recs, table, summary, power, slo), slo, min_hits)
 
 
@@ -364,9 +369,7 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     text = _markdown(a, pngs, folder, tier)
     rf.report_md.write_text(text)
     rf.report_html.write_text(html.render(folder, text, f"kvscope report: run {a.run.run_id}"))
-    run = a.run.model_copy(update={"scorer": {"version": fidelity.SCORER_VERSION, "min_verified_hits": min_hits,
-                                              "max_failed_share": max_failed, **a.floor}})
-    write_json(rf.run_json, run)
+    write_json(rf.run_json, a.run.model_copy(update={"scorer": a.scorer}))
     return verdicts.gate(a.verdicts)
 
 
@@ -417,18 +420,18 @@ def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
                       "an earlier treatment stored stay there") for s in run.servers
            if s.config in cached and s.store_reset == "keep" and s.stores}
     for row in status:
-        if row.config not in cached or not row.reset:
+        if row.config not in cached or row.reset is None:
             continue
-        if row.reset.get("reset_prefix_cache_http") != 200:
-            out[row.config] = f"`/reset_prefix_cache` answered {row.reset.get('reset_prefix_cache_http')}"
-        elif row.reset.get("stores_refused"):
-            out[row.config] = (f"its stores {row.reset['stores_refused']} lie outside the deployment's stores "
+        if row.reset.reset_prefix_cache_http != 200:
+            out[row.config] = f"`/reset_prefix_cache` answered {row.reset.reset_prefix_cache_http}"
+        elif row.reset.stores_refused:
+            out[row.config] = (f"its stores {row.reset.stores_refused} lie outside the deployment's stores "
                                "folder and were not wiped")
     return out
 
 
 def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.DataFrame) -> str:
-    run, summary, scores, floor = a.run, a.summary, a.scores, a.floor
+    run, summary, scores = a.run, a.summary, a.scores
     m = run.machine
     first = run.servers[0]
     lines = [f"# kvscope report: run {run.run_id}", ""]
@@ -482,7 +485,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
               for s in run.servers if s.upstream]
     lines += _tier_lines(run, a.scores, folder, a.min_hits)
     lines += ["", "## How strong the verdict is", ""]
-    lines += _floor_lines(floor)
+    lines += _floor_lines(a.scorer)
     lines += [f"- A PASS needs every expected answer scored and at least {a.min_hits} verified cache hits, and as "
               "many from each tier the config certifies.", ""]
     if len(a.power):
@@ -493,14 +496,13 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
         lines += [_md_table(a.power.drop(columns=["config"])), "",
                   f"All faults together: {verdicts.pooled(a.power)}.", ""]
     lines += ["## Environment", ""]
-    lines += [f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['arch']}, "
-              f"GPU: {m['gpu'] or 'none'}; {m['os']}",
+    lines += [f"- machine: {m.cpu}, {m.cores} cores, {m.memory_gib} GiB, {m.arch}, GPU: {m.gpu or 'none'}; {m.os}",
               f"- vLLM {first.vllm_version} ({first.platform}), model `{Path(first.model_path).name}` "
               f"(served as `{first.served_model_name}`) sha256 `{first.model_hash[:16]}…`, KV capacity "
               f"{first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
               f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}",
               *_imports(run.servers),
-              f"- load: {', '.join(f'{k} {v}' for k, v in run.load.items())}; workload digest "
+              f"- load: {', '.join(f'{k} {v}' for k, v in run.load.model_dump().items())}; workload digest "
               f"`{workload_digest(folder)}`",
               f"- command: `{run.command}`", ""]
     lines += ['<details markdown="1"><summary>Server flags per config</summary>', ""]
@@ -565,17 +567,16 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
     if faults:
         lines += ["Faults during the run:", ""]
         for r, name, p in faults:
-            what = (f"restart exit {p['restart_exit']}: {' '.join(p.get('tail') or [])}" if "restart_exit" in p else
-                    f"locust exit {p.get('locust_exit')}, {p.get('metrics_error') or ''} "
-                    f"{' '.join(p.get('locust_stderr_tail') or [])}")
-            lines.append(f"- `{r.config}` x `{r.scenario}` {name}: {what}"
-                         + (f" server log: `{p['server_error']}`" if p.get("server_error") else ""))
+            what = (f"restart exit {p.restart_exit}: {' '.join(p.tail)}" if isinstance(p, RestartPhase) else
+                    f"locust exit {p.locust_exit}, {p.metrics_error or ''} {' '.join(p.locust_stderr_tail)}"
+                    + (f" server log: `{p.server_error}`" if p.server_error else ""))
+            lines.append(f"- `{r.config}` x `{r.scenario}` {name}: {what}")
         lines.append("")
-    restarts = [(r, p) for r in a.status for name, p in r.phases.items() if name == "restart"]
+    restarts = [(r, p) for r in a.status for p in r.phases.values() if isinstance(p, RestartPhase)]
     if restarts:
         lines += ["Restarts between the prime and the measure phase (restart scenarios; hits after them come from "
                   "what the tier kept across the restart): " + ", ".join(
-                      f"`{r.config}` x `{r.scenario}` {p['seconds']} s" + ("" if p.get("restart_exit") == 0 else
+                      f"`{r.config}` x `{r.scenario}` {p.seconds} s" + ("" if p.restart_exit == 0 else
                                                                              " (failed)") for r, p in restarts), ""]
     lines += ["## Plots", ""]
     for name, caption in pngs:
@@ -585,10 +586,10 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
     return "\n".join(lines)
 
 
-def _faulty(phase: dict) -> bool:
-    if "restart_exit" in phase:
-        return phase["restart_exit"] != 0
-    return phase.get("locust_exit") not in (0, 1) or bool(phase.get("metrics_error"))
+def _faulty(phase: LocustPhase | RestartPhase) -> bool:
+    if isinstance(phase, RestartPhase):
+        return phase.restart_exit != 0
+    return phase.locust_exit not in (0, 1) or bool(phase.metrics_error)
 
 
 def _tier_lines(run: RunInfo, scores: pd.DataFrame, folder: Path, least: int) -> list[str]:
@@ -617,30 +618,29 @@ def _nat(x: float | None) -> str:
     return "not measured" if x is None else f"{x:.3g} nat"
 
 
-def _floor_lines(floor: dict) -> list[str]:
+def _floor_lines(floor: Scorer) -> list[str]:
     """The mode, the two floors and the tolerances, and where the largest differences came from."""
-    exact = floor["mode"] == "exact"
+    exact = floor.mode == "exact"
     lines = [f"- Mode: **{'exact' if exact else 'normal'}**" + (
         " (every server batch-invariant: a correct cache is bitwise equal to golden; any difference FAILs, and so "
         "does a split)." if exact else " (a correct cache lies within the noise the control measures; `EXACT=1` "
         "serves batch-invariant, where equal means bitwise equal).")]
-    lines.append(f"- Direct floor: the control's answers ({floor['control_answers']}) differ from golden's by at "
-                 f"most **{_nat(floor['direct_noise_nats'])}** ({floor['control_differing']} of them differ at all). "
-                 f"Tolerance: **{floor['tolerance_nats']:.3g} nat** ({floor['source']}); tie band "
-                 f"{floor['tie_band_nats']:.3g} nat. `max_dev` above: a config's largest difference from golden.")
-    if exact and floor["control_differing"]:
-        lines.append(f"- **Exact mode does not hold on this stack**: {floor['control_differing']} of the control's "
+    lines.append(f"- Direct floor: the control's answers ({floor.control_answers}) differ from golden's by at "
+                 f"most **{_nat(floor.direct_noise_nats)}** ({floor.control_differing} of them differ at all). "
+                 f"Tolerance: **{floor.tolerance_nats:.3g} nat** ({floor.source}); tie band "
+                 f"{floor.tie_band_nats:.3g} nat. `max_dev` above: a config's largest difference from golden.")
+    if exact and floor.control_differing:
+        lines.append(f"- **Exact mode does not hold on this stack**: {floor.control_differing} of the control's "
                      "answers are not bitwise equal to golden's, so this stack (vLLM build, attention backend, "
                      "flags) is not batch-invariant; the tolerance stays 0, and the FAILs below may be that, not "
                      "wrong KV. The control's verdict fails the gate.")
     lines.append(f"- Continuation floor (after a split, golden scores the answer by prefill): golden's own answers "
-                 f"({floor['golden_rescored']}) scored so differ from its decoding by at most "
-                 f"**{_nat(floor['continuation_noise_nats'])}**; tolerance {floor['continuation_tolerance_nats']:.3g} "
+                 f"({floor.golden_rescored}) scored so differ from its decoding by at most "
+                 f"**{_nat(floor.continuation_noise_nats)}**; tolerance {floor.continuation_tolerance_nats:.3g} "
                  "nat" + (" (unused in exact mode: a split fails)." if exact else "."))
-    if floor["largest_differences"]:
+    if floor.largest_differences:
         lines.append("- Largest differences behind the floors: " + "; ".join(
-            f"{d['pair']}, `{d['request']}` token {d['position']}: {d['nats']:.3g} nat"
-            for d in floor["largest_differences"]) + ".")
+            f"{d.pair}, `{d.request}` token {d.position}: {d.nats:.3g} nat" for d in floor.largest_differences) + ".")
     return lines
 
 

@@ -29,7 +29,12 @@ from kvscope import HARNESS, auth
 from kvscope.artifacts import (
     Deployment,
     Failure,
+    Load,
+    LocustPhase,
+    Machine,
     Mode,
+    Reset,
+    RestartPhase,
     RunInfo,
     StatusRow,
     Treatment,
@@ -65,7 +70,7 @@ def _snapshot(base: str) -> dict[str, float] | None:
         return None
 
 
-def reset(server: Treatment) -> dict:
+def reset(server: Treatment) -> Reset:
     """Empty every tier of one server: vLLM's prefix cache, the connector's cache, the config's stores."""
     base = server.url
     status: int | str
@@ -84,8 +89,10 @@ def reset(server: Treatment) -> dict:
             refused.append(f"{name}: {why}")
         else:
             wiped.append(name)
-    row = {"reset_prefix_cache_http": status, "stores_wiped": wiped}
-    return {**row, "stores_refused": refused} if refused else row
+    done = Reset(reset_prefix_cache_http=status, stores_wiped=wiped)
+    if refused:
+        done.stores_refused = refused
+    return done
 
 
 def _wipe(path: Path, passes: int = 20) -> str:
@@ -107,7 +114,7 @@ def _wipe(path: Path, passes: int = 20) -> str:
     return f"still being written after {passes} passes ({error})"
 
 
-def restart(server: Treatment, command: str) -> dict:
+def restart(server: Treatment, command: str) -> RestartPhase:
     """Restart a server between phases with the user's command ({config} filled in; no shell); what it did."""
     started = time.monotonic()
     argv = shlex.split(command.replace("{config}", server.deployed_as or server.config))
@@ -116,7 +123,7 @@ def restart(server: Treatment, command: str) -> dict:
         code, tail = done.returncode, (done.stdout + done.stderr).strip().splitlines()[-3:]
     except (OSError, subprocess.TimeoutExpired) as exc:
         code, tail = None, [f"{type(exc).__name__}: {exc}"]
-    return {"restart_exit": code, "seconds": round(time.monotonic() - started, 1), "tail": tail if code else []}
+    return RestartPhase(restart_exit=code, seconds=round(time.monotonic() - started, 1), tail=tail if code else [])
 
 
 def warm_up(server: Treatment) -> None:
@@ -131,13 +138,13 @@ def warm_up(server: Treatment) -> None:
         pass  # a dead server shows up as failed records, with reasons, in the treatment itself
 
 
-def machine() -> dict:
+def machine() -> Machine:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     mem_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                   if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1), "arch": platform.machine(),
-            "os": platform.platform(), "python": platform.python_version(), "gpu": gpus()}
+    return Machine(cpu=cpu, cores=os.cpu_count(), memory_gib=round(mem_kb / 2**20, 1), arch=platform.machine(),
+                   os=platform.platform(), python=platform.python_version(), gpu=gpus())
 
 
 def gpus() -> str | None:
@@ -151,8 +158,8 @@ def gpus() -> str | None:
 
 
 def run_locust(server: Treatment, workload: Path, records: Path, users: int, processes: int, rate: float,
-               timeout_s: float, remote: dict | None = None, stats: Path | None = None) -> dict:
-    """One headless Locust run of a workload file against one server; returns its status row. With `stats`,
+               timeout_s: float, remote: dict | None = None, stats: Path | None = None) -> LocustPhase:
+    """One headless Locust run of a workload file against one server; returns its status. With `stats`,
     Locust's own CSV tables are kept under that prefix.
 
     remote = {"hosts": [...], "ssh_config": path, "master_host": address}: Locust's distributed mode across
@@ -204,24 +211,26 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
         if w.returncode not in (0, 1):
             worker_errors += err.strip().splitlines()[-3:]
     lost = [line for line in proc.stderr.splitlines() if SESSION_LOST in line]
-    return {"locust_exit": proc.returncode, "seconds": round(time.monotonic() - started, 1),
-            "locust_stderr_tail": proc.stderr.strip().splitlines()[-5:] if proc.returncode not in (0, 1) else [],
-            "worker_errors": worker_errors, "sessions_lost": len(lost), "sessions_lost_tail": lost[-3:]}
+    return LocustPhase(
+        locust_exit=proc.returncode, seconds=round(time.monotonic() - started, 1),
+        locust_stderr_tail=proc.stderr.strip().splitlines()[-5:] if proc.returncode not in (0, 1) else [],
+        worker_errors=worker_errors, sessions_lost=len(lost), sessions_lost_tail=lost[-3:])
 
 
-def _phase(server: Treatment, workload: Path, reqs: list[Request], records: Path, locust: Path, opts) -> dict:
+def _phase(server: Treatment, workload: Path, reqs: list[Request], records: Path, locust: Path,
+           opts) -> LocustPhase:
     base = server.url
     before = _snapshot(base)
     row = run_locust(server, workload, records, opts["users"], opts["processes"], opts["rate"], opts["timeout_s"],
                      opts["remote"], locust)
     after = _snapshot(base)
-    row["metrics_delta"] = metrics.delta(before, after) if before is not None and after is not None else None
-    row["metrics_error"] = None if row["metrics_delta"] is not None else "server did not answer /metrics"
+    row.metrics_delta = metrics.delta(before, after) if before is not None and after is not None else None
+    row.metrics_error = None if row.metrics_delta is not None else "server did not answer /metrics"
     log = Path(server.run_dir or ".") / (server.deployed_as or server.config) / "server.log"
-    if row["metrics_error"] and log.exists():  # the server died mid-run: say why, from its own log
-        row["server_error"] = servers.first_error(log.read_text(errors="replace"))
-    row["sessions"] = len(sessions(reqs))
-    row["requests"] = len(reqs)
+    if row.metrics_error and log.exists():  # the server died mid-run: say why, from its own log
+        row.server_error = servers.first_error(log.read_text(errors="replace"))
+    row.sessions = len(sessions(reqs))
+    row.requests = len(reqs)
     return row
 
 
@@ -362,8 +371,8 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
             run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed,
             scenarios={label: {**all_scenarios[name].model_dump(), "users": u, "repeat": r}
                        for label, (name, u, r) in labels.items()},
-            load={"users": levels[0] if len(levels) == 1 else levels, "repeats": repeats, "processes": processes,
-                  "rate_sessions_per_s": rate, "locust_worker_hosts": (remote or {}).get("hosts", [])},
+            load=Load(users=levels[0] if len(levels) == 1 else levels, repeats=repeats, processes=processes,
+                      rate_sessions_per_s=rate, locust_worker_hosts=(remote or {}).get("hosts", [])),
             kv_capacity_tokens_for_sizing=capacity, mode=mode))
 
     opts = {"processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote,
@@ -429,11 +438,11 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
     records.unlink(missing_ok=True)  # a treatment cut short is run again
     print(f"{progress}: warm-up, reset", end="", flush=True)
     warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
-    row = StatusRow(config=server.config, scenario=scenario, reset=reset(server))
+    cleared = reset(server)
     writer = opts.get("writer")
     if writer is not None:  # a shared store: the writer stores what this server then loads
-        row.reset["writer"] = writer.config
-        row.reset["writer_reset"] = reset(writer)
+        cleared.writer, cleared.writer_reset = writer.config, reset(writer)
+    row = StatusRow(config=server.config, scenario=scenario, reset=cleared)
     for phase in ("prime", "measure"):
         if phase == "measure" and opts.get("restart"):
             print(", restart", end="", flush=True)
@@ -451,7 +460,7 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
         row.fault_log = _keep_log(server, "fault_log", rf.faults(server.config, scenario))
     if connector_log(server, "load_log") is not None:
         row.load_log = _keep_log(server, "load_log", rf.loads(server.config, scenario))
-    print(f" ({sum(p['seconds'] for p in row.phases.values()):.1f} s)", flush=True)
+    print(f" ({sum(p.seconds for p in row.phases.values()):.1f} s)", flush=True)
     append_jsonl(status_path, [row])
 
 
