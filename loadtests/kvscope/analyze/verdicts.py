@@ -80,9 +80,13 @@ def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, di
                                        "unaffected_hits", "unaffected_fail", "fault_log"])
 
 
+def _verified(sc: pd.DataFrame) -> pd.Series:
+    """Which answers are verified hits: cache hits that scored identical or benign."""
+    return sc.cls.isin([Answer.IDENTICAL, Answer.BENIGN]) & (sc.cached_tokens.fillna(0) > 0)
+
+
 def verified_hits(sc: pd.DataFrame) -> int:
-    """Cache hits that scored identical or benign."""
-    return int((sc.cls.isin([Answer.IDENTICAL, Answer.BENIGN]) & (sc.cached_tokens.fillna(0) > 0)).sum())
+    return int(_verified(sc).sum())
 
 
 def power_shortfall(row) -> str | None:
@@ -103,7 +107,7 @@ def tier_hits(sc: pd.DataFrame, served: dict[str, dict[str, int]] | None) -> dic
     -> tier -> blocks, from the connector's load log (None: the run kept none)."""
     if served is None:
         return None
-    ok = sc[sc.cls.isin([Answer.IDENTICAL, Answer.BENIGN]) & (sc.cached_tokens.fillna(0) > 0)]
+    ok = sc[_verified(sc)]
     out: dict[str, int] = {}
     for key in ok.request_id + "@" + ok.phase:
         for tier, blocks in served.get(key, {}).items():
