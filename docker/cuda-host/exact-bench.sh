@@ -10,8 +10,10 @@
 #          whose KV load failed?).
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
 # folders are written under OUT_DIR/results, outside the checkout: a tool that syncs the checkout while the
-# run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default).
-#   [PARTS=tiny,exact,normal,failed-load] docker/cuda-host/exact-bench.sh OUT_DIR [QUERIES=56] [USERS=16]
+# run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default);
+# ATTENTION names the 4B parts' attention backend (vLLM's choice by default).
+#   [PARTS=tiny,exact,normal,failed-load] [ATTENTION=TRITON_ATTN] docker/cuda-host/exact-bench.sh OUT_DIR \
+#     [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
 here=$(dirname "$0"); all=tiny,exact,normal,failed-load; parts=,${PARTS:-$all},
@@ -21,7 +23,7 @@ for part in ${parts//,/ }; do
 done
 export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries RESULTS=$out/results
 correct=baseline,control,apc,offload-cpu-tier,kvscope-ram,kvscope-fs
-bf16='{"dtype": "bfloat16"}'
+bf16='{"dtype": "bfloat16"'${ATTENTION:+', "attention-backend": "'$ATTENTION'"'}'}'
 keep() {  # keep PART FILES...: what a part made, in one archive (paths under OUT_DIR)
   tar -czf "$out/$1.tar.gz" -C "$out" --ignore-failed-read "${@:2}" 2>/dev/null
   echo "$(date -u +%T) $1 kept" >> "$out/progress"

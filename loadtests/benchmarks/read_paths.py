@@ -1,0 +1,154 @@
+"""Benchmark: ways to read one prompt's KV blocks from files, on this machine, the same bytes each way.
+
+The blocks of a Qwen3-4B-shaped prompt (--blocks of --block-mb each, random bytes) are written once as one
+file per block (the connector's layout today) and once as one segment file. Each way reads all of them into
+pinned host memory (or GPU memory, for KvikIO), from the page cache ("warm") and after dropping the files'
+pages ("cold": posix_fadvise DONTNEED on clean pages; no root needed):
+- raw: one thread, one sequential read of the segment: the disk's own rate, the cold-disk reference;
+- per-file: open + readinto per block file on --threads threads (the connector's pattern);
+- preadv: os.preadv of --chunk blocks per call from the segment on --threads threads;
+- kvikio: KvikIO's pread of the segment into GPU memory (GDS where the host has it, its threaded POSIX path
+  where not) and into pinned host memory, when kvikio imports;
+- h2d: one pinned host-to-device copy of the same bytes, the limit beside a GPU.
+Prints the median of --rounds per way in GB/s and against raw, with n and spread, and checks every way read
+the bytes that were written.
+
+    python loadtests/benchmarks/read_paths.py [--blocks 512] [--block-mb 4.5] [--threads 8] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+
+def drop(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def per_file(files, dst, size, pool):
+    def one(i):
+        with open(files[i], "rb", buffering=0) as f:
+            assert f.readinto(dst[i * size:(i + 1) * size].numpy()) == size
+    list(pool.map(one, range(len(files))))
+
+
+def preadv(segment, dst, size, n, chunk, pool):
+    fd = os.open(segment, os.O_RDONLY)
+    try:
+        def one(start):
+            stop = min(n, start + chunk)
+            views = [dst[i * size:(i + 1) * size].numpy() for i in range(start, stop)]
+            assert os.preadv(fd, views, start * size) == (stop - start) * size
+        list(pool.map(one, range(0, n, chunk)))
+    finally:
+        os.close(fd)
+
+
+def raw(segment, dst):
+    with open(segment, "rb", buffering=0) as f:
+        view, got = memoryview(dst.numpy()), 0
+        while got < len(view):
+            got += f.readinto(view[got:got + (64 << 20)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=512)
+    ap.add_argument("--block-mb", type=float, default=4.5)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    args = ap.parse_args()
+    n, size = args.blocks, int(args.block_mb * (1 << 20)) // 4096 * 4096
+    total = n * size
+    gpu = torch.cuda.is_available()
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    dst = torch.empty(total, dtype=torch.uint8, pin_memory=gpu)
+    work = tempfile.mkdtemp(dir=args.dir, prefix="read-paths-")
+    files = [os.path.join(work, f"b{i}") for i in range(n)]
+    segment = os.path.join(work, "segment")
+    for i, p in enumerate(files):
+        with open(p, "wb") as f:
+            f.write(src[i * size:(i + 1) * size].numpy())
+    with open(segment, "wb") as f:
+        f.write(src.numpy())
+    pool = ThreadPoolExecutor(args.threads)
+    ways = {"raw": (lambda: raw(segment, dst), [segment]),
+            "per-file": (lambda: per_file(files, dst, size, pool), files),
+            "preadv": (lambda: preadv(segment, dst, size, n, args.chunk, pool), [segment])}
+    on_gpu = {}
+    if gpu:
+        dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+        ways["h2d"] = (lambda: dev.copy_(dst, non_blocking=True), [])
+        try:
+            import kvikio
+            import kvikio.cufile_driver
+            import kvikio.defaults
+            print(f"kvikio {kvikio.__version__}: compat mode {kvikio.defaults.get('compat_mode')}, "
+                  f"threads {kvikio.defaults.get('num_threads')}")
+            try:
+                print(f"GDS available: {kvikio.cufile_driver.get('is_gds_available')}")
+            except Exception as e:  # no cuFile driver: compat mode only
+                print(f"GDS not available: {type(e).__name__}: {e}")
+
+            def kv(buf):
+                with kvikio.CuFile(segment, "r") as f:
+                    assert f.pread(buf, total).get() == total
+            ways["kvikio-gpu"] = (lambda: kv(dev), [segment])
+            ways["kvikio-host"] = (lambda: kv(dst.numpy()), [segment])
+            on_gpu["kvikio-gpu"] = dev
+        except Exception as e:
+            print(f"kvikio not measured: {type(e).__name__}: {e}")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    print(f"{n} blocks of {size / (1 << 20):.2f} MiB ({total / 1e9:.2f} GB), {args.threads} threads, "
+          f"preadv {args.chunk} blocks a call, median of {args.rounds}; dir {args.dir}")
+    rates = {}
+    for cache in ("warm", "cold"):
+        for name, (fn, paths) in ways.items():
+            if cache == "cold" and not paths:
+                continue
+            times = []
+            for _ in range(args.rounds):
+                dst.zero_()
+                if name in on_gpu:
+                    on_gpu[name].zero_()
+                if cache == "cold":
+                    drop(paths)
+                elif not times:
+                    fn()  # warm-up: the files in the page cache
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - t)
+            got = on_gpu[name].cpu() if name in on_gpu else dst
+            ok = "ok" if name == "h2d" or torch.equal(got, src) else "WRONG BYTES"
+            gbs = [total / t / 1e9 for t in times]
+            rates[cache, name] = float(np.median(gbs))
+            print(f"{cache:4} {name:11} {rates[cache, name]:6.2f} GB/s (min {min(gbs):.2f}, max {max(gbs):.2f}, "
+                  f"n {len(gbs)}) {ok}")
+    for cache in ("warm", "cold"):
+        base = rates[cache, "raw"]
+        print(f"{cache}: " + ", ".join(f"{name} / raw {r / base:.2f}" for (c, name), r in rates.items()
+                                       if c == cache and name != "raw"))
+    for p in files + [segment]:
+        os.unlink(p)
+    os.rmdir(work)
+
+
+if __name__ == "__main__":
+    main()
