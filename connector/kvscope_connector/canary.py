@@ -25,7 +25,8 @@ otherwise than verified, read back after the write, "inherited": blocks it loade
 computed on top of wrong KV}. A request with both 0 was served correct KV ("stale" onto a slot that already
 held the right bytes, "second-hit" on a first load, "foreign" with no other key stored, noise that the KV
 cache's dtype rounds away). Blocks a request computed on top of wrong KV are stored like any other (so the
-scheduler's view of the store stays true) and remembered: whoever loads them later got wrong KV too.
+scheduler's view of the store stays true) and remembered: whoever loads them later got wrong KV too, until a
+request served right stores the key anew where no tier keeps the wrong copy (the RAM tier keeps what it holds).
 Noise is added in the KV cache itself after the write, on its device.
 """
 
@@ -79,9 +80,15 @@ class _FaultWorker(WorkerSide):
         self.pending: list[tuple[str, str, list[tuple[LoadSpec, Block]]]] = []  # this step's (request, fault, loads)
 
     def save(self, meta: KVScopeMetadata) -> None:
-        for spec in meta.stores:  # a key stored again by a request served right is right again
-            (self.tainted_keys.add if spec.request_id in self.tainted else self.tainted_keys.discard)(spec.key)
+        for spec in meta.stores:  # what the tier will hold: a block is wrong when a request served wrong stored it
+            if not self._kept(spec.key):
+                (self.tainted_keys.add if spec.request_id in self.tainted else self.tainted_keys.discard)(spec.key)
         super().save(meta)
+
+    def _kept(self, key: str) -> bool:
+        """Whether a store of key leaves the copy before it in place: the RAM tier keeps a key it holds (or
+        one a queued save puts there first), so that copy's taint stands."""
+        return self.ram is not None and (self.ram.contains(key) or any(key in keys for _, keys, _ in self.saving))
 
     def load(self, meta: KVScopeMetadata) -> None:
         super().load(meta)  # to_write() notes what each request loaded, inject() writes it
