@@ -27,8 +27,8 @@ def main(path: str) -> int:
             engine = AsyncEngineArgs.from_cli_args(parsed)
             if "--kv-transfer-config" in args:
                 KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
-            version = getattr(engine.attention_config, "flash_attn_version", None)
-            print(f"{server['config']}: ok" + (f" (flash_attn_version {version})" if version else ""))
+            backend = engine.attention_backend or engine.attention_config.backend
+            print(f"{server['config']}: ok" + (f" (attention backend {backend})" if backend else ""))
         except (Exception, SystemExit) as exc:  # argparse exits on bad flags
             failures += 1
             print(f"{server['config']}: {type(exc).__name__}: {exc}")

@@ -73,3 +73,26 @@ def test_faults_injected_at_load_never_read_as_stored_data():
     assert len(rows) >= 30
     assert not rows.reading.str.startswith("follows the stored blocks").any()
     assert rows.loc["canary-second-hit", "rag-zipf"].reading.startswith("mixed")
+
+
+def answer(config: str, rid: str, tokens: list[int], cached: int) -> Record:
+    return Record(config=config, scenario="s", phase="measure", request_id=rid, session_id=rid, turn=0,
+                  endpoint="chat", start_unix_s=0.0, ok=True, prompt_tokens=100, cached_tokens=cached,
+                  output_token_ids=tokens, top_logprobs=[[(t, -0.5)] for t in tokens])
+
+
+def test_exact_mode_groups_the_candidates_that_reused_as_much_by_bitwise_equal_answers():
+    # the H200 TRITON_ATTN run's three patterns: vLLM's prefix cache and both kvscope tiers agreeing on one
+    # other answer, a store alone, and a request where another candidate reused a different amount (left out)
+    answers = {"golden": [("r1", [1, 2], 0), ("r2", [1, 2], 0), ("r3", [5], 0)],
+               "apc": [("r1", [1, 3], 64), ("r2", [1, 2], 32), ("r3", [5], 32)],
+               "ram": [("r1", [1, 3], 64), ("r2", [1, 2], 32), ("r3", [6], 64)],
+               "offload": [("r1", [1, 4], 64), ("r2", [7], 32), ("r3", [5], 64)]}
+    recs = {(c, "s"): [answer(c, rid, t, n) for rid, t, n in rows] for c, rows in answers.items()}
+    fails = [("apc", "r1", 64), ("ram", "r1", 64), ("offload", "r1", 64), ("offload", "r2", 32), ("ram", "r3", 64)]
+    scores = pd.DataFrame([{"config": c, "scenario": "s", "phase": "measure", "request_id": rid, "cls": "FAIL",
+                            "cached_tokens": n} for c, rid, n in fails])
+    assert provenance.shared_differences(recs, scores, "golden", ["apc", "ram", "offload"]) == [
+        "`r1` (64 cached tokens): apc = ram | offload",
+        "`r2` (32 cached tokens): offload; as golden: apc, ram",
+        "`r3` (64 cached tokens): ram; as golden: offload"]

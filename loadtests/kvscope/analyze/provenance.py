@@ -75,3 +75,32 @@ def table(recs: dict[tuple[str, str], list[Record]], scores: pd.DataFrame, block
             if row:
                 rows.append(row)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def shared_differences(recs: dict[tuple[str, str], list[Record]], scores: pd.DataFrame, golden: str,
+                       candidates: list[str]) -> list[str]:
+    """Exact mode: each request on which a candidate's hit differs from golden, with the candidates that reused
+    as many of its tokens grouped by bitwise-equal answers ("=" joins a group, "|" separates groups). The same
+    answer from different stores after the same reuse points at the arithmetic after a reuse, one store's
+    answer of its own at its bytes. Requests where stores agree come first."""
+    fails = scores[(scores.cls == Answer.FAIL) & (scores.phase == "measure") & scores.config.isin(candidates)
+                   & (scores.cached_tokens.fillna(0) > 0)]
+    answers: dict[tuple[str, str], dict[str, Record]] = {}
+    for (config, _), records in recs.items():
+        for r in records:
+            if r.phase == "measure" and r.ok:
+                answers.setdefault((r.scenario, r.request_id), {})[config] = r
+    lines: list[tuple[int, str]] = []
+    for (scenario, request), part in fails.groupby(["scenario", "request_id"], sort=False):
+        served = answers.get((scenario, request), {})
+        cached = int(part.cached_tokens.iloc[0])
+        groups: dict[str, list[str]] = {}
+        for config in candidates:
+            if (answer := served.get(config)) is not None and answer.cached_tokens == cached:
+                groups.setdefault(repr((answer.output_token_ids, answer.top_logprobs)), []).append(config)
+        gold = served.get(golden)
+        same = groups.pop(repr((gold.output_token_ids, gold.top_logprobs)), []) if gold else []
+        text = " | ".join(" = ".join(g) for g in groups.values())
+        lines.append((-max(map(len, groups.values())), f"`{request}` ({cached} cached tokens): {text}"
+                      + (f"; as golden: {', '.join(same)}" if same else "")))
+    return [line for _, line in sorted(lines, key=lambda pair: pair[0])]

@@ -45,6 +45,9 @@ class RunError(ValueError):
     """A run folder that cannot give a complete report; the message names the file."""
 
 
+SHARED_SHOWN = 12  # requests listed where candidates' hits differ in exact mode
+
+
 def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str], list[Record]]]:
     rf = RunFolder(folder)
     run_file = rf.run_json
@@ -549,6 +552,15 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
         for r in fails.head(10).itertuples():
             lines.append(f"- `{r.config}` / `{r.request_id}` (cached {r.cached_tokens}): {r.reason}")
         lines.append("")
+    if run.mode == "exact" and (shared := provenance.shared_differences(
+            a.recs, scores, next(s.config for s in run.servers if s.role == "golden"),
+            [s.config for s in run.servers if s.role == "candidate"])):
+        lines += ["Where the candidates' hits differ from golden (exact mode), the candidates that reused as many "
+                  "tokens of the request, grouped by bitwise-equal answers (`=` joins, `|` separates): one "
+                  "answer from different stores after the same reuse points at the arithmetic after a reuse "
+                  "(this stack's batch invariance), an answer of one store's own at its bytes.", ""]
+        lines += [f"- {line}" for line in shared[:SHARED_SHOWN]]
+        lines += [f"- and {len(shared) - SHARED_SHOWN} more requests", ""] if len(shared) > SHARED_SHOWN else [""]
     prov = provenance.table(a.recs, scores, {s.config: s.block_size for s in run.servers
                                              if s.role not in ("golden", "canary")})
     if len(prov):
