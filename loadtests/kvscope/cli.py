@@ -192,6 +192,11 @@ def _gate_options(s) -> None:
                    help="service-level objective: the summary adds the share of requests that met it, and goodput")
 
 
+def _matrix_option(s) -> None:
+    """--matrix after a subcommand that reads it, as well as before (the global option's default stands)."""
+    s.add_argument("--matrix", type=Path, default=argparse.SUPPRESS, help="storage-config matrix YAML")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvscope", description=__doc__, epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("validate", help="validate the matrix (and a selection for a platform)")
-    s.add_argument("--matrix", type=Path, default=argparse.SUPPRESS, help="storage-config matrix YAML")
+    _matrix_option(s)
     s.add_argument("--configs", default="", help="a selection to check for --platform, comma-separated")
     s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu", help="the platform the selection runs on")
     s.set_defaults(func=cmd_validate)
@@ -247,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvscope.rollout.cli import add_parser as add_rollout
 
-    add_rollout(sub)
+    _matrix_option(add_rollout(sub))
 
     s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed); "
                                       "a rollout's folder: rollout.md")
