@@ -173,6 +173,7 @@ help: ## list the targets and the variables they read
 #> SLO          a service-level objective for the summary: ttft=500,tpot=50 (ms)
 #> RUN, RUNS    make report RUN=results/<id>; make compare RUNS=results/a,results/b [OUT=dir]
 #> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=, ROLLOUT_ARGS=
+#> PYTHON3      the Python setup makes both environments with (default python3)
 #> TORCH_INDEX  where setup finds torch==2.13.0+cpu (PyTorch's CPU index; a mirror, or empty)
 #> IMAGE_ARGS   make images: extra Ansible options (-e image_push=true)
 

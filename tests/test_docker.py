@@ -201,6 +201,14 @@ def test_every_images_healthcheck_probes_the_port_its_container_serves_on():
         assert "KVSCOPE_PORT" in check and ":8000" not in check, dockerfile
 
 
+def test_every_image_defaults_kvscope_port_to_the_port_it_exposes():
+    # The GB10 image probed KVSCOPE_PORT without a default: run without it (a plain docker run), its health
+    # check raised KeyError and the container read unhealthy. The CPU and PyPI images set it to 8000.
+    for dockerfile in sorted((REPO / "docker").glob("*/Dockerfile")):
+        env = [line for line in dockerfile.read_text().splitlines() if line.startswith("ENV ")]
+        assert any("KVSCOPE_PORT=8000" in line.split() for line in env), dockerfile
+
+
 def test_the_cpu_images_venv_layer_comes_from_a_stage_that_copies_no_kvscope_code():
     # Each build of a new content tag copied the whole 4 GB venv anew (its stage also held kvscope's code): the
     # build host's disk filled over CI runs and a build failed in its COPY. The venv's stage must not see the code.

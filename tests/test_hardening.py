@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -467,6 +468,18 @@ def test_the_matrix_option_works_after_the_subcommand_too(tmp_path, capsys):
     assert cli.main(["validate", "--matrix", str(SHIPPED)]) == 0
     assert f"{SHIPPED}: " in capsys.readouterr().out
     assert cli.main(["validate", "--matrix", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_the_matrix_option_goes_before_or_after_each_subcommand_that_reads_it(tmp_path):
+    # validate took --matrix either side; rollout, which also reads the matrix, refused it after the subcommand
+    from kvscope import cli
+
+    parser = cli.build_parser()
+    for command in (["validate"], ["rollout", "--inventory", "inv", "--configs", "kvscope-fs"]):
+        before = parser.parse_args(["--matrix", "mine.yaml", *command])
+        after = parser.parse_args([*command, "--matrix", "mine.yaml"])
+        default = parser.parse_args(command)
+        assert before.matrix == after.matrix == Path("mine.yaml") and default.matrix == cli.DEFAULT_MATRIX, command
 
 
 @pytest.mark.parametrize("option", [["--min-hits", "-100"], ["--min-hits", "0"], ["--max-failed", "99"],

@@ -57,6 +57,30 @@ def test_report_json_gives_a_published_runs_verdicts_and_gate_for_scripts(tmp_pa
     assert doc["gate"]["exit"] == out.returncode and doc["gate"]["words"].endswith(f"(exit {out.returncode})")
 
 
+def test_bench_report_json_prints_the_verdicts_alone_on_stdout_and_its_progress_on_stderr(tmp_path, capsys,
+                                                                                          monkeypatch):
+    # docs/fidelity.md said `kvscope bench --report` takes --json as `kvscope report` does; bench refused it
+    import json
+
+    from kvscope import cli
+    from kvscope.run import treatments
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = shutil.copytree(REPO / "results" / name, tmp_path / name)
+
+    def bench(*args, **kwargs):
+        print("[1/1] golden x rag-zipf: warm-up, reset, measure 20 requests (1.0 s)")
+        return run
+
+    monkeypatch.setattr(treatments, "run", bench)
+    code = cli.main(["bench", "--report", "--json", "--results", str(tmp_path)])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["gate"]["exit"] == code and doc["run"] == str(run) and "[1/1] golden" in err
+    assert cli.main(["bench", "--json"]) == 2  # the verdicts come from the report
+    assert "--json" in capsys.readouterr().err
+
+
 def test_every_option_of_every_command_says_what_it_does():
     import argparse
 

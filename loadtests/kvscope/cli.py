@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -67,6 +68,8 @@ def cmd_bench(args) -> int:
     from kvscope.run import treatments
 
     parse_slo(args.slo)  # a mistyped objective stops the bench before it runs, not after
+    if args.json and not args.report:
+        raise matrix_mod.ConfigError("--json prints the report's verdicts: it goes with --report")
     if args.run_id is not None and not RUN_ID.match(args.run_id):
         raise matrix_mod.ConfigError(f"--run-id {args.run_id!r} (RUN_ID): a run's folder name, letters, digits, "
                                      "'.', '_' and '-', starting with a letter or digit")
@@ -94,15 +97,18 @@ def cmd_bench(args) -> int:
                 raise matrix_mod.ConfigError(f"--ca-file {args.ca_file}: no such file")
             os.environ["SSL_CERT_FILE"] = str(Path(args.ca_file).resolve())
         endpoints = endpoints_mod.treatments(names(args.endpoint), args.golden, args.control, Path(args.model_dir))
+    # --json: stdout holds the JSON document alone, the progress goes to stderr
+    progress = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
-        folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
-                                names(args.configs), names(args.scenarios_list), users=levels, repeats=args.repeats,
-                                processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
-                                command=redact_command(os.environ.get("KVSCOPE_COMMAND")
-                                                       or "kvscope " + shlex.join(sys.argv[1:])),
-                                run_id=args.run_id, remote=remote, resume=args.resume,
-                                endpoints=endpoints, exact=args.exact, queries=args.queries,
-                                restart_cmd=args.restart_cmd)
+        with progress:
+            folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
+                                    names(args.configs), names(args.scenarios_list), users=levels, repeats=args.repeats,
+                                    processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
+                                    command=redact_command(os.environ.get("KVSCOPE_COMMAND")
+                                                           or "kvscope " + shlex.join(sys.argv[1:])),
+                                    run_id=args.run_id, remote=remote, resume=args.resume,
+                                    endpoints=endpoints, exact=args.exact, queries=args.queries,
+                                    restart_cmd=args.restart_cmd)
     except treatments.Interrupted as exc:
         if exc.exit_code == 1:
             traceback.print_exception(exc.__cause__)
@@ -111,7 +117,7 @@ def cmd_bench(args) -> int:
         if args.report:  # what finished, scored; every config cut short reads INCOMPLETE
             _report(exc.folder, args)
         return exc.exit_code
-    print(f"records written to {folder}")
+    print(f"records written to {folder}", file=sys.stderr if args.json else sys.stdout)
     if args.report:
         return _report(folder, args)
     if silent := unanswered(folder):
@@ -143,7 +149,7 @@ def _report(folder: Path, args) -> int:
     from kvscope.runfolder import RunFolder
 
     code = report.write(folder, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
-    if getattr(args, "json", False):  # kvscope report --json: the verdicts and the gate, nothing else on stdout
+    if args.json:  # the verdicts and the gate, nothing else on stdout
         print(report.as_json(folder, code))
         return code
     print(report.console(folder))
@@ -192,6 +198,11 @@ def _gate_options(s) -> None:
                    help="service-level objective: the summary adds the share of requests that met it, and goodput")
 
 
+def _matrix_option(s) -> None:
+    """--matrix after a subcommand that reads it, as well as before (the global option's default stands)."""
+    s.add_argument("--matrix", type=Path, default=argparse.SUPPRESS, help="storage-config matrix YAML")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvscope", description=__doc__, epilog=EXIT_CODES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("validate", help="validate the matrix (and a selection for a platform)")
-    s.add_argument("--matrix", type=Path, default=argparse.SUPPRESS, help="storage-config matrix YAML")
+    _matrix_option(s)
     s.add_argument("--configs", default="", help="a selection to check for --platform, comma-separated")
     s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu", help="the platform the selection runs on")
     s.set_defaults(func=cmd_validate)
@@ -239,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-id", default=None, help="the run folder's name (default: the time, UTC)")
     s.add_argument("--resume", action="store_true", help="continue the run folder of --run-id")
     s.add_argument("--report", action="store_true", help="score and write the report when the run ends")
+    s.add_argument("--json", action="store_true",
+                   help="with --report: print the verdicts, the detection power and the gate as JSON (for scripts) "
+                        "instead of text; the progress goes to stderr")
     s.add_argument("--exact", action="store_true",
                    help="the servers serve batch-invariant (deployed with EXACT=1): equal means bitwise equal; "
                         "deployed servers in exact mode are scored so without it")
@@ -247,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvscope.rollout.cli import add_parser as add_rollout
 
-    add_rollout(sub)
+    _matrix_option(add_rollout(sub))
 
     s = sub.add_parser("report", help="score a run folder and write report.md, CSV and PNG (no server needed); "
                                       "a rollout's folder: rollout.md")

@@ -16,7 +16,7 @@ from kvscope.rollout.record import EXIT_BAD_INPUT, EXIT_CODES, Batch, Rollout, l
 UNFINISHED = ("running", "interrupted", "rollback-failed")
 
 
-def add_parser(sub) -> None:
+def add_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("rollout", help="roll configs to an inventory's hosts a batch at a time, each batch gated on "
                                        "the verdict; stop and roll back on a wrong answer",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
     s.add_argument("-e", "--extra-vars", action="append", default=[], metavar="KEY=VALUE",
                    help="extra vars for every playbook (as ansible-playbook -e)")
     s.set_defaults(func=cmd_rollout)
+    return s
 
 
 def batches(hosts: list[str], serial: str) -> list[Batch]:
