@@ -10,6 +10,7 @@ that loads; without one, the checksum is not a defence against a host that can w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -47,7 +48,8 @@ def encode(block: Block, layout: Layout, fingerprint: str, key: str, digest: str
     return st_save(layout.views(block), metadata=meta)
 
 
-def _header(data: bytes) -> tuple[int, dict, list[Entry]]:
+def _header(data: bytes) -> tuple[int, dict, dict]:
+    """The header's length, its metadata and its tensors' entries as the JSON gives them."""
     (n,) = struct.unpack_from("<Q", data, 0)
     if n > MAX_HEADER:
         raise ValueError(f"a {n}-byte header")
@@ -57,9 +59,24 @@ def _header(data: bytes) -> tuple[int, dict, list[Entry]]:
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise TypeError("__metadata__ is not a map of strings")
+    return n, meta, header
+
+
+@functools.lru_cache(maxsize=8)
+def _expected(layout: Layout) -> dict:
+    """The tensors' entries of a header written for layout, as the JSON gives them: a header equal to it
+    needs no entry-by-entry check (the fast path of every load)."""
+    names = {dtype: name for name, dtype in _DTYPES.items()}
+    return {e.name: {"dtype": names[e.dtype], "shape": list(e.shape), "data_offsets": [e.start, e.end]}
+            for e in layout.entries}
+
+
+def _mismatch(tensors: dict, layout: Layout) -> str | None:
+    """Where a header's tensors differ from layout (the first differing entry), None where they do not."""
     found = sorted(Entry(name, _DTYPES.get(info["dtype"]), tuple(info["shape"]), *info["data_offsets"])
-                   for name, info in header.items())
-    return n, meta, found
+                   for name, info in tensors.items())
+    return next((f"layer {got}, expected {want}" for got, want in zip_longest(found, layout.entries)
+                 if got != want), None)
 
 
 def decode(header: bytes, block: Block, fingerprint: str, key: str, layout: Layout, secret: bytes | None = None,
@@ -73,16 +90,16 @@ def decode(header: bytes, block: Block, fingerprint: str, key: str, layout: Layo
     the caller to check (on the GPU, after the copy), and the block must not be used until it has.
     """
     try:
-        n, meta, found = _header(header)
+        n, meta, tensors = _header(header)
+        wrong = None if tensors == _expected(layout) else _mismatch(tensors, layout)
     except (struct.error, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CorruptBlock(f"unreadable block: {exc}") from exc
     if meta.get("kvscope_format") != FORMAT_VERSION:
         raise CorruptBlock(f"format {meta.get('kvscope_format')!r}, expected {FORMAT_VERSION}")
     if meta.get("fingerprint") != fingerprint or meta.get("key") != key:
         raise CorruptBlock("fingerprint or key mismatch (a foreign block)")
-    for got, want in zip_longest(found, layout.entries):
-        if got != want:
-            raise CorruptBlock(f"layer {got}, expected {want}")
+    if wrong:
+        raise CorruptBlock(wrong)
     if len(header) != 8 + n or block.numel() != layout.nbytes:
         size = len(header) + block.numel()
         raise CorruptBlock(f"{size} bytes, expected {8 + n + layout.nbytes} (truncated or padded)")

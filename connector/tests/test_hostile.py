@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 from test_sides import worker
 from test_store import FP, LAYOUT, block, tier, write
 
@@ -145,6 +146,43 @@ def test_an_odd_header_is_a_corrupt_block_not_an_exception(tmp_path, edit):
     rewrite_header(fs.path("ab12"), edit)
     with pytest.raises(CorruptBlock):
         fs.get("ab12")
+
+
+def _entries(edit):
+    """A header edit of the tensors' entries (the metadata kept)."""
+    def apply(h):
+        doc = json.loads(h)
+        meta = doc.pop("__metadata__")
+        return json.dumps({"__metadata__": meta, **edit(doc)})
+    return apply
+
+
+def _first(doc):
+    return sorted(doc)[0]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: {**d, _first(d): {**d[_first(d)], "data_offsets": [e + 4 for e in d[_first(d)]["data_offsets"]]}},
+    lambda d: {**d, _first(d): {**d[_first(d)], "dtype": "I32"}},
+    lambda d: {**d, "extra.layer": d[_first(d)]},
+    lambda d: {k: v for k, v in d.items() if k != _first(d)},
+], ids=["offsets", "dtype", "extra-tensor", "missing-tensor"])
+def test_a_header_whose_tensors_differ_from_the_layout_is_corrupt(tmp_path, edit):
+    fs = FsTier(str(tmp_path), FP, None, layout=LAYOUT)
+    write(fs, "ab12", block())
+    rewrite_header(fs.path("ab12"), _entries(edit))
+    with pytest.raises(CorruptBlock, match="expected"):
+        fs.get("ab12")
+
+
+def test_a_header_with_the_layouts_tensors_loads_whatever_its_spacing_and_order(tmp_path):
+    # a load compares the parsed entries with the layout's, not the header's text
+    fs = FsTier(str(tmp_path), FP, None, layout=LAYOUT)
+    b = block()
+    write(fs, "ab12", b)
+    rewrite_header(fs.path("ab12"), lambda h: json.dumps(dict(reversed(json.loads(h).items())), indent=1))
+    got, _ = fs.get("ab12")
+    assert torch.equal(got, b)
 
 
 def test_a_folder_at_a_blocks_name_is_a_quarantined_miss(tmp_path):

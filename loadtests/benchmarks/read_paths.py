@@ -20,12 +20,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+
+def filesystem(path: str) -> str:
+    """The device and type of the filesystem holding path, from /proc/mounts (longest mount point)."""
+    best, where = ("?", "?", ""), os.path.realpath(path).rstrip("/") + "/"
+    for line in open("/proc/mounts"):
+        dev, mount, kind = line.split()[:3]
+        if where.startswith(mount.rstrip("/") + "/") and len(mount) > len(best[2]):
+            best = (dev, kind, mount)
+    return f"{best[0]} ({best[1]})"
 
 
 def drop(paths: list[str]) -> None:
@@ -114,6 +125,9 @@ def main() -> None:
         except Exception as e:
             print(f"kvikio not measured: {type(e).__name__}: {e}")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    print(f"machine: {os.cpu_count()} cores {platform.machine()}, "
+          f"{torch.cuda.get_device_name() if gpu else 'no GPU'}, torch {torch.__version__}; "
+          f"{args.dir} on {filesystem(args.dir)}")
     print(f"{n} blocks of {size / (1 << 20):.2f} MiB ({total / 1e9:.2f} GB), {args.threads} threads, "
           f"preadv {args.chunk} blocks a call, median of {args.rounds}; dir {args.dir}")
     rates = {}
