@@ -38,6 +38,7 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.plans: dict[str, tuple[int, list[TierName]]] = {}  # request id -> (first block, tier per block)
         self.meta = KVScopeMetadata()
+        self.ram_stores: dict[str, StoreSpec] = {}  # key -> this step's store of it into RAM
         self.inflight: dict[int, LoadSpec] = {}  # block id -> load of the last step
         self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
 
@@ -103,7 +104,16 @@ class SchedulerSide:
         self.ram_index.move_to_end(key)
         while len(self.ram_index) > self.ram_blocks:
             evicted, _ = self.ram_index.popitem(last=False)
-            self.meta.ram_evict.append(evicted)
+            self._evict(evicted)
+
+    def _evict(self, key: str) -> None:
+        """Tell the worker to drop a key the index dropped. The worker applies a step's evictions before its
+        stores, so a key this step stores is rather not stored into RAM at all (else it keeps a block the
+        index no longer has)."""
+        if (spec := self.ram_stores.pop(key, None)) is not None:
+            spec.to_ram = False
+        else:
+            self.meta.ram_evict.append(key)
 
     def build_meta(self, so) -> KVScopeMetadata:
         """Add this step's stores: prompt blocks that the step completes and the store lacks."""
@@ -124,7 +134,8 @@ class SchedulerSide:
             self._plan_stores(state, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
         for req_id in so.finished_req_ids:
             self.finished(req_id)
-        meta, self.meta = self.meta, KVScopeMetadata()
+        meta, self.meta, self.ram_stores = self.meta, KVScopeMetadata(), {}
+        meta.stores = [spec for spec in meta.stores if spec.to_ram or spec.to_fs]
         self.inflight = {s.block_id: s for s in meta.loads}
         return meta
 
@@ -134,10 +145,12 @@ class SchedulerSide:
             key = state.keys[j]
             to_ram = self.ram_blocks > 0 and key not in self.ram_index
             to_fs = self.fs is not None and not self.fs.contains(key)
-            if to_ram:
-                self._ram_add(key)
             if to_ram or to_fs:
-                self.meta.stores.append(StoreSpec(state.block_ids[j], key, to_ram, to_fs, state.request_id))
+                spec = StoreSpec(state.block_ids[j], key, to_ram, to_fs, state.request_id)
+                self.meta.stores.append(spec)
+                if to_ram:
+                    self.ram_stores[key] = spec
+                    self._ram_add(key)
         state.stored_upto = max(state.stored_upto, full)
 
     def load_failed(self, block_ids: set[int]) -> None:
@@ -154,7 +167,7 @@ class SchedulerSide:
             for key in [spec.key, *later]:
                 if key in self.ram_index:
                     del self.ram_index[key]
-                    self.meta.ram_evict.append(key)
+                    self._evict(key)
             if state is not None:
                 state.stored_upto = min(state.stored_upto, spec.index)
 

@@ -322,14 +322,15 @@ def test_scheduler_evicts_ram_keys_beyond_capacity_and_forgets_failed_loads():
     s = SchedulerSide(FP, B, ram_blocks=1, fs=None)
     tokens = list(range(9))
     meta = s.build_meta(sched_output([new_req("a", tokens, [1, 2, 3])]))
-    assert len(meta.stores) == 2 and meta.ram_evict == [meta.stores[0].key]
+    # block 0 is stored and evicted within the step: not stored at all (nothing to evict)
+    assert len(meta.stores) == 1 and meta.stores[0].key == list(s.ram_index)[0] and meta.ram_evict == []
     s.lookup(request("b", tokens), 0)
     assert s.lookup(request("b", tokens), 0) == (0, False)  # block 0 was evicted, so nothing leads
     s.lookup(request("c", tokens), 4)
     s.after_alloc(request("c", tokens), NS(get_block_ids=lambda: ([5, 6, 7],)), 4)
     s.build_meta(sched_output())
     s.load_failed({6})
-    assert not s.ram_index and s.build_meta(sched_output()).ram_evict == [meta.stores[1].key]
+    assert not s.ram_index and s.build_meta(sched_output()).ram_evict == [meta.stores[0].key]
 
 
 def test_a_failed_load_is_stored_again_once_recomputed(tmp_path):
@@ -422,3 +423,17 @@ def test_checked_on_the_gpu_saves_carry_the_checksum_computed_there_and_ram_keep
     assert slots_out(w) == 1  # k2's slot went back once its file was written
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k2", "fs", promote=True, request_id="r")]))
     assert w.ram.contains("k2") and slots_out(w) == 2 and all(torch.equal(t[5], t[2]) for t in w.layers.values())
+
+
+def test_a_key_stored_and_evicted_in_one_step_is_not_kept_by_the_worker(tmp_path):
+    # A prompt longer than the RAM tier: the scheduler stores its first block and evicts it within the step.
+    # The worker applied the eviction before the stores, so it kept a block the scheduler's index had dropped:
+    # leftovers filled its margin, and its own LRU then dropped keys the scheduler still planned to load.
+    s = SchedulerSide(FP, B, 2, None)
+    w = worker(tmp_path, fs=False)
+    new = NS(req_id="A", prompt_token_ids=list(range(4 * B + 1)), block_ids=[[0, 1, 2, 3]], num_computed_tokens=0)
+    so = NS(scheduled_new_reqs=[new], num_scheduled_tokens={"A": 4 * B + 1}, finished_req_ids=set(),
+            scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]))
+    w.save(s.build_meta(so))
+    w.flush()
+    assert set(w.ram.blocks) == set(s.ram_index) and len(s.ram_index) == 2
