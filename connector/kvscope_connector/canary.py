@@ -25,8 +25,9 @@ otherwise than verified, read back after the write, "inherited": blocks it loade
 computed on top of wrong KV}. A request with both 0 was served correct KV ("stale" onto a slot that already
 held the right bytes, "second-hit" on a first load, "foreign" with no other key stored, noise that the KV
 cache's dtype rounds away). Blocks a request computed on top of wrong KV are stored like any other (so the
-scheduler's view of the store stays true) and remembered: whoever loads them later got wrong KV too, until a
-request served right stores the key anew where no tier keeps the wrong copy (the RAM tier keeps what it holds).
+scheduler's view of the store stays true) and remembered, from the request's first wrong block on: whoever
+loads them later got wrong KV too. Which copy a key's loads get is decided on the save thread as the RAM tier
+changes (it keeps a key it holds; an evicted key is stored anew).
 Noise is added in the KV cache itself after the write, on its device.
 """
 
@@ -40,7 +41,7 @@ import torch
 
 from .blocks import Block
 from .connector import KVScopeConnector
-from .messages import KVScopeMetadata, LoadSpec
+from .messages import KVScopeMetadata, LoadSpec, StoreSpec
 from .worker import WorkerSide
 
 log = logging.getLogger("kvscope_connector")
@@ -75,20 +76,24 @@ class _FaultWorker(WorkerSide):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seen: set[str] = set()  # keys loaded since the last reset (second-hit)
-        self.tainted: set[str] = set()  # requests given wrong KV since the last reset
-        self.tainted_keys: set[str] = set()  # blocks those requests computed and stored
+        self.tainted: dict[str, int] = {}  # request given wrong KV since the last reset -> its first wrong block
+        self.tainted_keys: set[str] = set()  # keys whose stored copy a request computed on top of wrong KV
         self.pending: list[tuple[str, str, list[tuple[LoadSpec, Block]]]] = []  # this step's (request, fault, loads)
 
-    def save(self, meta: KVScopeMetadata) -> None:
-        for spec in meta.stores:  # what the tier will hold: a block is wrong when a request served wrong stored it
-            if not self._kept(spec.key):
-                (self.tainted_keys.add if spec.request_id in self.tainted else self.tainted_keys.discard)(spec.key)
-        super().save(meta)
-
-    def _kept(self, key: str) -> bool:
-        """Whether a store of key leaves the copy before it in place: the RAM tier keeps a key it holds (or
-        one a queued save puts there first), so that copy's taint stands."""
-        return self.ram is not None and (self.ram.contains(key) or any(key in keys for _, keys, _ in self.saving))
+    def _store(self, evict: list[str], stores: list[StoreSpec], saved, seconds: float):
+        """On the save thread, before the tier changes: a key's taint follows the copy its RAM tier will keep
+        (the canary's only tier; it keeps a key it holds). A stored block is wrong when its request got wrong
+        KV at or before the block's position."""
+        for key in evict:
+            self.tainted_keys.discard(key)
+        held = {spec.key for spec in stores if self.ram is not None and self.ram.contains(spec.key)} - set(evict)
+        for spec in stores:
+            if spec.key in held or not (spec.to_ram or self.ram is None):
+                continue
+            held.add(spec.key)
+            wrong = spec.index >= self.tainted.get(spec.request_id, spec.index + 1)
+            (self.tainted_keys.add if wrong else self.tainted_keys.discard)(spec.key)
+        return super()._store(evict, stores, saved, seconds)
 
     def load(self, meta: KVScopeMetadata) -> None:
         super().load(meta)  # to_write() notes what each request loaded, inject() writes it
@@ -98,12 +103,12 @@ class _FaultWorker(WorkerSide):
             if fault.startswith("noise-"):
                 self._add_noise(ids, float(fault[len("noise-"):]))
             now = self.extract(ids)  # what the KV cache holds after the write: a fault the dtype rounds away is none
-            changed = sum(not torch.equal(held, block) for held, (_, block) in zip(now, loaded))
-            inherited = sum(spec.key in self.tainted_keys for spec, _ in loaded)
+            changed = [spec.index for held, (spec, block) in zip(now, loaded) if not torch.equal(held, block)]
+            inherited = [spec.index for spec, _ in loaded if spec.key in self.tainted_keys]
             if changed or inherited:
-                self.tainted.add(request_id)
-            lines.append({"request": request_id, "fault": fault, "loaded": len(loaded), "changed": changed,
-                          "inherited": inherited})
+                self.tainted[request_id] = min(changed + inherited)
+            lines.append({"request": request_id, "fault": fault, "loaded": len(loaded), "changed": len(changed),
+                          "inherited": len(inherited)})
         self.pending = []
         if self.fault_log and lines:
             self.append_log(self.fault_log, lines)

@@ -41,6 +41,7 @@ class StoreSpec:
     to_ram: bool
     to_fs: bool
     request_id: str = ""  # the request whose prefill computed the block
+    index: int = 0  # the block's position in that request
 
 
 @dataclass

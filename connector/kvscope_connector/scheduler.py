@@ -146,7 +146,7 @@ class SchedulerSide:
             to_ram = self.ram_blocks > 0 and key not in self.ram_index
             to_fs = self.fs is not None and not self.fs.contains(key)
             if to_ram or to_fs:
-                spec = StoreSpec(state.block_ids[j], key, to_ram, to_fs, state.request_id)
+                spec = StoreSpec(state.block_ids[j], key, to_ram, to_fs, state.request_id, j)
                 self.meta.stores.append(spec)
                 if to_ram:
                     self.ram_stores[key] = spec

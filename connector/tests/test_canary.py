@@ -131,20 +131,46 @@ def test_blocks_computed_on_top_of_wrong_kv_are_stored_and_whoever_loads_them_is
     # Not storing them left the scheduler counting keys the worker never had: every later hit on them was a
     # miss vLLM had to recompute, logged nowhere (the H200 bf16 runs' 16 unattributed FAILs per treatment).
     w = canary(tmp_path)
-    load(w, "zeros", request="r1")
+    load(w, "zeros", request="r1")  # its third block (index 2) zeroed
     w.load(CanaryMetadata(loads=[LoadSpec(2, "k2", "ram", request_id="r2")], faults={"r2": "stale"}))  # correct
-    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r1"),
-                                   StoreSpec(5, "k-r2", True, False, request_id="r2")]))
+    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r1", index=3),
+                                   StoreSpec(5, "k-r2", True, False, request_id="r2", index=1),
+                                   StoreSpec(6, "k-r1-early", True, False, request_id="r1", index=1)]))
     w.flush()
     assert w.ram.contains("k-r1") and w.ram.contains("k-r2")
+    assert w.tainted_keys == {"k-r1"}  # r1's block 1 came before its first wrong one: right
     w.load(CanaryMetadata(loads=[LoadSpec(4, "k-r1", "ram", request_id="r3"), LoadSpec(5, "k-r2", "ram",
                                                                                        request_id="r4")],
                           faults={"r3": "stale", "r4": "stale"}))  # slots 4, 5 still hold the stored bytes
     assert [(e["request"], e["changed"], e["inherited"]) for e in log(tmp_path)[-2:]] == [("r3", 0, 1), ("r4", 0, 0)]
-    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r2")]))  # stored again, right
-    assert "k-r1" in w.tainted_keys  # but the RAM tier keeps the copy it holds
     w.load(CanaryMetadata(reset=True))
     assert not w.tainted_keys and not w.tainted
+
+
+def test_a_keys_taint_follows_the_copy_the_ram_tier_keeps(tmp_path):
+    # The H200 TRITON_ATTN run (2026-12-02): a block computed over zeros was stored, then stored again by
+    # requests served right, which the RAM tier ignores (it keeps a key it holds); the canary had cleared the
+    # key's taint, so 7 later loads of the zeroed copy were logged unaffected (changed 0, inherited 0) and FAILed.
+    w = canary(tmp_path)
+    load(w, "zeros", request="r1")
+    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r1", index=3)]))
+    w.save(KVScopeMetadata(stores=[StoreSpec(5, "k-r1", True, False, request_id="r2", index=3)]))
+    w.flush()
+    assert w.tainted_keys == {"k-r1"} and torch.equal(w.ram.get("k-r1")[0], w.extract([4])[0])  # r1's copy kept
+
+    def reload(request):
+        w.load(CanaryMetadata(loads=[LoadSpec(9, "k-r1", "ram", request_id=request)], faults={request: "stale"}))
+        return log(tmp_path)[-1]["inherited"]
+
+    assert reload("r3") == 1
+    # evicted and stored again in one step by a request served right: the right copy, untainted
+    w.save(KVScopeMetadata(ram_evict=["k-r1"], stores=[StoreSpec(5, "k-r1", True, False, request_id="r2", index=3)]))
+    w.flush()
+    assert reload("r4") == 0
+    # and by a request served wrong: the wrong copy, tainted (the old canary missed this one)
+    w.save(KVScopeMetadata(ram_evict=["k-r1"], stores=[StoreSpec(4, "k-r1", True, False, request_id="r1", index=3)]))
+    w.flush()
+    assert reload("r5") == 1
 
 
 def test_noise_that_the_caches_dtype_rounds_away_is_logged_as_unchanged(tmp_path):
@@ -156,24 +182,3 @@ def test_noise_that_the_caches_dtype_rounds_away_is_logged_as_unchanged(tmp_path
     load(w, "noise-1e-3")  # 1e-3 of a tiny spread, on values whose bf16 step is 0.5
     assert log(tmp_path)[0]["changed"] == 0
     assert torch.equal(w.layers["layer0"][8:11], torch.stack([w.layers["layer0"][j] for j in range(3)]))
-
-
-def test_a_key_stored_again_by_a_request_served_right_stays_wrong_while_the_ram_tier_keeps_the_wrong_copy(tmp_path):
-    # The H200 TRITON_ATTN run (2026-12-02): a block computed over zeros was stored, stored again by requests
-    # served right, which the RAM tier ignores (it keeps the copy it has); the log then called 7 later loads of
-    # it unaffected (changed 0, inherited 0) while they loaded the zeros: 7 "unaffected" hits that FAILed.
-    w = canary(tmp_path)
-    load(w, "zeros", request="r1")
-    w.save(KVScopeMetadata(stores=[StoreSpec(4, "k-r1", True, False, request_id="r1")]))
-    w.save(KVScopeMetadata(stores=[StoreSpec(5, "k-r1", True, False, request_id="r2")]))  # queued behind r1's
-    w.flush()
-    w.save(KVScopeMetadata(stores=[StoreSpec(6, "k-r1", True, False, request_id="r2")]))  # held: kept as it is
-    w.flush()
-    w.load(CanaryMetadata(loads=[LoadSpec(9, "k-r1", "ram", request_id="r3")], faults={"r3": "none"}))
-    assert (log(tmp_path)[-1]["request"], log(tmp_path)[-1]["inherited"]) == ("r3", 1)
-    assert torch.equal(w.layers["layer0"][9], w.layers["layer0"][4])  # r1's bytes ("none": loaded as stored)
-    w.ram.discard("k-r1")  # gone from the tier: stored anew by a request served right, it is right again
-    w.save(KVScopeMetadata(stores=[StoreSpec(5, "k-r1", True, False, request_id="r2")]))
-    w.flush()
-    w.load(CanaryMetadata(loads=[LoadSpec(10, "k-r1", "ram", request_id="r4")], faults={"r4": "none"}))
-    assert (log(tmp_path)[-1]["request"], log(tmp_path)[-1]["inherited"]) == ("r4", 0)
