@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from kvscope.config import matrix
-from kvscope.config.render import flag_value, render
+from kvscope.config.render import flag_value, parse_overrides, render
 
 SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml"
 
@@ -206,6 +206,22 @@ def test_a_flag_given_whole_and_by_key_is_refused_since_vllm_would_drop_the_whol
     with pytest.raises(matrix.ConfigError, match="'--attention-config' is given whole and by key "
                                                  r"\('--attention-config.flash_attn_version'\)"):
         render(m, cfg, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1")
+
+
+@pytest.mark.parametrize("flags", [{"--attention-config": '{"backend": "FLASH_ATTN"}'},
+                                   {"--attention-config.backend": "FLASH_ATTN"}, {"--attention_backend": "FLEX"}])
+def test_exact_mode_refuses_a_config_that_picks_its_own_attention_backend(tmp_path, flags):
+    # vLLM refuses --attention-backend beside an --attention-config backend at start-up ("mutually exclusive"),
+    # and a config's own --attention-backend would be replaced silently by the platform's invariant one
+    m = matrix.load(SHIPPED)
+    cfg = m.get("kvscope-fs").model_copy(update={"flags": flags})
+    render(m, cfg, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1")  # normal mode: the config's choice
+    with pytest.raises(matrix.ConfigError, match="mutually exclusive|exact mode sets --attention-backend"):
+        render(m, cfg, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
+    # an override is the user's explicit choice for every server (exact-bench.sh's ATTENTION)
+    out = render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True,
+                 overrides=parse_overrides('{"attention-backend": "FLASH_ATTN"}'))
+    assert flag_value(out.server_args, "--attention-backend") == "FLASH_ATTN"
 
 
 def test_a_bench_refuses_servers_of_both_modes_and_an_exact_bench_of_normal_servers():

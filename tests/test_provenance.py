@@ -82,17 +82,21 @@ def answer(config: str, rid: str, tokens: list[int], cached: int) -> Record:
 
 
 def test_exact_mode_groups_the_candidates_that_reused_as_much_by_bitwise_equal_answers():
-    # the H200 TRITON_ATTN run's three patterns: vLLM's prefix cache and both kvscope tiers agreeing on one
-    # other answer, a store alone, and a request where another candidate reused a different amount (left out)
-    answers = {"golden": [("r1", [1, 2], 0), ("r2", [1, 2], 0), ("r3", [5], 0)],
-               "apc": [("r1", [1, 3], 64), ("r2", [1, 2], 32), ("r3", [5], 32)],
-               "ram": [("r1", [1, 3], 64), ("r2", [1, 2], 32), ("r3", [6], 64)],
-               "offload": [("r1", [1, 4], 64), ("r2", [7], 32), ("r3", [5], 64)]}
+    # the H200 runs' patterns: vLLM's prefix cache and both kvscope tiers agreeing on one other answer, a store
+    # alone, candidates that reused different amounts (a line each), and caches giving the control's answer
+    answers = {"golden": [("r1", [1, 2], 0), ("r2", [1, 2], 0), ("r3", [5], 0), ("r4", [8], 0)],
+               "control": [("r1", [1, 2], 0), ("r2", [1, 2], 0), ("r3", [5], 0), ("r4", [9], 0)],
+               "apc": [("r1", [1, 3], 64), ("r2", [1, 2], 32), ("r3", [5], 32), ("r4", [9], 32)],
+               "ram": [("r1", [1, 3], 64), ("r2", [1, 2], 32), ("r3", [6], 64), ("r4", [9], 32)],
+               "offload": [("r1", [1, 4], 64), ("r2", [7], 32), ("r3", [4], 32), ("r4", [8], 32)]}
     recs = {(c, "s"): [answer(c, rid, t, n) for rid, t, n in rows] for c, rows in answers.items()}
-    fails = [("apc", "r1", 64), ("ram", "r1", 64), ("offload", "r1", 64), ("offload", "r2", 32), ("ram", "r3", 64)]
+    fails = [("apc", "r1", 64), ("ram", "r1", 64), ("offload", "r1", 64), ("offload", "r2", 32), ("ram", "r3", 64),
+             ("offload", "r3", 32), ("apc", "r4", 32), ("ram", "r4", 32)]
     scores = pd.DataFrame([{"config": c, "scenario": "s", "phase": "measure", "request_id": rid, "cls": "FAIL",
                             "cached_tokens": n} for c, rid, n in fails])
-    assert provenance.shared_differences(recs, scores, "golden", ["apc", "ram", "offload"]) == [
+    assert provenance.shared_differences(recs, scores, "golden", "control", ["apc", "ram", "offload"]) == [
         "`r1` (64 cached tokens): apc = ram | offload",
+        "`r4` (32 cached tokens): apc = ram (the control's answer); as golden: offload",
         "`r2` (32 cached tokens): offload; as golden: apc, ram",
-        "`r3` (64 cached tokens): ram; as golden: offload"]
+        "`r3` (64 cached tokens): ram",
+        "`r3` (32 cached tokens): offload; as golden: apc"]

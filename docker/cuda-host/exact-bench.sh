@@ -11,13 +11,15 @@
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
 # folders are written under OUT_DIR/results, outside the checkout: a tool that syncs the checkout while the
 # run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default);
-# ATTENTION names the 4B parts' attention backend (vLLM's choice by default).
-#   [PARTS=tiny,exact,normal,failed-load] [ATTENTION=TRITON_ATTN] docker/cuda-host/exact-bench.sh OUT_DIR \
+# ATTENTION serves the 4B parts on another attention backend than the matrix's (their run ids then name it).
+#   [PARTS=tiny,exact,normal,failed-load] [ATTENTION=FLASH_ATTN] docker/cuda-host/exact-bench.sh OUT_DIR \
 #     [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
 here=$(dirname "$0"); all=tiny,exact,normal,failed-load; parts=,${PARTS:-$all},
 want() { [[ $parts == *,$1,* ]]; }
+[[ ${ATTENTION:-X} =~ ^[A-Z0-9_]+$ ]] || { echo "exact-bench: ATTENTION '$ATTENTION' is not a backend name" >&2; exit 2; }
+tag=${ATTENTION:+-${ATTENTION,,}}
 for part in ${parts//,/ }; do
   [[ ,$all, == *,$part,* ]] || { echo "exact-bench: no part '$part' ($all)" >&2; exit 2; }
 done
@@ -36,14 +38,14 @@ want tiny && (
   keep tiny tiny.log results/h200-exact-tiny-fp32
 ) &
 if want exact; then
-  EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16 "$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs" "$bf16" \
+  EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16$tag "$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs" "$bf16" \
     "$users" > "$out/exact.log" 2>&1
-  keep exact exact.log results/h200-exact-4b-bf16
+  keep exact exact.log "results/h200-exact-4b-bf16$tag"
 fi
 wait
 if want normal; then
-  bash "$here/bench.sh" qwen3-4b h200-normal-4b-bf16 baseline,apc,kvscope-fs "$bf16" "$users" > "$out/normal.log" 2>&1
-  keep normal normal.log results/h200-normal-4b-bf16
+  bash "$here/bench.sh" qwen3-4b "h200-normal-4b-bf16$tag" baseline,apc,kvscope-fs "$bf16" "$users" > "$out/normal.log" 2>&1
+  keep normal normal.log "results/h200-normal-4b-bf16$tag"
 fi
 if want failed-load; then
   python3 loadtests/repro/vllm_failed_load.py models/tiny --dtype float32 > "$out/failed-load.txt" 2>&1

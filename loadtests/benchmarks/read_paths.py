@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,10 +50,15 @@ def drop(paths: list[str]) -> None:
             os.close(fd)
 
 
+def exactly(got: int, want: int) -> None:
+    if got != want:
+        raise OSError(f"short read: {got} of {want} bytes")
+
+
 def per_file(files, dst, size, pool):
     def one(i):
         with open(files[i], "rb", buffering=0) as f:
-            assert f.readinto(dst[i * size:(i + 1) * size].numpy()) == size
+            exactly(f.readinto(dst[i * size:(i + 1) * size].numpy()), size)
     list(pool.map(one, range(len(files))))
 
 
@@ -62,7 +68,7 @@ def preadv(segment, dst, size, n, chunk, pool):
         def one(start):
             stop = min(n, start + chunk)
             views = [dst[i * size:(i + 1) * size].numpy() for i in range(start, stop)]
-            assert os.preadv(fd, views, start * size) == (stop - start) * size
+            exactly(os.preadv(fd, views, start * size), (stop - start) * size)
         list(pool.map(one, range(0, n, chunk)))
     finally:
         os.close(fd)
@@ -72,7 +78,10 @@ def raw(segment, dst):
     with open(segment, "rb", buffering=0) as f:
         view, got = memoryview(dst.numpy()), 0
         while got < len(view):
-            got += f.readinto(view[got:got + (64 << 20)])
+            step = f.readinto(view[got:got + (64 << 20)])
+            if not step:
+                raise OSError(f"the segment ended after {got} bytes")
+            got += step
 
 
 def main() -> None:
@@ -84,84 +93,87 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     args = ap.parse_args()
+    if not 1 <= args.chunk <= 1024:  # IOV_MAX
+        ap.error("--chunk: 1 to 1024 blocks")
     n, size = args.blocks, int(args.block_mb * (1 << 20)) // 4096 * 4096
     total = n * size
     gpu = torch.cuda.is_available()
     src = torch.randint(0, 256, (total,), dtype=torch.uint8)
     dst = torch.empty(total, dtype=torch.uint8, pin_memory=gpu)
     work = tempfile.mkdtemp(dir=args.dir, prefix="read-paths-")
-    files = [os.path.join(work, f"b{i}") for i in range(n)]
-    segment = os.path.join(work, "segment")
-    for i, p in enumerate(files):
-        with open(p, "wb") as f:
-            f.write(src[i * size:(i + 1) * size].numpy())
-    with open(segment, "wb") as f:
-        f.write(src.numpy())
-    pool = ThreadPoolExecutor(args.threads)
-    ways = {"raw": (lambda: raw(segment, dst), [segment]),
-            "per-file": (lambda: per_file(files, dst, size, pool), files),
-            "preadv": (lambda: preadv(segment, dst, size, n, args.chunk, pool), [segment])}
-    on_gpu = {}
-    if gpu:
-        dev = torch.empty(total, dtype=torch.uint8, device="cuda")
-        ways["h2d"] = (lambda: dev.copy_(dst, non_blocking=True), [])
-        try:
-            import kvikio
-            import kvikio.cufile_driver
-            import kvikio.defaults
-            print(f"kvikio {kvikio.__version__}: compat mode {kvikio.defaults.get('compat_mode')}, "
-                  f"threads {kvikio.defaults.get('num_threads')}")
+    try:
+        files = [os.path.join(work, f"b{i}") for i in range(n)]
+        segment = os.path.join(work, "segment")
+        for i, p in enumerate(files):
+            with open(p, "wb") as f:
+                f.write(src[i * size:(i + 1) * size].numpy())
+        with open(segment, "wb") as f:
+            f.write(src.numpy())
+        pool = ThreadPoolExecutor(args.threads)
+        ways = {"raw": (lambda: raw(segment, dst), [segment]),
+                "per-file": (lambda: per_file(files, dst, size, pool), files),
+                "preadv": (lambda: preadv(segment, dst, size, n, args.chunk, pool), [segment])}
+        on_gpu = {}
+        if gpu:
+            dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+            ways["h2d"] = (lambda: dev.copy_(dst, non_blocking=True), [])
             try:
-                print(f"GDS available: {kvikio.cufile_driver.get('is_gds_available')}")
-            except Exception as e:  # no cuFile driver: compat mode only
-                print(f"GDS not available: {type(e).__name__}: {e}")
+                import kvikio
+                import kvikio.cufile_driver
+                import kvikio.defaults
+                print(f"kvikio {kvikio.__version__}: compat mode {kvikio.defaults.get('compat_mode')}, "
+                      f"threads {kvikio.defaults.get('num_threads')}")
+                try:
+                    print(f"GDS available: {kvikio.cufile_driver.get('is_gds_available')}")
+                except Exception as e:  # no cuFile driver: compat mode only
+                    print(f"GDS not available: {type(e).__name__}: {e}")
 
-            def kv(buf):
-                with kvikio.CuFile(segment, "r") as f:
-                    assert f.pread(buf, total).get() == total
-            ways["kvikio-gpu"] = (lambda: kv(dev), [segment])
-            ways["kvikio-host"] = (lambda: kv(dst.numpy()), [segment])
-            on_gpu["kvikio-gpu"] = dev
-        except Exception as e:
-            print(f"kvikio not measured: {type(e).__name__}: {e}")
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    print(f"machine: {os.cpu_count()} cores {platform.machine()}, "
-          f"{torch.cuda.get_device_name() if gpu else 'no GPU'}, torch {torch.__version__}; "
-          f"{args.dir} on {filesystem(args.dir)}")
-    print(f"{n} blocks of {size / (1 << 20):.2f} MiB ({total / 1e9:.2f} GB), {args.threads} threads, "
-          f"preadv {args.chunk} blocks a call, median of {args.rounds}; dir {args.dir}")
-    rates = {}
-    for cache in ("warm", "cold"):
-        for name, (fn, paths) in ways.items():
-            if cache == "cold" and not paths:
-                continue
-            times = []
-            for _ in range(args.rounds):
-                dst.zero_()
-                if name in on_gpu:
-                    on_gpu[name].zero_()
-                if cache == "cold":
-                    drop(paths)
-                elif not times:
-                    fn()  # warm-up: the files in the page cache
-                sync()
-                t = time.perf_counter()
-                fn()
-                sync()
-                times.append(time.perf_counter() - t)
-            got = on_gpu[name].cpu() if name in on_gpu else dst
-            ok = "ok" if name == "h2d" or torch.equal(got, src) else "WRONG BYTES"
-            gbs = [total / t / 1e9 for t in times]
-            rates[cache, name] = float(np.median(gbs))
-            print(f"{cache:4} {name:11} {rates[cache, name]:6.2f} GB/s (min {min(gbs):.2f}, max {max(gbs):.2f}, "
-                  f"n {len(gbs)}) {ok}")
-    for cache in ("warm", "cold"):
-        base = rates[cache, "raw"]
-        print(f"{cache}: " + ", ".join(f"{name} / raw {r / base:.2f}" for (c, name), r in rates.items()
-                                       if c == cache and name != "raw"))
-    for p in files + [segment]:
-        os.unlink(p)
-    os.rmdir(work)
+                def kv(buf):
+                    with kvikio.CuFile(segment, "r") as f:
+                        exactly(f.pread(buf, total).get(), total)
+                ways["kvikio-gpu"] = (lambda: kv(dev), [segment])
+                ways["kvikio-host"] = (lambda: kv(dst.numpy()), [segment])
+                on_gpu["kvikio-gpu"] = dev
+            except Exception as e:
+                print(f"kvikio not measured: {type(e).__name__}: {e}")
+        sync = torch.cuda.synchronize if gpu else (lambda: None)
+        print(f"machine: {os.cpu_count()} cores {platform.machine()}, "
+              f"{torch.cuda.get_device_name() if gpu else 'no GPU'}, torch {torch.__version__}; "
+              f"{args.dir} on {filesystem(args.dir)}" + (" (tmpfs: its cold reads are not cold)"
+                                                    if "(tmpfs)" in filesystem(args.dir) else ""))
+        print(f"{n} blocks of {size / (1 << 20):.2f} MiB ({total / 1e9:.2f} GB), {args.threads} threads, "
+              f"preadv {args.chunk} blocks a call, median of {args.rounds}; dir {args.dir}")
+        rates = {}
+        for cache in ("warm", "cold"):
+            for name, (fn, paths) in ways.items():
+                if cache == "cold" and not paths:
+                    continue
+                times = []
+                for _ in range(args.rounds):
+                    dst.zero_()
+                    if name in on_gpu:
+                        on_gpu[name].zero_()
+                    if cache == "cold":
+                        drop(paths)
+                    elif not times:
+                        fn()  # warm-up: the files in the page cache
+                    sync()
+                    t = time.perf_counter()
+                    fn()
+                    sync()
+                    times.append(time.perf_counter() - t)
+                got = on_gpu[name].cpu() if name in on_gpu else dst
+                ok = "(not checked)" if name == "h2d" else "ok" if torch.equal(got, src) else "WRONG BYTES"
+                gbs = [total / t / 1e9 for t in times]
+                rates[cache, name] = float(np.median(gbs))
+                print(f"{cache:4} {name:11} {rates[cache, name]:6.2f} GB/s (min {min(gbs):.2f}, max {max(gbs):.2f}, "
+                      f"n {len(gbs)}) {ok}")
+        for cache in ("warm", "cold"):
+            base = rates[cache, "raw"]
+            print(f"{cache}: " + ", ".join(f"{name} / raw {r / base:.2f}" for (c, name), r in rates.items()
+                                           if c == cache and name != "raw"))
+    finally:
+        shutil.rmtree(work)
 
 
 if __name__ == "__main__":

@@ -78,11 +78,12 @@ def table(recs: dict[tuple[str, str], list[Record]], scores: pd.DataFrame, block
 
 
 def shared_differences(recs: dict[tuple[str, str], list[Record]], scores: pd.DataFrame, golden: str,
-                       candidates: list[str]) -> list[str]:
+                       control: str | None, candidates: list[str]) -> list[str]:
     """Exact mode: each request on which a candidate's hit differs from golden, with the candidates that reused
-    as many of its tokens grouped by bitwise-equal answers ("=" joins a group, "|" separates groups). The same
-    answer from different stores after the same reuse points at the arithmetic after a reuse, one store's
-    answer of its own at its bytes. Requests where stores agree come first."""
+    as many of its tokens grouped by bitwise-equal answers ("=" joins a group, "|" separates groups; a group
+    that gave the cache-off control's answer says so). The same answer from different stores after the same
+    reuse points at the arithmetic after a reuse; a store's answer of its own is not isolated by this.
+    Requests where stores agree come first."""
     fails = scores[(scores.cls == Answer.FAIL) & (scores.phase == "measure") & scores.config.isin(candidates)
                    & (scores.cached_tokens.fillna(0) > 0)]
     answers: dict[tuple[str, str], dict[str, Record]] = {}
@@ -90,17 +91,21 @@ def shared_differences(recs: dict[tuple[str, str], list[Record]], scores: pd.Dat
         for r in records:
             if r.phase == "measure" and r.ok:
                 answers.setdefault((r.scenario, r.request_id), {})[config] = r
+
+    def answer(r: Record | None) -> str | None:
+        return None if r is None else repr((r.output_token_ids, r.top_logprobs))
+
     lines: list[tuple[int, str]] = []
-    for (scenario, request), part in fails.groupby(["scenario", "request_id"], sort=False):
+    for (scenario, request, cached), _ in fails.groupby(["scenario", "request_id", "cached_tokens"], sort=False):
         served = answers.get((scenario, request), {})
-        cached = int(part.cached_tokens.iloc[0])
         groups: dict[str, list[str]] = {}
         for config in candidates:
-            if (answer := served.get(config)) is not None and answer.cached_tokens == cached:
-                groups.setdefault(repr((answer.output_token_ids, answer.top_logprobs)), []).append(config)
-        gold = served.get(golden)
-        same = groups.pop(repr((gold.output_token_ids, gold.top_logprobs)), []) if gold else []
-        text = " | ".join(" = ".join(g) for g in groups.values())
-        lines.append((-max(map(len, groups.values())), f"`{request}` ({cached} cached tokens): {text}"
+            if (got := served.get(config)) is not None and got.cached_tokens == cached:
+                groups.setdefault(answer(got) or "", []).append(config)
+        same = groups.pop(answer(served.get(golden)) or "", [])
+        as_control = answer(served.get(control)) if control else None
+        text = " | ".join(" = ".join(g) + (" (the control's answer)" if key == as_control else "")
+                          for key, g in groups.items())
+        lines.append((-max(map(len, groups.values())), f"`{request}` ({int(cached)} cached tokens): {text}"
                       + (f"; as golden: {', '.join(same)}" if same else "")))
     return [line for _, line in sorted(lines, key=lambda pair: pair[0])]

@@ -552,15 +552,17 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
         for r in fails.head(10).itertuples():
             lines.append(f"- `{r.config}` / `{r.request_id}` (cached {r.cached_tokens}): {r.reason}")
         lines.append("")
-    if run.mode == "exact" and (shared := provenance.shared_differences(
-            a.recs, scores, next(s.config for s in run.servers if s.role == "golden"),
+    roles = {s.role: s.config for s in run.servers if s.role in ("golden", "control")}
+    if run.mode == "exact" and "golden" in roles and (shared := provenance.shared_differences(
+            a.recs, scores, roles["golden"], roles.get("control"),
             [s.config for s in run.servers if s.role == "candidate"])):
         lines += ["Where the candidates' hits differ from golden (exact mode), the candidates that reused as many "
                   "tokens of the request, grouped by bitwise-equal answers (`=` joins, `|` separates): one "
                   "answer from different stores after the same reuse points at the arithmetic after a reuse "
-                  "(this stack's batch invariance), an answer of one store's own at its bytes.", ""]
+                  "(this stack's batch invariance), unless it is the cache-off control's answer too (said beside "
+                  "the group); a store's answer of its own is not isolated by this.", ""]
         lines += [f"- {line}" for line in shared[:SHARED_SHOWN]]
-        lines += [f"- and {len(shared) - SHARED_SHOWN} more requests", ""] if len(shared) > SHARED_SHOWN else [""]
+        lines += [f"- and {len(shared) - SHARED_SHOWN} more", ""] if len(shared) > SHARED_SHOWN else [""]
     prov = provenance.table(a.recs, scores, {s.config: s.block_size for s in run.servers
                                              if s.role not in ("golden", "canary")})
     if len(prov):

@@ -6,6 +6,7 @@ else restates it. Validation runs before anything is deployed, and every error n
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -97,6 +98,23 @@ def whole_and_key_errors(flags: dict[str, FlagValue]) -> list[str]:
             keyed.setdefault(vllm_option(flag), []).append(vllm_flag(flag))
     return [f"flag '{f}' is given whole and by key ({', '.join(repr(k) for k in keyed[vllm_flag(f)])}): vLLM would "
             "drop the whole value; give its keys as flags of their own" for f in flags if vllm_flag(f) in keyed]
+
+
+def attention_backend_errors(flags: dict[str, FlagValue]) -> list[str]:
+    """vLLM refuses `--attention-backend` beside an `--attention-config` that names a backend ("mutually
+    exclusive"), at start-up: say so before anything is deployed."""
+    named = {vllm_flag(f): v for f, v in flags.items()}
+    if "--attention-backend" not in named:
+        return []
+    whole = named.get("--attention-config")
+    try:
+        whole_backend = isinstance(whole, str) and "backend" in json.loads(whole)
+    except (ValueError, TypeError):
+        whole_backend = False
+    if "--attention-config.backend" in named or whole_backend:
+        return ["'--attention-backend' and an '--attention-config' backend are both given: vLLM refuses them "
+                "as mutually exclusive"]
+    return []
 
 
 def vllm_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:

@@ -15,9 +15,11 @@ from kvscope.config.matrix import (
     Matrix,
     Platform,
     StorageConfig,
+    attention_backend_errors,
     cache_off_errors,
     flag_errors,
     vllm_flags,
+    vllm_option,
     whole_and_key_errors,
 )
 
@@ -91,7 +93,10 @@ def render(
     port = cfg.port + port_offset
     args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
     flags = {**defaults.flags, **cfg.flags, **(mode.flags if mode else {}), **(overrides or {})}
-    if errors := whole_and_key_errors(flags):
+    if mode and (mine := {vllm_option(f) for f in cfg.flags} & {vllm_option(f) for f in mode.flags}):
+        raise ConfigError(f"config '{cfg.name}': exact mode sets {', '.join(sorted(mine))} (platforms.{platform}"
+                          ".exact), which the config sets too; batch invariance needs the platform's choice")
+    if errors := whole_and_key_errors(flags) + attention_backend_errors(flags):
         raise ConfigError(f"config '{cfg.name}': {'; '.join(errors)}")
     if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
         raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
