@@ -45,7 +45,7 @@ def load(folder: Path) -> LoadedRun:
     treatments = [(s.config, scenario) for s in run.servers for scenario in run.scenarios]
     return LoadedRun(
         folder=folder, run=run, status=status, recs=_records(rf, run, status),
-        unrecorded=unrecorded(folder, run),
+        unrecorded=_unrecorded(rf, run),
         continuations={t: continuations.load(folder, *t) for t in treatments},
         faults={t: read_jsonl(rf.faults(*t), FaultEvent) for t in treatments if rf.faults(*t).exists()},
         loads={t: read_jsonl(rf.loads(*t), LoadEvent) for t in treatments if rf.loads(*t).exists()},
@@ -73,9 +73,8 @@ def _records(rf: RunFolder, run: RunInfo, status: list[StatusRow]) -> dict[Confi
     return recs
 
 
-def unrecorded(folder: Path, run: RunInfo) -> frozenset[ConfigScenario]:
+def _unrecorded(rf: RunFolder, run: RunInfo) -> frozenset[ConfigScenario]:
     """The treatments whose records file is absent or empty."""
-    rf = RunFolder(folder)
     return frozenset((s.config, scenario) for s in run.servers for scenario in run.scenarios
                      if not (path := rf.records(s.config, scenario)).exists() or not path.stat().st_size)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, verdicts
-from kvscope.analyze.loaded import LoadedRun, load, unrecorded
+from kvscope.analyze.loaded import LoadedRun, load
 from kvscope.artifacts import (
     Answer,
     Difference,
@@ -27,7 +27,6 @@ from kvscope.artifacts import (
     StatusRow,
     Treatment,
     Verdict,
-    read_json,
     write_json,
 )
 from kvscope.config.matrix import ROLE_ORDER
@@ -317,16 +316,13 @@ def write_report(a: Analysis) -> int:
     return verdicts.gate(a.verdicts)
 
 
-def console(folder: Path) -> str:
-    """The verdicts and the detection power of a written report, as plain text for the terminal."""
-    rf = RunFolder(folder)
-    v = pd.read_csv(rf.table("verdicts"))
-    run = read_json(rf.run_json, RunInfo)
+def console(a: Analysis) -> str:
+    """The verdicts and the detection power, as plain text for the terminal."""
+    run, power = a.loaded.run, a.power
     lines = [f"{Verdict.INCOMPLETE} RUN: stopped early ({run.interrupted})"] if run.interrupted else []
-    lines += golden_missing(run, unrecorded(folder, run))
+    lines += golden_missing(run, a.loaded.unrecorded)
     lines += [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
-             for r in v.itertuples()]
-    power = pd.read_csv(rf.table("power"))
+              for r in a.verdicts.itertuples()]
     if len(power):
         lines += ["", "detection power (wrong KV served by each canary treatment, caught):"]
         lines += [f"  {r.fault:<12} {r.detected:>4} of {r.affected_hits:<4} hits it broke  rate {r.rate:.3f} "
@@ -336,14 +332,13 @@ def console(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def as_json(folder: Path, code: int) -> str:
-    """The verdicts, the detection power and the gate of a written report, as one JSON document."""
-    rf = RunFolder(folder)
-    v, power = pd.read_csv(rf.table("verdicts")), pd.read_csv(rf.table("power"))
-    run = read_json(rf.run_json, RunInfo)
-    doc = {"run": str(folder), "gate": {"exit": code, "words": GATE_WORDS[code]}, "interrupted": run.interrupted,
-           "golden_missing": golden_missing(run, unrecorded(folder, run)),
-           "verdicts": json.loads(v.to_json(orient="records")), "power": json.loads(power.to_json(orient="records"))}
+def as_json(a: Analysis, code: int) -> str:
+    """The verdicts, the detection power and the gate, as one JSON document."""
+    run = a.loaded.run
+    doc = {"run": str(a.loaded.folder), "gate": {"exit": code, "words": GATE_WORDS[code]},
+           "interrupted": run.interrupted, "golden_missing": golden_missing(run, a.loaded.unrecorded),
+           "verdicts": json.loads(a.verdicts.to_json(orient="records")),
+           "power": json.loads(a.power.to_json(orient="records"))}
     return json.dumps(doc, indent=1)
 
 
