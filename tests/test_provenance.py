@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvscope.analyze import provenance, report
+from kvscope.analyze import provenance
+from kvscope.analyze.loaded import load
 from kvscope.artifacts import Record
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -56,7 +57,8 @@ def test_blocks_no_request_of_the_treatment_computed_came_from_an_earlier_one():
 
 def published(name: str, roles: tuple[str, ...]) -> pd.DataFrame:
     folder = RESULTS / name
-    run, _, recs = report._load(folder)
+    loaded = load(folder)
+    run, recs = loaded.run, loaded.recs
     sizes = {s.config: s.block_size for s in run.servers if s.role in roles}
     return provenance.table(recs, pd.read_csv(folder / "scores.csv"), sizes).set_index(["config", "scenario"])
 

@@ -26,6 +26,31 @@ def test_a_published_run_rerenders_to_the_report_and_tables_it_publishes(run, tm
         assert (copy / name).read_text() == (run / name).read_text(), f"{run.name}/{name}"
 
 
+def test_a_loaded_run_scores_and_renders_with_none_of_its_input_files_left(tmp_path, monkeypatch):
+    # the folder is read once (loaded.load); scoring and rendering read no input file again
+    from kvscope.analyze import loaded
+
+    name = "2026-12-02-h200-vllm0.26-qwen3-4b-bf16-exact-triton"  # continuations, fault and load logs
+    run = REPO / "results" / name
+    copy = shutil.copytree(run, tmp_path / "results" / name)
+    monkeypatch.chdir(tmp_path)
+    data = loaded.load(Path("results") / name)
+    assert data.faults and data.loads and any(data.continuations.values())
+    inputs = ["records", "continuations", "faults", "loads", "workloads", "run.json", "status.jsonl"]
+    for entry in inputs:
+        if (copy / entry).is_dir():
+            shutil.rmtree(copy / entry)
+        else:
+            (copy / entry).unlink()
+    for f in copy.iterdir():
+        if f.suffix == ".csv" or f.name == "report.md":
+            f.unlink()
+    report.write_report(report.analyze(data))
+    for f in sorted(run.iterdir()):
+        if f.suffix == ".csv" or f.name in ("report.md", "run.json"):
+            assert (copy / f.name).read_text() == f.read_text(), f.name
+
+
 def test_the_results_index_names_no_other_cpu_than_each_runs_own():
     # results/README.md once called an AMD EPYC run "Intel Xeon": machine facts come from run.json
     from kvscope.artifacts import RunInfo, read_json

@@ -9,7 +9,7 @@ import json
 import pandas as pd
 import pytest
 
-from kvscope.analyze import comparison, fidelity, report
+from kvscope.analyze import comparison, fidelity, loaded, report
 from kvscope.artifacts import Record
 
 SERVERS = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-shift", "canary")]
@@ -262,7 +262,7 @@ def test_missing_golden_records_are_named(tmp_path):
     outputs = four()
     del outputs["baseline"]
     run = make_run(tmp_path / "run", outputs)  # not interrupted (run.json says so): a folder assembled wrongly
-    with pytest.raises(report.RunError, match=r"baseline__s\.jsonl: golden records missing"):
+    with pytest.raises(loaded.RunError, match=r"baseline__s\.jsonl: golden records missing"):
         report.write(run)
     assert cli.main(["report", str(run)]) == 2 and not (run / "report.md").exists()
 
@@ -330,7 +330,7 @@ def test_truncated_records_are_named(tmp_path):
     run = make_run(tmp_path / "run", four())
     with open(run / "records" / "apc__s.jsonl", "a") as f:
         f.write('{"config": "apc", "scen')
-    with pytest.raises(report.RunError, match=r"apc__s\.jsonl:3: truncated"):
+    with pytest.raises(loaded.RunError, match=r"apc__s\.jsonl:3: truncated"):
         report.write(run)
 
 
@@ -341,7 +341,7 @@ def test_compare_refuses_runs_with_different_workloads(tmp_path):
     text = comparison.write([a, b], tmp_path / "ab")
     assert "| apc | a |" in text and "| apc | b |" in text
     assert {p.name for p in (tmp_path / "ab").iterdir()} == {"comparison.md", "comparison.html", "speedup.png"}
-    with pytest.raises(report.RunError, match="different workloads"):
+    with pytest.raises(loaded.RunError, match="different workloads"):
         comparison.write([a, c])
 
 
@@ -509,7 +509,7 @@ def test_a_load_sweep_and_repeats_become_their_own_columns_and_a_sweep_table(tmp
     sweep = pd.read_csv(run / "sweep.csv")
     assert list(sweep[sweep.config == "apc"].users) == [1, 4] and (run / "load_sweep.png").exists()
     assert pd.read_csv(run / "overview.csv").set_index("config").loc["apc"].speedup_repeats == "1.00–1.00 over 2"
-    assert overview.sweep(report.analyze(run).run, {}).requests_per_s.isna().all()  # no records, no throughput
+    assert overview.sweep(report.analyze(loaded.load(run)).loaded.run, {}).requests_per_s.isna().all()  # no records, no throughput
 
 
 def test_a_connector_module_that_does_not_import_is_named_in_the_report(tmp_path):

@@ -145,14 +145,15 @@ def _terminated(signum, frame):
 
 
 def _report(folder: Path, args) -> int:
-    from kvscope.analyze import overview, report
+    from kvscope.analyze import loaded, overview, report
     from kvscope.runfolder import RunFolder
 
-    code = report.write(folder, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
+    a = report.analyze(loaded.load(folder), args.min_hits, args.max_failed, overview.parse_slo(args.slo))
+    code = report.write_report(a)
     if args.json:  # the verdicts and the gate, nothing else on stdout
-        print(report.as_json(folder, code))
+        print(report.as_json(a, code))
         return code
-    print(report.console(folder))
+    print(report.console(a))
     print(f"report: {RunFolder(folder).report_md}\ngate: {report.GATE_WORDS[code]}")
     return code
 

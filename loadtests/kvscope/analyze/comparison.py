@@ -11,17 +11,18 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import html, plots
+from kvscope.analyze.loaded import RunError, load
 from kvscope.analyze.overview import answered, throughput, tpot
-from kvscope.analyze.report import Analysis, RunError, _md_table, analyze, workload_digest
-from kvscope.artifacts import RunInfo, read_json
-from kvscope.runfolder import RunFolder
+from kvscope.analyze.report import Analysis, _md_table, analyze
+from kvscope.artifacts import RunInfo
 
 
 def _analyses(folders: list[Path]) -> list[Analysis]:
-    digests = {str(f): workload_digest(f) for f in folders}
+    runs = [load(f) for f in folders]
+    digests = {str(f): r.workload_digest for f, r in zip(folders, runs)}
     if len(set(digests.values())) != 1:
         raise RunError(f"runs replayed different workloads (digests {digests}); comparing them would mislead")
-    return [analyze(f) for f in folders]
+    return [analyze(r) for r in runs]
 
 
 def table(folders: list[Path]) -> pd.DataFrame:
@@ -33,8 +34,8 @@ def _table(analyses: list[Analysis]) -> pd.DataFrame:
     frames = []
     for a in analyses:
         ov = a.overview.copy()
-        ov.insert(0, "run", a.run.run_id)
-        ov.insert(1, "vllm", a.run.servers[0].vllm_version)
+        ov.insert(0, "run", a.loaded.run.run_id)
+        ov.insert(1, "vllm", a.loaded.run.servers[0].vllm_version)
         frames.append(ov)
     both = pd.concat(frames, ignore_index=True)
     first = frames[0].set_index("config")
@@ -52,7 +53,7 @@ def mode_cost(folders: list[Path]) -> pd.DataFrame | None:
 
 
 def _mode_cost(analyses: list[Analysis]) -> pd.DataFrame | None:
-    by_mode = {a.run.mode: a for a in analyses}
+    by_mode = {a.loaded.run.mode: a for a in analyses}
     if len(analyses) != 2 or set(by_mode) != {"normal", "exact"}:
         return None
     both = [c for c in by_mode["normal"].verdicts.config if c in set(by_mode["exact"].verdicts.config)]
@@ -60,7 +61,7 @@ def _mode_cost(analyses: list[Analysis]) -> pd.DataFrame | None:
     for config in both:
         raw: dict[str, float | None] = {}
         for mode, a in by_mode.items():
-            done = answered(a.recs, config)
+            done = answered(a.loaded.recs, config)
             ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
             tpots = [t for r in done if (t := tpot(r)) is not None]
             raw[f"ttft_p50_ms_{mode}"] = float(np.median(ttfts)) * 1000 if ttfts else None
@@ -95,10 +96,9 @@ def plot(frame: pd.DataFrame, path: Path) -> str:
     return plots.save(fig, path)
 
 
-def machine_warning(folders: list[Path]) -> str:
+def machine_warning(runs: list[RunInfo]) -> str:
     """A sentence when the runs come from different machines or modes (a change in speed may be the machine's,
     and an exact run has no speed); "" when they do not."""
-    runs = [read_json(RunFolder(f).run_json, RunInfo) for f in folders]
     machines = {(r.machine.cpu, r.machine.cores, r.machine.gpu) for r in runs}
     words = []
     if len(machines) > 1:
@@ -116,7 +116,7 @@ def write(folders: list[Path], out: Path | None = None) -> str:
     """The comparison as markdown; with `out`, a folder with comparison.md, comparison.html and its plot."""
     analyses = _analyses(folders)
     frame = _table(analyses)
-    warning = machine_warning(folders)
+    warning = machine_warning([a.loaded.run for a in analyses])
     cost = _mode_cost(analyses)
     cols = ["config", "run", "vllm", "verdict", "hits", "hit_ttft_p50_ms", "hit_ttft_p50_ms_change", "speedup_hits",
             "speedup_ci95", "speedup_hits_change", "hit_rate", "advice"]
@@ -131,7 +131,8 @@ def write(folders: list[Path], out: Path | None = None) -> str:
                  "(0.25 = 25 % more).\n\n" + _md_table(cost) + "\n")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        text += f"\n![Speed-up per run]({plot(frame, out / 'speedup.png')})\n"
+        png = plot(frame, out / "speedup.png")
+        text += f"\n![Speed-up per run]({png})\n"
         (out / "comparison.md").write_text(text)
-        (out / "comparison.html").write_text(html.render(out, text, "kvscope comparison"))
+        (out / "comparison.html").write_text(html.render(text, "kvscope comparison", {png: (out / png).read_bytes()}))
     return text

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Mapping
 from html import escape
-from pathlib import Path
 
 import markdown
 
@@ -39,20 +39,19 @@ FOLD = re.compile(r'<p>&lt;details markdown="1"&gt;&lt;summary&gt;(.*?)&lt;/summ
 UNFOLD = "<p>&lt;/details&gt;</p>"
 
 
-def _inline(folder: Path, match: re.Match) -> str:
-    path = folder / match.group(1)
-    if not path.is_file():
-        return match.group(0)
-    return f'src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}"'
+def _inline(images: Mapping[str, bytes], match: re.Match) -> str:
+    png = images.get(match.group(1))
+    return match.group(0) if png is None else f'src="data:image/png;base64,{base64.b64encode(png).decode()}"'
 
 
-def render(folder: Path, text: str, title: str) -> str:
-    """One HTML page from the report's markdown, its PNGs embedded; raw HTML in the text is escaped."""
+def render(text: str, title: str, images: Mapping[str, bytes]) -> str:
+    """One HTML page from the report's markdown, its PNGs (file name -> bytes) embedded; raw HTML in the text
+    is escaped."""
     md = markdown.Markdown(extensions=["tables"])
     md.preprocessors.deregister("html_block")
     md.inlinePatterns.deregister("html")
     body = FOLD.sub(r"<details><summary>\1</summary>", md.convert(text)).replace(UNFOLD, "</details>")
-    body = re.sub(r'src="([\w.-]+\.png)"', lambda m: _inline(folder, m), body)
+    body = re.sub(r'src="([\w.-]+\.png)"', lambda m: _inline(images, m), body)
     body = VERDICT.sub(lambda m: f'<strong class="verdict-{m.group(1).lower()}">{m.group(1)}</strong>', body)
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{POLICY}\"><title>{escape(title)}</title>"

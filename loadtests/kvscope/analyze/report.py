@@ -1,12 +1,12 @@
 """Reports are functions of a run folder's raw records: report.md, CSV tables and PNG plots.
 
 `make report RUN=...` re-runs this with no server. Every number comes from records/*.jsonl, run.json and
-status.jsonl; nothing is carried over from the live run.
+status.jsonl; nothing is carried over from the live run. write() reads the folder once (loaded.load), scores
+it (analyze, one typed Analysis) and renders that; neither scoring nor rendering reads a file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import fields
 from pathlib import Path
@@ -16,87 +16,34 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, verdicts
+from kvscope.analyze.loaded import LoadedRun, load
 from kvscope.artifacts import (
     Answer,
-    ArtifactError,
     Difference,
-    FaultEvent,
-    LoadEvent,
     LocustPhase,
-    Record,
     RestartPhase,
     RunInfo,
     Scorer,
     StatusRow,
     Treatment,
     Verdict,
-    read_json,
-    read_jsonl,
     write_json,
 )
 from kvscope.config.matrix import ROLE_ORDER
 from kvscope.config.render import flag_value
-from kvscope.run import continuations, metrics
-from kvscope.run.records import key_from_server_id, read
+from kvscope.run import metrics
+from kvscope.run.records import key_from_server_id
 from kvscope.runfolder import RunFolder
-
-
-class RunError(ValueError):
-    """A run folder that cannot give a complete report; the message names the file."""
-
 
 SHARED_SHOWN = 12  # requests listed where candidates' hits differ in exact mode
 
 
-def _load(folder: Path) -> tuple[RunInfo, list[StatusRow], dict[tuple[str, str], list[Record]]]:
-    rf = RunFolder(folder)
-    run_file = rf.run_json
-    if not run_file.exists():
-        raise RunError(f"{run_file}: missing; not a kvscope run folder")
-    run = read_json(run_file, RunInfo)
-    status_file = rf.status
-    status = read_jsonl(status_file, StatusRow) if status_file.exists() else []
-    recs: dict[tuple[str, str], list[Record]] = {}
-    ran = {(row.config, row.scenario) for row in status}
-    for server in run.servers:
-        for scenario in run.scenarios:
-            path = rf.records(server.config, scenario)
-            if not path.exists():
-                # A run cut short, or a golden treatment that ran and recorded nothing, reports what finished;
-                # a folder without golden's records and no trace of its treatment is assembled wrongly.
-                if server.role == "golden" and not run.interrupted and (server.config, scenario) not in ran:
-                    raise RunError(f"{path}: golden records missing; fidelity cannot be scored without them")
-                recs[server.config, scenario] = []
-                continue
-            try:
-                recs[server.config, scenario] = read(path)
-            except ArtifactError as exc:
-                raise RunError(str(exc)) from exc
-    return run, status, recs
-
-
-def golden_missing(folder: Path, run: RunInfo) -> list[str]:
+def golden_missing(run: RunInfo, unrecorded: frozenset[tuple[str, str]]) -> list[str]:
     """Why a scenario's answers could not be scored: golden recorded none (an absent or empty file)."""
     why = "the run was interrupted before golden's first answer" if run.interrupted else "golden recorded no answer"
     golden = run.golden().config
     return [f"golden records missing for scenario {scenario}: {why}; fidelity of its treatments not scored"
-            for scenario in run.scenarios if _empty(RunFolder(folder).records(golden, scenario))]
-
-
-def _empty(path: Path) -> bool:
-    return not path.exists() or not path.stat().st_size
-
-
-def workload_digest(folder: Path) -> str:
-    """Identity of a run's workload: the hash of its requests (without their schema version, so runs that
-    replayed the same requests before schema versions existed compare equal)."""
-    digest = hashlib.sha256()
-    for path in sorted(RunFolder(folder).workloads.glob("*.jsonl")):
-        digest.update(path.name.encode())
-        for line in path.read_text().splitlines():
-            row = {k: v for k, v in json.loads(line).items() if k != "schema_version"}
-            digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n")
-    return digest.hexdigest()[:16]
+            for scenario in run.scenarios if (golden, scenario) in unrecorded]
 
 
 # A percentile needs enough samples to mean something: p90 from 10, p99 from 100 (else it is the maximum).
@@ -112,15 +59,16 @@ def served_dtype(server: Treatment) -> str | None:
     return flag_value(server.server_args, "--dtype")
 
 
-def scorer(run: RunInfo, recs: dict, folder: Path, min_hits: int, max_failed: float) -> Scorer:
+def scorer(loaded: LoadedRun, min_hits: int, max_failed: float) -> Scorer:
     """The scorer, its gate thresholds, and the run's tolerances and what they rest on: the control against
     golden (the direct floor), golden's own answers scored again by golden (the continuation floor), and the
     largest differences behind each."""
+    run, recs = loaded.run, loaded.recs
     golden = run.golden().config
     by_key = {f"{r.request_id}@{r.phase}": r for (c, _), rs in recs.items() if c == golden for r in rs}
     control = [r for s in run.servers if s.role == "control" for sc in run.scenarios
                for r in recs.get((s.config, sc), [])]
-    calibration = {k: v for sc in run.scenarios for k, v in continuations.load(folder, golden, sc).items()}
+    calibration = {k: v for sc in run.scenarios for k, v in loaded.continuations[golden, sc].items()}
     direct, cont = fidelity.direct_noise(by_key, control), fidelity.continuation_noise(by_key, calibration)
     tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), served_dtype(run.golden()),
                                      exact=run.mode == "exact")
@@ -137,11 +85,11 @@ def tolerance_of(s: Scorer) -> fidelity.Tolerance:
     return fidelity.Tolerance(s.tolerance_nats, s.continuation_tolerance_nats, exact=s.mode == "exact")
 
 
-def score_run(run: RunInfo, recs: dict, folder: Path, tol: fidelity.Tolerance) -> pd.DataFrame:
-    golden = run.golden().config
+def score_run(loaded: LoadedRun, tol: fidelity.Tolerance) -> pd.DataFrame:
+    golden, recs = loaded.run.golden().config, loaded.recs
     rows = []
     for (config, scenario), records in recs.items():
-        rows += fidelity.score_all(recs[golden, scenario], records, tol, continuations.load(folder, config, scenario))
+        rows += fidelity.score_all(recs[golden, scenario], records, tol, loaded.continuations[config, scenario])
     return pd.DataFrame(rows, columns=[f.name for f in fields(fidelity.Score)])
 
 
@@ -227,46 +175,35 @@ def _share(col: pd.Series) -> float | None:
     return round(float(col.astype(bool).mean()), 3) if len(col) else None
 
 
-def expected_answers(folder: Path, scenarios) -> dict[str, int]:
-    """Measure-phase requests per scenario, from the run's workload files."""
-    out = {}
-    for scenario in scenarios:
-        path = RunFolder(folder).workload(scenario, "measure")
-        out[scenario] = sum(1 for _ in open(path)) if path.exists() else 0
-    return out
-
-
-def tiers_served(folder: Path, config: str, scenarios) -> dict[str, dict[str, int]] | None:
+def tiers_served(loaded: LoadedRun, config: str) -> dict[str, dict[str, int]] | None:
     """Request key -> tier -> blocks it served, from the connector's load logs; None when the run kept none."""
-    paths = [RunFolder(folder).loads(config, s) for s in scenarios]
-    if not any(p.exists() for p in paths):
+    logs = [loaded.loads[config, s] for s in loaded.run.scenarios if (config, s) in loaded.loads]
+    if not logs:
         return None
     out: dict[str, dict[str, int]] = {}
-    for path in (p for p in paths if p.exists()):
-        for event in read_jsonl(path, LoadEvent):
-            tiers = out.setdefault(key_from_server_id(event.request), {})
-            for tier in ("ram", "disk", "missed"):
-                tiers[tier] = tiers.get(tier, 0) + getattr(event, tier)
+    for event in (e for log in logs for e in log):
+        tiers = out.setdefault(key_from_server_id(event.request), {})
+        for tier in ("ram", "disk", "missed"):
+            tiers[tier] = tiers.get(tier, 0) + getattr(event, tier)
     return out
 
 
-def fault_changes(folder: Path, config: str, scenarios) -> dict[str, int] | None:
+def fault_changes(loaded: LoadedRun, config: str) -> dict[str, int] | None:
     """Request key -> blocks the canary changed, from its fault logs; None when the run kept no log."""
-    paths = [RunFolder(folder).faults(config, s) for s in scenarios]
-    if not any(p.exists() for p in paths):
+    logs = [loaded.faults[config, s] for s in loaded.run.scenarios if (config, s) in loaded.faults]
+    if not logs:
         return None
     out: dict[str, int] = {}
-    for path in (p for p in paths if p.exists()):
-        for event in read_jsonl(path, FaultEvent):
-            key = key_from_server_id(event.request)
-            out[key] = out.get(key, 0) + event.changed + event.inherited
+    for event in (e for log in logs for e in log):
+        key = key_from_server_id(event.request)
+        out[key] = out.get(key, 0) + event.changed + event.inherited
     return out
 
 
-def config_verdicts(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.DataFrame, summary: pd.DataFrame,
-                    power: pd.DataFrame, folder: Path, min_hits: int, max_failed: float) -> pd.DataFrame:
+def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFrame, power: pd.DataFrame,
+                    min_hits: int, max_failed: float) -> pd.DataFrame:
     """One line per config: its verdict, whether that is what its role expects, why, and its speed-up."""
-    expected = expected_answers(folder, run.scenarios)
+    run, status, recs = loaded.run, loaded.status, loaded.recs
     reference = {s.config: verdicts.cache_off_problems(s, [r.cached_tokens for sc in run.scenarios
                                                            for r in recs.get((s.config, sc), [])])
                  for s in run.servers if s.role in ("golden", "control")}
@@ -275,10 +212,10 @@ def config_verdicts(run: RunInfo, status: list[StatusRow], recs: dict, scores: p
     for server in run.servers:
         config, role = server.config, server.role
         ran = {row.scenario for row in status if row.config == config} if status else set(run.scenarios)
-        verdict, why = verdicts.config_verdict(server, scores, expected, ran,
+        verdict, why = verdicts.config_verdict(server, scores, loaded.expected, ran,
                                                reference.get(config, []) if role == "golden" else broken,
                                                min_hits, max_failed,
-                                               tiers_served(folder, config, run.scenarios))
+                                               tiers_served(loaded, config))
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
@@ -319,9 +256,9 @@ def _cell(v) -> str:
 
 
 class Analysis(NamedTuple):
-    run: RunInfo
-    status: list[StatusRow]
-    recs: dict
+    """Everything a report shows: the run as loaded and what scoring made of it."""
+
+    loaded: LoadedRun
     scorer: Scorer
     scores: pd.DataFrame
     summary: pd.DataFrame
@@ -332,60 +269,60 @@ class Analysis(NamedTuple):
     min_hits: int = verdicts.MIN_VERIFIED_HITS
 
 
-def analyze(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
+def analyze(loaded: LoadedRun, min_hits: int = verdicts.MIN_VERIFIED_HITS,
             max_failed: float = verdicts.MAX_FAILED_SHARE, slo: dict[str, float] | None = None) -> Analysis:
-    """Everything a report shows, from a run folder alone."""
-    folder = Path(folder)
-    run, status, recs = _load(folder)
-    scoring = scorer(run, recs, folder, min_hits, max_failed)
-    scores = score_run(run, recs, folder, tolerance_of(scoring))
+    """Everything a report shows, from the loaded run alone (no file is read)."""
+    run, status, recs = loaded.run, loaded.status, loaded.recs
+    scoring = scorer(loaded, min_hits, max_failed)
+    scores = score_run(loaded, tolerance_of(scoring))
     summary = summarize(run, status, recs, scores)
     canaries = [s for s in run.servers if s.role == "canary"]
-    power = verdicts.power(canaries, scores, {s.config: fault_changes(folder, s.config, run.scenarios)
-                                              for s in canaries})
-    table = config_verdicts(run, status, recs, scores, summary, power, folder, min_hits, max_failed)
+    power = verdicts.power(canaries, scores, {s.config: fault_changes(loaded, s.config) for s in canaries})
+    table = config_verdicts(loaded, scores, summary, power, min_hits, max_failed)
     crashed = crashed_verdicts(run)
     if len(crashed):
         table = pd.concat([table, crashed], ignore_index=True)
-    return Analysis(run, status, recs, scoring, scores, summary, power, table,
+    return Analysis(loaded, scoring, scores, summary, power, table,
                     overview.table(run, recs, table, summary, power, slo), slo, min_hits)
 
 
 def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
           max_failed: float = verdicts.MAX_FAILED_SHARE, slo: dict[str, float] | None = None) -> int:
-    """Write report.md, the CSV tables and the plots; record the scorer in run.json; return the gate's exit
-    code (verdicts.gate)."""
-    folder, rf = Path(folder), RunFolder(folder)
-    a = analyze(folder, min_hits, max_failed, slo)
+    """Read the run once, score it and write its report (write_report); the gate's exit code (verdicts.gate)."""
+    return write_report(analyze(load(folder), min_hits, max_failed, slo))
+
+
+def write_report(a: Analysis) -> int:
+    """Render an analysis into the folder its run was loaded from: report.md, report.html, the CSV tables and
+    the plots, and the scorer into run.json; reads none of the run's files. The gate's exit code."""
+    folder, run, recs = a.loaded.folder, a.loaded.run, a.loaded.recs
+    rf = RunFolder(folder)
     for name, frame in (("scores", a.scores), ("summary", a.summary), ("verdicts", a.verdicts),
                         ("overview", a.overview), ("power", a.power)):
         frame.to_csv(rf.table(name), index=False)
-    tier = overview.tiers(a.status)
+    tier = overview.tiers(a.loaded.status)
     if len(tier.columns) > 1:
         tier.to_csv(rf.table("tiers"), index=False)
     present = set(a.summary.config) if len(a.summary) else set()
-    sweep = overview.sweep(a.run, a.recs)
+    sweep = overview.sweep(run, recs)
     if len(sweep):
         sweep.to_csv(rf.table("sweep"), index=False)
-    pngs = plots.draw(folder, {s.config: s.role for s in a.run.servers if s.config in present}, a.summary, a.recs,
-                      sweep)
-    text = _markdown(a, pngs, folder, tier)
+    pngs = plots.draw(folder, {s.config: s.role for s in run.servers if s.config in present}, a.summary, recs, sweep)
+    text = markdown(a, pngs, tier)
     rf.report_md.write_text(text)
-    rf.report_html.write_text(html.render(folder, text, f"kvscope report: run {a.run.run_id}"))
-    write_json(rf.run_json, a.run.model_copy(update={"scorer": a.scorer}))
+    images = {name: rf.plot(name.removesuffix(".png")).read_bytes() for name, _ in pngs}
+    rf.report_html.write_text(html.render(text, f"kvscope report: run {run.run_id}", images))
+    write_json(rf.run_json, run.model_copy(update={"scorer": a.scorer}))
     return verdicts.gate(a.verdicts)
 
 
-def console(folder: Path) -> str:
-    """The verdicts and the detection power of a written report, as plain text for the terminal."""
-    rf = RunFolder(folder)
-    v = pd.read_csv(rf.table("verdicts"))
-    run = read_json(rf.run_json, RunInfo)
+def console(a: Analysis) -> str:
+    """The verdicts and the detection power, as plain text for the terminal."""
+    run, power = a.loaded.run, a.power
     lines = [f"{Verdict.INCOMPLETE} RUN: stopped early ({run.interrupted})"] if run.interrupted else []
-    lines += golden_missing(Path(folder), run)
+    lines += golden_missing(run, a.loaded.unrecorded)
     lines += [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
-             for r in v.itertuples()]
-    power = pd.read_csv(rf.table("power"))
+              for r in a.verdicts.itertuples()]
     if len(power):
         lines += ["", "detection power (wrong KV served by each canary treatment, caught):"]
         lines += [f"  {r.fault:<12} {r.detected:>4} of {r.affected_hits:<4} hits it broke  rate {r.rate:.3f} "
@@ -395,14 +332,13 @@ def console(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def as_json(folder: Path, code: int) -> str:
-    """The verdicts, the detection power and the gate of a written report, as one JSON document."""
-    rf = RunFolder(folder)
-    v, power = pd.read_csv(rf.table("verdicts")), pd.read_csv(rf.table("power"))
-    run = read_json(rf.run_json, RunInfo)
-    doc = {"run": str(folder), "gate": {"exit": code, "words": GATE_WORDS[code]}, "interrupted": run.interrupted,
-           "golden_missing": golden_missing(Path(folder), run),
-           "verdicts": json.loads(v.to_json(orient="records")), "power": json.loads(power.to_json(orient="records"))}
+def as_json(a: Analysis, code: int) -> str:
+    """The verdicts, the detection power and the gate, as one JSON document."""
+    run = a.loaded.run
+    doc = {"run": str(a.loaded.folder), "gate": {"exit": code, "words": GATE_WORDS[code]},
+           "interrupted": run.interrupted, "golden_missing": golden_missing(run, a.loaded.unrecorded),
+           "verdicts": json.loads(a.verdicts.to_json(orient="records")),
+           "power": json.loads(a.power.to_json(orient="records"))}
     return json.dumps(doc, indent=1)
 
 
@@ -433,15 +369,16 @@ def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
     return out
 
 
-def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.DataFrame) -> str:
-    run, summary, scores = a.run, a.summary, a.scores
+def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> str:
+    """report.md's text, rendered from the analysis, its plots (file name, caption) and the tier table."""
+    run, summary, scores, folder = a.loaded.run, a.summary, a.scores, a.loaded.folder
     m = run.machine
     first = run.servers[0]
     lines = [f"# kvscope report: run {run.run_id}", ""]
     if run.interrupted:
         lines += [f"**This run is incomplete: it stopped early ({run.interrupted}).** The treatments it finished "
                   "are scored below; continue it with `make bench RESUME=1 RUN_ID=" + run.run_id + "`.", ""]
-    if missing := golden_missing(folder, run):
+    if missing := golden_missing(run, a.loaded.unrecorded):
         lines += [f"- **{note}**" for note in missing] + [""]
     lines += ["## Summary", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
     ov = a.overview.copy()
@@ -483,10 +420,10 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
     lines += [f"- `{c.config}`: **did not start** ({c.why}): `{c.error}`" for c in run.crashed]
     lines += [f"- `{config}`: **cache state not controlled**: its cache was not emptied before every treatment "
               f"({why}); earlier requests may have warmed it, so its hit rate may exceed a fresh cache's"
-              for config, why in uncontrolled(run, a.status).items()]
+              for config, why in uncontrolled(run, a.loaded.status).items()]
     lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.upstream)
               for s in run.servers if s.upstream]
-    lines += _tier_lines(run, a.scores, folder, a.min_hits)
+    lines += _tier_lines(a.loaded, a.scores, a.min_hits)
     lines += ["", "## How strong the verdict is", ""]
     lines += _floor_lines(a.scorer)
     lines += [f"- A PASS needs every expected answer scored and at least {a.min_hits} verified cache hits, and as "
@@ -506,7 +443,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
               f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}",
               *_imports(run.servers),
               f"- load: {', '.join(f'{k} {v}' for k, v in run.load.model_dump().items())}; workload digest "
-              f"`{workload_digest(folder)}`",
+              f"`{a.loaded.workload_digest}`",
               f"- command: `{run.command}`", ""]
     lines += ['<details markdown="1"><summary>Server flags per config</summary>', ""]
     lines += ["| config | role | runs as | port | flags | kv-transfer-config |", "|---|---|---|---|---|---|"]
@@ -554,7 +491,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
         lines.append("")
     roles = {s.role: s.config for s in run.servers if s.role in ("golden", "control")}
     if run.mode == "exact" and "golden" in roles and (shared := provenance.shared_differences(
-            a.recs, scores, roles["golden"], roles.get("control"),
+            a.loaded.recs, scores, roles["golden"], roles.get("control"),
             [s.config for s in run.servers if s.role == "candidate"])):
         lines += ["Where the candidates' hits differ from golden (exact mode), the candidates that reused as many "
                   "tokens of the request, grouped by bitwise-equal answers (`=` joins, `|` separates): one "
@@ -563,7 +500,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
                   "the group); a store's answer of its own is not isolated by this.", ""]
         lines += [f"- {line}" for line in shared[:SHARED_SHOWN]]
         lines += [f"- and {len(shared) - SHARED_SHOWN} more", ""] if len(shared) > SHARED_SHOWN else [""]
-    prov = provenance.table(a.recs, scores, {s.config: s.block_size for s in run.servers
+    prov = provenance.table(a.loaded.recs, scores, {s.config: s.block_size for s in run.servers
                                              if s.role not in ("golden", "canary")})
     if len(prov):
         lines += ["Where the wrong hits' KV came from (provenance.py): each loaded block is named by its prefix "
@@ -577,7 +514,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
         for config, part in failed.groupby("config"):
             lines.append(f"- `{config}`: {len(part)} failed; first: {part.reason.iloc[0]}")
         lines.append("")
-    faults = [(r, name, p) for r in a.status for name, p in r.phases.items() if _faulty(p)]
+    faults = [(r, name, p) for r in a.loaded.status for name, p in r.phases.items() if _faulty(p)]
     if faults:
         lines += ["Faults during the run:", ""]
         for r, name, p in faults:
@@ -586,7 +523,7 @@ def _markdown(a: Analysis, pngs: list[tuple[str, str]], folder: Path, tier: pd.D
                     + (f" server log: `{p.server_error}`" if p.server_error else ""))
             lines.append(f"- `{r.config}` x `{r.scenario}` {name}: {what}")
         lines.append("")
-    restarts = [(r, p) for r in a.status for p in r.phases.values() if isinstance(p, RestartPhase)]
+    restarts = [(r, p) for r in a.loaded.status for p in r.phases.values() if isinstance(p, RestartPhase)]
     if restarts:
         lines += ["Restarts between the prime and the measure phase (restart scenarios; hits after them come from "
                   "what the tier kept across the restart): " + ", ".join(
@@ -606,15 +543,15 @@ def _faulty(phase: LocustPhase | RestartPhase) -> bool:
     return phase.locust_exit not in (0, 1) or bool(phase.metrics_error)
 
 
-def _tier_lines(run: RunInfo, scores: pd.DataFrame, folder: Path, least: int) -> list[str]:
+def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str]:
     """Per config with a cache: the tiers it certifies and the verified hits each served, or why they cannot
     be told apart."""
     out = []
-    for s in run.servers:
+    for s in loaded.run.servers:
         if s.role != "candidate" or not (s.tiers or "--kv-transfer-config" in s.server_args):
             continue
         sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
-        hits = verdicts.tier_hits(sc, tiers_served(folder, s.config, run.scenarios))
+        hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
         if hits is None:
             out.append(f"- `{s.config}`: " + (f"certifies {', '.join(s.tiers)}, but the run kept no load log to tell "
                                               "them apart" if s.tiers else

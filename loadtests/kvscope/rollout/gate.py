@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvscope.analyze import fidelity, report
+from kvscope.analyze import fidelity, loaded, report
 from kvscope.artifacts import Answer, Artifact, Treatment, read_json
 from kvscope.rollout.record import GateResult
 from kvscope.run import treatments
@@ -61,8 +61,9 @@ def run(spec: GateSpec) -> int:
     except treatments.Interrupted as exc:
         print(exc, file=sys.stderr)
         return exc.exit_code
-    code = report.write(folder, spec.min_hits)
-    print(report.console(folder))
+    a = report.analyze(loaded.load(folder), spec.min_hits)
+    code = report.write_report(a)
+    print(report.console(a))
     print(f"report: {RunFolder(folder).report_md}\ngate: {report.GATE_WORDS[code]}")
     return code
 

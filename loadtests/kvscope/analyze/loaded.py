@@ -1,0 +1,98 @@
+"""A run folder read once: every file the report scores, in memory. Scoring (report.analyze) and the
+renderers take a LoadedRun and read nothing from disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvscope.artifacts import ArtifactError, FaultEvent, LoadEvent, Record, RunInfo, StatusRow, read_json, read_jsonl
+from kvscope.run import continuations
+from kvscope.run.records import read
+from kvscope.runfolder import RunFolder
+
+ConfigScenario = tuple[str, str]  # a treatment: (config, scenario)
+
+
+class RunError(ValueError):
+    """A run folder that cannot give a complete report; the message names the file."""
+
+
+@dataclass(frozen=True)
+class LoadedRun:
+    folder: Path  # where it was read from: the report names it, and never reads it again
+    run: RunInfo
+    status: list[StatusRow]
+    recs: dict[ConfigScenario, list[Record]]  # every server x scenario; [] where nothing was recorded
+    unrecorded: frozenset[ConfigScenario]  # records file absent or empty
+    continuations: dict[ConfigScenario, dict[str, tuple[int, list[dict]]]]  # as continuations.load gives them
+    faults: dict[ConfigScenario, list[FaultEvent]]  # the fault logs the run kept
+    loads: dict[ConfigScenario, list[LoadEvent]]  # the load logs the run kept
+    expected: dict[str, int]  # measure-phase requests per scenario, from the workload files
+    workload_digest: str
+
+
+def load(folder: Path) -> LoadedRun:
+    """Read a run folder; a RunError names a file that keeps it from giving a complete report."""
+    folder = Path(folder)
+    rf = RunFolder(folder)
+    if not rf.run_json.exists():
+        raise RunError(f"{rf.run_json}: missing; not a kvscope run folder")
+    run = read_json(rf.run_json, RunInfo)
+    status = read_jsonl(rf.status, StatusRow) if rf.status.exists() else []
+    treatments = [(s.config, scenario) for s in run.servers for scenario in run.scenarios]
+    return LoadedRun(
+        folder=folder, run=run, status=status, recs=_records(rf, run, status),
+        unrecorded=_unrecorded(rf, run),
+        continuations={t: continuations.load(folder, *t) for t in treatments},
+        faults={t: read_jsonl(rf.faults(*t), FaultEvent) for t in treatments if rf.faults(*t).exists()},
+        loads={t: read_jsonl(rf.loads(*t), LoadEvent) for t in treatments if rf.loads(*t).exists()},
+        expected={s: _lines(rf.workload(s, "measure")) for s in run.scenarios},
+        workload_digest=_digest(rf))
+
+
+def _records(rf: RunFolder, run: RunInfo, status: list[StatusRow]) -> dict[ConfigScenario, list[Record]]:
+    recs: dict[ConfigScenario, list[Record]] = {}
+    ran = {(row.config, row.scenario) for row in status}
+    for server in run.servers:
+        for scenario in run.scenarios:
+            path = rf.records(server.config, scenario)
+            if not path.exists():
+                # A run cut short, or a golden treatment that ran and recorded nothing, reports what finished;
+                # a folder without golden's records and no trace of its treatment is assembled wrongly.
+                if server.role == "golden" and not run.interrupted and (server.config, scenario) not in ran:
+                    raise RunError(f"{path}: golden records missing; fidelity cannot be scored without them")
+                recs[server.config, scenario] = []
+                continue
+            try:
+                recs[server.config, scenario] = read(path)
+            except ArtifactError as exc:
+                raise RunError(str(exc)) from exc
+    return recs
+
+
+def _unrecorded(rf: RunFolder, run: RunInfo) -> frozenset[ConfigScenario]:
+    """The treatments whose records file is absent or empty."""
+    return frozenset((s.config, scenario) for s in run.servers for scenario in run.scenarios
+                     if not (path := rf.records(s.config, scenario)).exists() or not path.stat().st_size)
+
+
+def _lines(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def _digest(rf: RunFolder) -> str:
+    """Identity of a run's workload: the hash of its requests (without their schema version, so runs that
+    replayed the same requests before schema versions existed compare equal)."""
+    digest = hashlib.sha256()
+    for path in sorted(rf.workloads.glob("*.jsonl")):
+        digest.update(path.name.encode())
+        for line in path.read_text().splitlines():
+            row = {k: v for k, v in json.loads(line).items() if k != "schema_version"}
+            digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n")
+    return digest.hexdigest()[:16]
