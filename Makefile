@@ -126,8 +126,8 @@ rollout: $(VENV)/.installed $(if $(strip $(MODEL)),,model) ## roll CONFIGS to IN
 	  --inventory $(call q,$(INVENTORY)) --configs $(call q,$(CONFIGS)) --serial $(call q,$(SERIAL)) \
 	  $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(ROLLOUT_ID),--id $(call q,$(ROLLOUT_ID))) $(ROLLOUT_VARS) $(ROLLOUT_ARGS)
 
-report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50]
-	$(KVSCOPE) report $(call q,$(RUN)) $(if $(SLO),--slo $(call q,$(SLO)))
+report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50] [OUT=dir] [REWRITE=1]
+	$(KVSCOPE) report $(call q,$(RUN)) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(OUT),--out $(call q,$(OUT))) $(if $(REWRITE),--rewrite)
 
 compare: $(VENV)/.installed ## runs side by side, with changes and a plot: make compare RUNS=results/a,results/b [OUT=dir]
 	$(KVSCOPE) compare $(call q,$(RUNS)) $(if $(OUT),--out $(call q,$(OUT)))
@@ -171,7 +171,8 @@ help: ## list the targets and the variables they read
 #> DRY_RUN      make deploy DRY_RUN=1: render and check the selection, print each server's command, start nothing
 #> RUN_ID       the run folder's name under results/ (default: the time, UTC); RESUME=1 continues it
 #> SLO          a service-level objective for the summary: ttft=500,tpot=50 (ms)
-#> RUN, RUNS    make report RUN=results/<id>; make compare RUNS=results/a,results/b [OUT=dir]
+#> RUN, RUNS    make report RUN=results/<id> [OUT=dir] [REWRITE=1]; make compare RUNS=results/a,results/b [OUT=dir]
+#> REWRITE      make report: 1 rewrites a published run whose committed report this code renders differently
 #> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=, ROLLOUT_ARGS=
 #> PYTHON3      the Python setup makes both environments with (default python3)
 #> TORCH_INDEX  where setup finds torch==2.13.0+cpu (PyTorch's CPU index; a mirror, or empty)

@@ -121,3 +121,55 @@ def test_every_option_of_every_command_says_what_it_does():
     silent = [(p.prog, a.dest) for p in parsers(build_parser()) for a in p._actions
               if not a.help and not isinstance(a, argparse._SubParsersAction)]
     assert silent == []
+
+
+def _committed_copy(tmp_path, name):
+    """A published run in a git repository of its own, as results/<name> is in a clone."""
+    import subprocess
+
+    run = shutil.copytree(REPO / "results" / name, tmp_path / "results" / name)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "publish"], check=True)
+    return run
+
+
+def test_report_refuses_to_rewrite_a_committed_report_that_the_code_renders_differently(tmp_path, monkeypatch, capsys):
+    from kvscope import cli
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = _committed_copy(tmp_path, name)
+    stale = (run / "report.md").read_text() + "a line the code no longer writes\n"
+    (run / "report.md").write_text(stale)
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["report", f"results/{name}"]) == 2
+    assert "REWRITE=1" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before  # nothing written
+    cli.main(["report", f"results/{name}", "--rewrite"])
+    assert (run / "report.md").read_text() == (REPO / "results" / name / "report.md").read_text()
+
+
+def test_report_rerenders_a_committed_report_it_renders_alike_and_writes_its_html(tmp_path, monkeypatch):
+    from kvscope import cli
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = _committed_copy(tmp_path, name)
+    monkeypatch.chdir(tmp_path)
+    cli.main(["report", f"results/{name}"])
+    assert (run / "report.html").exists()
+    assert (run / "report.md").read_text() == (REPO / "results" / name / "report.md").read_text()
+
+
+def test_report_out_renders_elsewhere_and_leaves_the_run_folder_as_it_was(tmp_path, monkeypatch):
+    from kvscope import cli
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = _committed_copy(tmp_path, name)
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    monkeypatch.chdir(tmp_path)
+    cli.main(["report", f"results/{name}", "--out", str(tmp_path / "elsewhere")])
+    assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
+    assert (tmp_path / "elsewhere" / "report.md").read_text() == before["report.md"].decode()
+    assert (tmp_path / "elsewhere" / "report.html").exists()

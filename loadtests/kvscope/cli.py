@@ -144,17 +144,27 @@ def _terminated(signum, frame):
     raise SystemExit(143)
 
 
-def _report(folder: Path, args) -> int:
+def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) -> int:
+    """Score FOLDER and write its report into OUT (the folder by default); a published run's committed report
+    is rewritten only alike, or with REWRITE."""
     from kvscope.analyze import loaded, overview, report
     from kvscope.runfolder import RunFolder
 
     a = report.analyze(loaded.load(folder), args.min_hits, args.max_failed, overview.parse_slo(args.slo))
-    code = report.write_report(a)
+    out = out or folder
+    if out.resolve() == folder.resolve() and not rewrite and RunFolder(folder).published:
+        changed = report.rendered_differently(a)
+        if changed:
+            raise matrix_mod.ConfigError(
+                f"{folder} is a published run (its report.md is committed) and this code renders "
+                f"{', '.join(changed)} differently: write it elsewhere with --out DIR (make report OUT=DIR), "
+                "or rewrite the published run with --rewrite (make report REWRITE=1) and commit the difference")
+    code = report.write_report(a, out)
     if args.json:  # the verdicts and the gate, nothing else on stdout
         print(report.as_json(a, code))
         return code
     print(report.console(a))
-    print(f"report: {RunFolder(folder).report_md}\ngate: {report.GATE_WORDS[code]}")
+    print(f"report: {RunFolder(out).report_md}\ngate: {report.GATE_WORDS[code]}")
     return code
 
 
@@ -166,7 +176,7 @@ def cmd_report(args) -> int:
             raise matrix_mod.ConfigError("--json gives a bench run's verdicts; a rollout's are in its rollout.json")
 
         return rollout_report.main(Path(args.run))
-    return _report(Path(args.run), args)
+    return _report(Path(args.run), args, Path(args.out) if args.out else None, args.rewrite)
 
 
 def cmd_compare(args) -> int:
@@ -270,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     _gate_options(s)
     s.add_argument("--json", action="store_true",
                    help="print the verdicts, the detection power and the gate as JSON (for scripts) instead of text")
+    s.add_argument("--out", default=None, metavar="DIR",
+                   help="write the report, tables and plots into DIR instead of the run folder")
+    s.add_argument("--rewrite", action="store_true",
+                   help="rewrite a published run's committed report even where this code renders it differently "
+                        "(refused without it)")
     s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("compare", help="put runs side by side (they must share a workload)")

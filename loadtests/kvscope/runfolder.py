@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,15 @@ class RunFolder:
     @property
     def report_html(self) -> Path:
         return self.root / "report.html"
+
+    @property
+    def published(self) -> bool:
+        """Its report.md is committed in the git checkout the folder lies in (results/<id> of a clone)."""
+        try:
+            return subprocess.run(["git", "-C", str(self.root), "ls-files", "--error-unmatch", "report.md"],
+                                  capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
+            return False
 
     def _per_treatment(self, kind: str, config: str, scenario: str) -> Path:
         return self.root / kind / f"{config}__{scenario}.jsonl"

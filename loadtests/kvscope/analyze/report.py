@@ -8,6 +8,7 @@ it (analyze, one typed Analysis) and renders that; neither scoring nor rendering
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 from typing import NamedTuple
@@ -292,11 +293,14 @@ def write(folder: Path, min_hits: int = verdicts.MIN_VERIFIED_HITS,
     return write_report(analyze(load(folder), min_hits, max_failed, slo))
 
 
-def write_report(a: Analysis) -> int:
-    """Render an analysis into the folder its run was loaded from: report.md, report.html, the CSV tables and
-    the plots, and the scorer into run.json; reads none of the run's files. The gate's exit code."""
-    folder, run, recs = a.loaded.folder, a.loaded.run, a.loaded.recs
-    rf = RunFolder(folder)
+def write_report(a: Analysis, out: Path | None = None) -> int:
+    """Render an analysis into OUT (by default the folder its run was loaded from): report.md, report.html, the
+    CSV tables and the plots, and run.json with the scorer; reads none of the run's files. The report names the
+    run's folder wherever it is written. The gate's exit code."""
+    run, recs = a.loaded.run, a.loaded.recs
+    out = Path(out) if out is not None else a.loaded.folder
+    out.mkdir(parents=True, exist_ok=True)
+    rf = RunFolder(out)
     for name, frame in (("scores", a.scores), ("summary", a.summary), ("verdicts", a.verdicts),
                         ("overview", a.overview), ("power", a.power)):
         frame.to_csv(rf.table(name), index=False)
@@ -307,13 +311,27 @@ def write_report(a: Analysis) -> int:
     sweep = overview.sweep(run, recs)
     if len(sweep):
         sweep.to_csv(rf.table("sweep"), index=False)
-    pngs = plots.draw(folder, {s.config: s.role for s in run.servers if s.config in present}, a.summary, recs, sweep)
+    pngs = plots.draw(out, {s.config: s.role for s in run.servers if s.config in present}, a.summary, recs, sweep)
     text = markdown(a, pngs, tier)
     rf.report_md.write_text(text)
     images = {name: rf.plot(name.removesuffix(".png")).read_bytes() for name, _ in pngs}
     rf.report_html.write_text(html.render(text, f"kvscope report: run {run.run_id}", images))
     write_json(rf.run_json, run.model_copy(update={"scorer": a.scorer}))
     return verdicts.gate(a.verdicts)
+
+
+def rendered_differently(a: Analysis) -> list[str]:
+    """The derived files (report.md, the tables, run.json) a rendering of the analysis would change in its run
+    folder, or leave out of it: a published report that disagrees with the code."""
+    def derived(folder: Path) -> set[str]:
+        return {f.name for f in folder.iterdir() if f.suffix == ".csv" or f.name in ("report.md", "run.json")}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_report(a, Path(tmp))
+        fresh, folder = Path(tmp), a.loaded.folder
+        return [name for name in sorted(derived(fresh) | derived(folder))
+                if not (fresh / name).exists() or not (folder / name).exists()
+                or (fresh / name).read_bytes() != (folder / name).read_bytes()]
 
 
 def console(a: Analysis) -> str:
