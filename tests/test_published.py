@@ -167,9 +167,82 @@ def test_report_out_renders_elsewhere_and_leaves_the_run_folder_as_it_was(tmp_pa
 
     name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
     run = _committed_copy(tmp_path, name)
+    (run / "report.md").write_text("a report the code no longer renders\n")  # --out is not refused for it
     before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
     monkeypatch.chdir(tmp_path)
-    cli.main(["report", f"results/{name}", "--out", str(tmp_path / "elsewhere")])
+    assert cli.main(["report", f"results/{name}", "--out", str(tmp_path / "elsewhere")]) != 2
     assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
-    assert (tmp_path / "elsewhere" / "report.md").read_text() == before["report.md"].decode()
+    assert (tmp_path / "elsewhere" / "report.md").read_text() == (REPO / "results" / name / "report.md").read_text()
     assert (tmp_path / "elsewhere" / "report.html").exists()
+
+
+def test_report_names_a_published_run_as_its_checkout_does_however_the_command_spells_it(tmp_path, monkeypatch):
+    from kvscope import cli
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = _committed_copy(tmp_path, name)
+    monkeypatch.chdir(run.parent)
+    assert cli.main(["report", name]) != 2  # not refused: the same report, whatever the path's spelling
+    assert cli.main(["report", str(run.resolve())]) != 2
+    assert (run / "report.md").read_text() == (REPO / "results" / name / "report.md").read_text()
+
+
+def test_report_compares_a_published_runs_plots_and_tables_and_rewrite_drops_what_it_no_longer_makes(
+        tmp_path, monkeypatch):
+    import subprocess
+
+    from kvscope import cli
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = _committed_copy(tmp_path, name)
+    (run / "notes.csv").write_text("a file of the user's, not the report's\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["report", f"results/{name}"]) != 2
+    png = run / "hit_rates.png"
+    png.write_bytes(png.read_bytes()[:-8])  # a plot the code draws differently
+    assert cli.main(["report", f"results/{name}"]) == 2
+    (run / "sweep.csv").write_text("users\n1\n")  # a table the code no longer writes for this run
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    assert cli.main(["report", f"results/{name}"]) == 2
+    cli.main(["report", f"results/{name}", "--rewrite"])
+    assert not (run / "sweep.csv").exists() and (run / "notes.csv").exists()
+    assert png.read_bytes() == (REPO / "results" / name / "hit_rates.png").read_bytes()
+    assert cli.main(["report", f"results/{name}"]) != 2
+
+
+def test_report_out_refuses_another_published_runs_folder_and_a_rollouts_report_its_options(tmp_path, monkeypatch,
+                                                                                           capsys):
+    from kvscope import cli
+
+    name, other = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user", "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp5"
+    run = shutil.copytree(REPO / "results" / other, tmp_path / "results" / other)
+    _committed_copy(tmp_path, name)
+    before = (run / "report.md").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["report", f"results/{name}", "--out", f"results/{other}"]) == 2
+    assert cli.main(["report", f"results/{name}", "--out", f"results/{other}", "--rewrite"]) == 2
+    assert (run / "report.md").read_bytes() == before
+    rollout = tmp_path / "rollout"
+    rollout.mkdir()
+    (rollout / "rollout.json").write_text("{}")
+    capsys.readouterr()
+    assert cli.main(["report", str(rollout), "--out", str(tmp_path / "x")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_bench_refuses_to_resume_a_published_run_before_it_runs_anything(tmp_path, capsys):
+    from kvscope import cli
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = _committed_copy(tmp_path, name)
+    before = sorted(p.name for p in (run / "records").iterdir())
+    assert cli.main(["bench", "--resume", "--run-id", name, "--results", str(tmp_path / "results")]) == 2
+    assert "published run" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "records").iterdir()) == before
+
+
+def test_the_run_folder_knows_every_plot_the_report_draws():
+    from kvscope.analyze import plots
+    from kvscope.runfolder import PLOTS
+
+    assert set(plots.CAPTIONS) == {f"{p}.png" for p in PLOTS}

@@ -20,6 +20,7 @@ from kvscope.artifacts import Verdict
 from kvscope.auth import redact_command
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import servers
+from kvscope.runfolder import RunFolder
 
 EXIT_CODES = """exit codes of bench --report and report (the gate):
   0  every verdict is what its role expects (candidates and control PASS, canaries FAIL)
@@ -73,6 +74,9 @@ def cmd_bench(args) -> int:
     if args.run_id is not None and not RUN_ID.match(args.run_id):
         raise matrix_mod.ConfigError(f"--run-id {args.run_id!r} (RUN_ID): a run's folder name, letters, digits, "
                                      "'.', '_' and '-', starting with a letter or digit")
+    if args.resume and args.run_id and RunFolder(Path(args.results) / args.run_id).published_as is not None:
+        raise matrix_mod.ConfigError(f"--resume: {Path(args.results) / args.run_id} is a published run (its "
+                                     "report.md is tracked): new records would change it; resume a copy of it")
     try:
         levels = [int(u) for u in names(args.users)]
     except ValueError as exc:
@@ -130,7 +134,6 @@ def cmd_bench(args) -> int:
 def unanswered(folder: Path) -> list[str]:
     """The treatments of a run folder ('config x scenario') that got no answer at all."""
     from kvscope.artifacts import Record, StatusRow, read_jsonl
-    from kvscope.runfolder import RunFolder
 
     def answered(path: Path) -> bool:
         return path.exists() and any(r.ok for r in read_jsonl(path, Record))
@@ -145,20 +148,26 @@ def _terminated(signum, frame):
 
 
 def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) -> int:
-    """Score FOLDER and write its report into OUT (the folder by default); a published run's committed report
-    is rewritten only alike, or with REWRITE."""
-    from kvscope.analyze import loaded, overview, report
-    from kvscope.runfolder import RunFolder
+    """Score FOLDER and write its report into OUT (the folder by default). A published run is named as its
+    checkout names it (results/<id>), and rewritten only where this code renders it alike, or with REWRITE."""
+    import dataclasses
 
-    a = report.analyze(loaded.load(folder), args.min_hits, args.max_failed, overview.parse_slo(args.slo))
+    from kvscope.analyze import loaded, overview, report
+
+    run = loaded.load(folder)
+    published = RunFolder(folder).published_as
+    if published is not None:
+        run = dataclasses.replace(run, folder=published)
+    a = report.analyze(run, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
     out = out or folder
-    if out.resolve() == folder.resolve() and not rewrite and RunFolder(folder).published:
-        changed = report.rendered_differently(a)
-        if changed:
-            raise matrix_mod.ConfigError(
-                f"{folder} is a published run (its report.md is committed) and this code renders "
-                f"{', '.join(changed)} differently: write it elsewhere with --out DIR (make report OUT=DIR), "
-                "or rewrite the published run with --rewrite (make report REWRITE=1) and commit the difference")
+    if out.resolve() != folder.resolve() and RunFolder(out).published_as is not None:
+        raise loaded.RunError(f"--out {out}: a published run's folder; write the report somewhere else")
+    if out.resolve() == folder.resolve() and published is not None and not rewrite:
+        if changed := report.rendered_differently(a, folder):
+            raise loaded.RunError(
+                f"{folder} is a published run (its report.md is tracked in {published}) and this code renders "
+                f"{', '.join(changed)} differently: write the report elsewhere with --out DIR (make report "
+                "OUT=DIR), or rewrite the published run with --rewrite (make report REWRITE=1) and commit it")
     code = report.write_report(a, out)
     if args.json:  # the verdicts and the gate, nothing else on stdout
         print(report.as_json(a, code))
@@ -172,8 +181,9 @@ def cmd_report(args) -> int:
     if (Path(args.run) / "rollout.json").exists():  # a rollout's record (kvscope rollout): rollout.md
         from kvscope.rollout import report as rollout_report
 
-        if args.json:
-            raise matrix_mod.ConfigError("--json gives a bench run's verdicts; a rollout's are in its rollout.json")
+        if args.json or args.out or args.rewrite:
+            raise matrix_mod.ConfigError("--json, --out and --rewrite are for a bench run's report; a rollout's "
+                                         "rollout.md is written beside its rollout.json")
 
         return rollout_report.main(Path(args.run))
     return _report(Path(args.run), args, Path(args.out) if args.out else None, args.rewrite)
@@ -281,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="print the verdicts, the detection power and the gate as JSON (for scripts) instead of text")
     s.add_argument("--out", default=None, metavar="DIR",
-                   help="write the report, tables and plots into DIR instead of the run folder")
+                   help="write report.md, report.html, the tables, plots and run.json into DIR, not the run folder")
     s.add_argument("--rewrite", action="store_true",
                    help="rewrite a published run's committed report even where this code renders it differently "
                         "(refused without it)")

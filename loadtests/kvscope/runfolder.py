@@ -13,11 +13,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 TABLES = ("scores", "summary", "verdicts", "overview", "power", "tiers", "sweep")
+PLOTS = ("fidelity_matrix", "hit_rates", "ttft_cdf", "ttft_vs_cached", "load_sweep")
 
 
 @dataclass(frozen=True)
@@ -78,14 +81,31 @@ class RunFolder:
     def report_html(self) -> Path:
         return self.root / "report.html"
 
+    def derived(self) -> list[Path]:
+        """What the report writes that the folder holds: report.md, run.json, the tables and the plots (not the
+        HTML page, which is not published)."""
+        names = ["report.md", "run.json", *(f"{t}.csv" for t in TABLES), *(f"{p}.png" for p in PLOTS)]
+        return [self.root / n for n in names if (self.root / n).is_file()]
+
     @property
-    def published(self) -> bool:
-        """Its report.md is committed in the git checkout the folder lies in (results/<id> of a clone)."""
+    def published_as(self) -> Path | None:
+        """A published run's path in the git checkout that tracks its report.md (results/<id> in a clone);
+        None where none does: no git, not in a checkout, or not added. Where git cannot tell (its 'dubious
+        ownership' refusal, say) it says so on stderr and the folder counts as unpublished."""
         try:
-            return subprocess.run(["git", "-C", str(self.root), "ls-files", "--error-unmatch", "report.md"],
-                                  capture_output=True, timeout=30).returncode == 0
-        except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
-            return False
+            top = subprocess.run(["git", "-C", str(self.root), "rev-parse", "--show-toplevel"],
+                                 capture_output=True, text=True, timeout=30)
+            if top.returncode:
+                if "not a git repository" not in top.stderr:
+                    print(f"kvscope: cannot tell whether {self.root} is a published run: {top.stderr.strip()}",
+                          file=sys.stderr)
+                return None
+            inside = Path(os.path.relpath(self.root.resolve(), Path(top.stdout.strip()).resolve()))
+            tracked = subprocess.run(["git", "-C", top.stdout.strip(), "ls-files", "--error-unmatch",
+                                      str(inside / "report.md")], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):  # no git
+            return None
+        return inside if tracked.returncode == 0 else None
 
     def _per_treatment(self, kind: str, config: str, scenario: str) -> Path:
         return self.root / kind / f"{config}__{scenario}.jsonl"

@@ -301,37 +301,34 @@ def write_report(a: Analysis, out: Path | None = None) -> int:
     out = Path(out) if out is not None else a.loaded.folder
     out.mkdir(parents=True, exist_ok=True)
     rf = RunFolder(out)
-    for name, frame in (("scores", a.scores), ("summary", a.summary), ("verdicts", a.verdicts),
-                        ("overview", a.overview), ("power", a.power)):
-        frame.to_csv(rf.table(name), index=False)
     tier = overview.tiers(a.loaded.status)
-    if len(tier.columns) > 1:
-        tier.to_csv(rf.table("tiers"), index=False)
-    present = set(a.summary.config) if len(a.summary) else set()
     sweep = overview.sweep(run, recs)
-    if len(sweep):
-        sweep.to_csv(rf.table("sweep"), index=False)
+    tables = {"scores": a.scores, "summary": a.summary, "verdicts": a.verdicts, "overview": a.overview,
+              "power": a.power, **({"tiers": tier} if len(tier.columns) > 1 else {}),
+              **({"sweep": sweep} if len(sweep) else {})}
+    for name, frame in tables.items():
+        frame.to_csv(rf.table(name), index=False)
+    present = set(a.summary.config) if len(a.summary) else set()
     pngs = plots.draw(out, {s.config: s.role for s in run.servers if s.config in present}, a.summary, recs, sweep)
     text = markdown(a, pngs, tier)
     rf.report_md.write_text(text)
     images = {name: rf.plot(name.removesuffix(".png")).read_bytes() for name, _ in pngs}
     rf.report_html.write_text(html.render(text, f"kvscope report: run {run.run_id}", images))
     write_json(rf.run_json, run.model_copy(update={"scorer": a.scorer}))
+    written = {rf.report_md, rf.run_json, *(rf.table(t) for t in tables), *(out / name for name, _ in pngs)}
+    for stale in set(rf.derived()) - written:  # a table or plot this rendering no longer makes
+        stale.unlink()
     return verdicts.gate(a.verdicts)
 
 
-def rendered_differently(a: Analysis) -> list[str]:
-    """The derived files (report.md, the tables, run.json) a rendering of the analysis would change in its run
-    folder, or leave out of it: a published report that disagrees with the code."""
-    def derived(folder: Path) -> set[str]:
-        return {f.name for f in folder.iterdir() if f.suffix == ".csv" or f.name in ("report.md", "run.json")}
-
+def rendered_differently(a: Analysis, folder: Path) -> list[str]:
+    """The files of FOLDER that rendering the analysis there would change, add or remove (report.md, run.json,
+    the tables and plots): a published report that disagrees with the code."""
     with tempfile.TemporaryDirectory() as tmp:
         write_report(a, Path(tmp))
-        fresh, folder = Path(tmp), a.loaded.folder
-        return [name for name in sorted(derived(fresh) | derived(folder))
-                if not (fresh / name).exists() or not (folder / name).exists()
-                or (fresh / name).read_bytes() != (folder / name).read_bytes()]
+        fresh = {f.name: f.read_bytes() for f in RunFolder(Path(tmp)).derived()}
+    held = {f.name: f.read_bytes() for f in RunFolder(folder).derived()}
+    return sorted(name for name in fresh.keys() | held.keys() if fresh.get(name) != held.get(name))
 
 
 def console(a: Analysis) -> str:
