@@ -172,7 +172,7 @@ help: ## list the targets and the variables they read
 #> RUN_ID       the run folder's name under results/ (default: the time, UTC); RESUME=1 continues it
 #> SLO          a service-level objective for the summary: ttft=500,tpot=50 (ms)
 #> RUN, RUNS    make report RUN=results/<id> [OUT=dir] [REWRITE=1]; make compare RUNS=results/a,results/b [OUT=dir]
-#> REWRITE      make report: 1 rewrites a published run whose committed report this code renders differently
+#> REWRITE      make report: 1 rewrites a published run (report.md tracked) that this code renders differently
 #> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=, ROLLOUT_ARGS=
 #> PYTHON3      the Python setup makes both environments with (default python3)
 #> TORCH_INDEX  where setup finds torch==2.13.0+cpu (PyTorch's CPU index; a mirror, or empty)

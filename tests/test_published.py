@@ -16,14 +16,17 @@ RUNS = sorted(p.parent for p in (REPO / "results").glob("*/run.json"))
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_a_published_run_rerenders_to_the_report_and_tables_it_publishes(run, tmp_path, monkeypatch):
     copy = shutil.copytree(run, tmp_path / "results" / run.name)
-    derived = [f.name for f in sorted(run.iterdir()) if f.suffix == ".csv" or f.name == "report.md"]
+    derived = [f.name for f in sorted(run.iterdir()) if f.suffix in (".csv", ".png") or f.name == "report.md"]
     for name in derived:  # what the report writes is written anew, never compared with itself
         (copy / name).unlink()
     monkeypatch.chdir(tmp_path)  # the report names its folder as `make report RUN=results/<id>` gives it
     report.write(Path("results") / run.name)
-    assert [f.name for f in sorted(copy.iterdir()) if f.suffix == ".csv" or f.name == "report.md"] == derived
+    assert [f.name for f in sorted(copy.iterdir()) if f.suffix in (".csv", ".png") or f.name == "report.md"] == derived
     for name in [*derived, "run.json"]:
-        assert (copy / name).read_text() == (run / name).read_text(), f"{run.name}/{name}"
+        if name.endswith(".png"):  # drawn by the pinned matplotlib, byte for byte
+            assert (copy / name).read_bytes() == (run / name).read_bytes(), f"{run.name}/{name}"
+        else:
+            assert (copy / name).read_text() == (run / name).read_text(), f"{run.name}/{name}"
 
 
 def test_a_loaded_run_scores_and_renders_with_none_of_its_input_files_left(tmp_path, monkeypatch):
@@ -187,10 +190,8 @@ def test_report_names_a_published_run_as_its_checkout_does_however_the_command_s
     assert (run / "report.md").read_text() == (REPO / "results" / name / "report.md").read_text()
 
 
-def test_report_compares_a_published_runs_plots_and_tables_and_rewrite_drops_what_it_no_longer_makes(
-        tmp_path, monkeypatch):
-    import subprocess
-
+def test_report_refuses_a_published_run_whose_plot_or_table_it_renders_differently_and_rewrite_settles_it(
+        tmp_path, monkeypatch, capsys):
     from kvscope import cli
 
     name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
@@ -199,35 +200,59 @@ def test_report_compares_a_published_runs_plots_and_tables_and_rewrite_drops_wha
     monkeypatch.chdir(tmp_path)
     assert cli.main(["report", f"results/{name}"]) != 2
     png = run / "hit_rates.png"
-    png.write_bytes(png.read_bytes()[:-8])  # a plot the code draws differently
+    good = png.read_bytes()
+    png.write_bytes(good[:-8])  # a plot the code draws differently
+    capsys.readouterr()
     assert cli.main(["report", f"results/{name}"]) == 2
-    (run / "sweep.csv").write_text("users\n1\n")  # a table the code no longer writes for this run
-    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    assert "renders hit_rates.png differently" in capsys.readouterr().err
+    png.write_bytes(good)
+    (run / "sweep.csv").write_text("users\n1\n")  # a table the code does not write for this run
     assert cli.main(["report", f"results/{name}"]) == 2
-    cli.main(["report", f"results/{name}", "--rewrite"])
+    assert "renders sweep.csv differently" in capsys.readouterr().err
+    assert cli.main(["report", f"results/{name}", "--rewrite"]) != 2
     assert not (run / "sweep.csv").exists() and (run / "notes.csv").exists()
-    assert png.read_bytes() == (REPO / "results" / name / "hit_rates.png").read_bytes()
     assert cli.main(["report", f"results/{name}"]) != 2
 
 
-def test_report_out_refuses_another_published_runs_folder_and_a_rollouts_report_its_options(tmp_path, monkeypatch,
-                                                                                           capsys):
+def test_report_out_takes_a_new_or_empty_folder_and_a_rollouts_report_refuses_the_options(tmp_path, monkeypatch,
+                                                                                         capsys):
     from kvscope import cli
 
     name, other = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user", "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp5"
-    run = shutil.copytree(REPO / "results" / other, tmp_path / "results" / other)
+    run = shutil.copytree(REPO / "results" / other, tmp_path / "other" / other)  # a run of nobody's checkout
     _committed_copy(tmp_path, name)
-    before = (run / "report.md").read_bytes()
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["report", f"results/{name}", "--out", f"results/{other}"]) == 2
-    assert cli.main(["report", f"results/{name}", "--out", f"results/{other}", "--rewrite"]) == 2
-    assert (run / "report.md").read_bytes() == before
+    assert cli.main(["report", f"results/{name}", "--out", str(run)]) == 2
+    assert cli.main(["report", f"results/{name}", "--out", str(run), "--rewrite"]) == 2
+    assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["report", f"results/{name}", "--out", str(tmp_path / "empty")]) != 2
     rollout = tmp_path / "rollout"
     rollout.mkdir()
     (rollout / "rollout.json").write_text("{}")
-    capsys.readouterr()
-    assert cli.main(["report", str(rollout), "--out", str(tmp_path / "x")]) == 2
-    assert "--out" in capsys.readouterr().err
+    for option in (["--out", str(tmp_path / "x")], ["--rewrite"]):
+        capsys.readouterr()
+        assert cli.main(["report", str(rollout), *option]) == 2
+        assert option[0] in capsys.readouterr().err
+
+
+def test_report_says_nothing_of_publishing_for_a_run_no_checkout_tracks(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from kvscope import cli
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    outside = shutil.copytree(REPO / "results" / name, tmp_path / "outside" / name)
+    untracked = _committed_copy(tmp_path / "repo", name).parent / "fresh"
+    shutil.copytree(outside, untracked)
+    subprocess.run(["git", "-C", str(tmp_path / "repo"), "status"], check=True, capture_output=True)
+    for folder in (outside, untracked):
+        (folder / "report.md").write_text("stale\n")
+        capsys.readouterr()
+        assert cli.main(["report", str(folder)]) != 2
+        assert "published" not in capsys.readouterr().err
+        assert (folder / "report.md").read_text() != "stale\n"
 
 
 def test_bench_refuses_to_resume_a_published_run_before_it_runs_anything(tmp_path, capsys):

@@ -76,7 +76,8 @@ def cmd_bench(args) -> int:
                                      "'.', '_' and '-', starting with a letter or digit")
     if args.resume and args.run_id and RunFolder(Path(args.results) / args.run_id).published_as is not None:
         raise matrix_mod.ConfigError(f"--resume: {Path(args.results) / args.run_id} is a published run (its "
-                                     "report.md is tracked): new records would change it; resume a copy of it")
+                                     "report.md is tracked): new records would change it; resume a copy of it "
+                                     "(its run.json keeps the published run's id)")
     try:
         levels = [int(u) for u in names(args.users)]
     except ValueError as exc:
@@ -150,24 +151,19 @@ def _terminated(signum, frame):
 def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) -> int:
     """Score FOLDER and write its report into OUT (the folder by default). A published run is named as its
     checkout names it (results/<id>), and rewritten only where this code renders it alike, or with REWRITE."""
-    import dataclasses
-
     from kvscope.analyze import loaded, overview, report
 
-    run = loaded.load(folder)
-    published = RunFolder(folder).published_as
-    if published is not None:
-        run = dataclasses.replace(run, folder=published)
-    a = report.analyze(run, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
     out = out or folder
-    if out.resolve() != folder.resolve() and RunFolder(out).published_as is not None:
-        raise loaded.RunError(f"--out {out}: a published run's folder; write the report somewhere else")
-    if out.resolve() == folder.resolve() and published is not None and not rewrite:
+    if out.resolve() != folder.resolve() and out.exists() and any(out.iterdir()):
+        raise loaded.RunError(f"--out {out}: not empty; the report writes into a new or empty folder")
+    run = loaded.load(folder)
+    a = report.analyze(run, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
+    if out.resolve() == folder.resolve() and run.published_as is not None and not rewrite:
         if changed := report.rendered_differently(a, folder):
             raise loaded.RunError(
-                f"{folder} is a published run (its report.md is tracked in {published}) and this code renders "
-                f"{', '.join(changed)} differently: write the report elsewhere with --out DIR (make report "
-                "OUT=DIR), or rewrite the published run with --rewrite (make report REWRITE=1) and commit it")
+                f"{folder} is a published run (tracked by its checkout as {run.published_as}) and this code "
+                f"renders {', '.join(changed)} differently: write the report elsewhere with --out DIR (make "
+                "report OUT=DIR), or rewrite the published run with --rewrite (make report REWRITE=1) and commit it")
     code = report.write_report(a, out)
     if args.json:  # the verdicts and the gate, nothing else on stdout
         print(report.as_json(a, code))
@@ -291,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="print the verdicts, the detection power and the gate as JSON (for scripts) instead of text")
     s.add_argument("--out", default=None, metavar="DIR",
-                   help="write report.md, report.html, the tables, plots and run.json into DIR, not the run folder")
+                   help="write report.md, report.html, the tables, plots and run.json into DIR (new or empty), "
+                        "not the run folder")
     s.add_argument("--rewrite", action="store_true",
                    help="rewrite a published run's committed report even where this code renders it differently "
                         "(refused without it)")

@@ -91,19 +91,26 @@ class RunFolder:
     def published_as(self) -> Path | None:
         """A published run's path in the git checkout that tracks its report.md (results/<id> in a clone);
         None where none does: no git, not in a checkout, or not added. Where git cannot tell (its 'dubious
-        ownership' refusal, say) it says so on stderr and the folder counts as unpublished."""
+        ownership' refusal, or a timeout) it says so on stderr and the folder counts as unpublished."""
+        if not self.root.is_dir():
+            return None
+        env = {**os.environ, "LC_ALL": "C"}  # git's messages in English, to tell 'not a checkout' from a refusal
         try:
             top = subprocess.run(["git", "-C", str(self.root), "rev-parse", "--show-toplevel"],
-                                 capture_output=True, text=True, timeout=30)
+                                 capture_output=True, text=True, timeout=30, env=env)
             if top.returncode:
                 if "not a git repository" not in top.stderr:
                     print(f"kvscope: cannot tell whether {self.root} is a published run: {top.stderr.strip()}",
                           file=sys.stderr)
                 return None
             inside = Path(os.path.relpath(self.root.resolve(), Path(top.stdout.strip()).resolve()))
-            tracked = subprocess.run(["git", "-C", top.stdout.strip(), "ls-files", "--error-unmatch",
-                                      str(inside / "report.md")], capture_output=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):  # no git
+            tracked = subprocess.run(["git", "--literal-pathspecs", "-C", top.stdout.strip(), "ls-files",
+                                      "--error-unmatch", str(inside / "report.md")],
+                                     capture_output=True, timeout=30, env=env)
+        except FileNotFoundError:  # no git
+            return None
+        except (OSError, subprocess.SubprocessError) as exc:
+            print(f"kvscope: cannot tell whether {self.root} is a published run: {exc}", file=sys.stderr)
             return None
         return inside if tracked.returncode == 0 else None
 

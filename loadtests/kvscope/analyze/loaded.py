@@ -32,6 +32,12 @@ class LoadedRun:
     loads: dict[ConfigScenario, list[LoadEvent]]  # the load logs the run kept
     expected: dict[str, int]  # measure-phase requests per scenario, from the workload files
     workload_digest: str
+    published_as: Path | None = None  # a published run's path in its checkout (RunFolder.published_as)
+
+    @property
+    def name(self) -> Path:
+        """How the report names the run: results/<id> for a published run, else the path it was read from."""
+        return self.published_as or self.folder
 
 
 def load(folder: Path) -> LoadedRun:
@@ -50,7 +56,7 @@ def load(folder: Path) -> LoadedRun:
         faults={t: read_jsonl(rf.faults(*t), FaultEvent) for t in treatments if rf.faults(*t).exists()},
         loads={t: read_jsonl(rf.loads(*t), LoadEvent) for t in treatments if rf.loads(*t).exists()},
         expected={s: _lines(rf.workload(s, "measure")) for s in run.scenarios},
-        workload_digest=_digest(rf))
+        workload_digest=_digest(rf), published_as=rf.published_as)
 
 
 def _records(rf: RunFolder, run: RunInfo, status: list[StatusRow]) -> dict[ConfigScenario, list[Record]]:

@@ -386,7 +386,7 @@ def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
 
 def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> str:
     """report.md's text, rendered from the analysis, its plots (file name, caption) and the tier table."""
-    run, summary, scores, folder = a.loaded.run, a.summary, a.scores, a.loaded.folder
+    run, summary, scores, folder = a.loaded.run, a.summary, a.scores, a.loaded.name
     m = run.machine
     first = run.servers[0]
     lines = [f"# kvscope report: run {run.run_id}", ""]
