@@ -11,6 +11,7 @@ from conftest import REPO
 from kvscope.analyze import report
 
 RUNS = sorted(p.parent for p in (REPO / "results").glob("*/run.json"))
+SMALL = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"  # a small published run: fast to re-render
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
@@ -75,7 +76,7 @@ def test_report_json_gives_a_published_runs_verdicts_and_gate_for_scripts(tmp_pa
     import subprocess
     import sys
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = shutil.copytree(REPO / "results" / name, tmp_path / name)
     out = subprocess.run([sys.executable, "-m", "kvscope.cli", "report", str(run), "--json"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
@@ -93,7 +94,7 @@ def test_bench_report_json_prints_the_verdicts_alone_on_stdout_and_its_progress_
     from kvscope import cli
     from kvscope.run import treatments
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = shutil.copytree(REPO / "results" / name, tmp_path / name)
 
     def bench(*args, **kwargs):
@@ -141,7 +142,7 @@ def _committed_copy(tmp_path, name):
 def test_report_refuses_to_rewrite_a_committed_report_that_the_code_renders_differently(tmp_path, monkeypatch, capsys):
     from kvscope import cli
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = _committed_copy(tmp_path, name)
     stale = (run / "report.md").read_text() + "a line the code no longer writes\n"
     (run / "report.md").write_text(stale)
@@ -157,7 +158,7 @@ def test_report_refuses_to_rewrite_a_committed_report_that_the_code_renders_diff
 def test_report_rerenders_a_committed_report_it_renders_alike_and_writes_its_html(tmp_path, monkeypatch):
     from kvscope import cli
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = _committed_copy(tmp_path, name)
     monkeypatch.chdir(tmp_path)
     cli.main(["report", f"results/{name}"])
@@ -168,7 +169,7 @@ def test_report_rerenders_a_committed_report_it_renders_alike_and_writes_its_htm
 def test_report_out_renders_elsewhere_and_leaves_the_run_folder_as_it_was(tmp_path, monkeypatch):
     from kvscope import cli
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = _committed_copy(tmp_path, name)
     (run / "report.md").write_text("a report the code no longer renders\n")  # --out is not refused for it
     before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
@@ -182,7 +183,7 @@ def test_report_out_renders_elsewhere_and_leaves_the_run_folder_as_it_was(tmp_pa
 def test_report_names_a_published_run_as_its_checkout_does_however_the_command_spells_it(tmp_path, monkeypatch):
     from kvscope import cli
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = _committed_copy(tmp_path, name)
     monkeypatch.chdir(run.parent)
     assert cli.main(["report", name]) != 2  # not refused: the same report, whatever the path's spelling
@@ -194,7 +195,7 @@ def test_report_refuses_a_published_run_whose_plot_or_table_it_renders_different
         tmp_path, monkeypatch, capsys):
     from kvscope import cli
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = _committed_copy(tmp_path, name)
     (run / "notes.csv").write_text("a file of the user's, not the report's\n")
     monkeypatch.chdir(tmp_path)
@@ -218,7 +219,7 @@ def test_report_out_takes_a_new_or_empty_folder_and_a_rollouts_report_refuses_th
                                                                                          capsys):
     from kvscope import cli
 
-    name, other = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user", "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp5"
+    name, other = SMALL, "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp5"
     run = shutil.copytree(REPO / "results" / other, tmp_path / "other" / other)  # a run of nobody's checkout
     _committed_copy(tmp_path, name)
     before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
@@ -238,15 +239,12 @@ def test_report_out_takes_a_new_or_empty_folder_and_a_rollouts_report_refuses_th
 
 
 def test_report_says_nothing_of_publishing_for_a_run_no_checkout_tracks(tmp_path, monkeypatch, capsys):
-    import subprocess
-
     from kvscope import cli
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     outside = shutil.copytree(REPO / "results" / name, tmp_path / "outside" / name)
     untracked = _committed_copy(tmp_path / "repo", name).parent / "fresh"
     shutil.copytree(outside, untracked)
-    subprocess.run(["git", "-C", str(tmp_path / "repo"), "status"], check=True, capture_output=True)
     for folder in (outside, untracked):
         (folder / "report.md").write_text("stale\n")
         capsys.readouterr()
@@ -258,7 +256,7 @@ def test_report_says_nothing_of_publishing_for_a_run_no_checkout_tracks(tmp_path
 def test_bench_refuses_to_resume_a_published_run_before_it_runs_anything(tmp_path, capsys):
     from kvscope import cli
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = SMALL
     run = _committed_copy(tmp_path, name)
     before = sorted(p.name for p in (run / "records").iterdir())
     assert cli.main(["bench", "--resume", "--run-id", name, "--results", str(tmp_path / "results")]) == 2

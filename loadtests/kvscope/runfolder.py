@@ -100,8 +100,7 @@ class RunFolder:
                                  capture_output=True, text=True, timeout=30, env=env)
             if top.returncode:
                 if "not a git repository" not in top.stderr:
-                    print(f"kvscope: cannot tell whether {self.root} is a published run: {top.stderr.strip()}",
-                          file=sys.stderr)
+                    self._unsure(top.stderr.strip())
                 return None
             inside = Path(os.path.relpath(self.root.resolve(), Path(top.stdout.strip()).resolve()))
             tracked = subprocess.run(["git", "--literal-pathspecs", "-C", top.stdout.strip(), "ls-files",
@@ -110,9 +109,12 @@ class RunFolder:
         except FileNotFoundError:  # no git
             return None
         except (OSError, subprocess.SubprocessError) as exc:
-            print(f"kvscope: cannot tell whether {self.root} is a published run: {exc}", file=sys.stderr)
+            self._unsure(str(exc))
             return None
         return inside if tracked.returncode == 0 else None
+
+    def _unsure(self, why: str) -> None:
+        print(f"kvscope: cannot tell whether {self.root} is a published run: {why}", file=sys.stderr)
 
     def _per_treatment(self, kind: str, config: str, scenario: str) -> Path:
         return self.root / kind / f"{config}__{scenario}.jsonl"

@@ -312,10 +312,11 @@ def write_report(a: Analysis, out: Path | None = None) -> int:
     pngs = plots.draw(out, {s.config: s.role for s in run.servers if s.config in present}, a.summary, recs, sweep)
     text = markdown(a, pngs, tier)
     rf.report_md.write_text(text)
-    images = {name: rf.plot(name.removesuffix(".png")).read_bytes() for name, _ in pngs}
+    drawn = {name: rf.plot(name.removesuffix(".png")) for name, _ in pngs}
+    images = {name: path.read_bytes() for name, path in drawn.items()}
     rf.report_html.write_text(html.render(text, f"kvscope report: run {run.run_id}", images))
     write_json(rf.run_json, run.model_copy(update={"scorer": a.scorer}))
-    written = {rf.report_md, rf.run_json, *(rf.table(t) for t in tables), *(out / name for name, _ in pngs)}
+    written = {rf.report_md, rf.run_json, *(rf.table(t) for t in tables), *drawn.values()}
     for stale in set(rf.derived()) - written:  # a table or plot this rendering no longer makes
         stale.unlink()
     return verdicts.gate(a.verdicts)
