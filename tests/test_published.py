@@ -227,6 +227,10 @@ def test_report_out_takes_a_new_or_empty_folder_and_a_rollouts_report_refuses_th
     assert cli.main(["report", f"results/{name}", "--out", str(run)]) == 2
     assert cli.main(["report", f"results/{name}", "--out", str(run), "--rewrite"]) == 2
     assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
+    (tmp_path / "a-file").write_text("not a folder\n")
+    capsys.readouterr()
+    assert cli.main(["report", f"results/{name}", "--out", str(tmp_path / "a-file")]) == 2
+    assert "--out" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert cli.main(["report", f"results/{name}", "--out", str(tmp_path / "empty")]) != 2
     rollout = tmp_path / "rollout"

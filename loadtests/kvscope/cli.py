@@ -154,8 +154,8 @@ def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) 
     from kvscope.analyze import loaded, overview, report
 
     out = out or folder
-    if out.resolve() != folder.resolve() and out.exists() and any(out.iterdir()):
-        raise loaded.RunError(f"--out {out}: not empty; the report writes into a new or empty folder")
+    if out.resolve() != folder.resolve() and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise loaded.RunError(f"--out {out}: not a new or empty folder; the report writes into one")
     run = loaded.load(folder)
     a = report.analyze(run, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
     if out.resolve() == folder.resolve() and run.published_as is not None and not rewrite:
