@@ -76,12 +76,18 @@ def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
         assert f"{name}: ok" in out.stdout
     env = {s["config"]: s["env"] for s in json.loads(open(rendered).read())["kvscope_servers"]}
     assert env["ucm-blend"]["ENABLE_UCM_PATCH"] == "1" and env["ucm-pipeline"]["ENABLE_UCM_PATCH"] == "1"
-    # exact mode's flags too: every server batch-invariant on TRITON_ATTN, as vLLM's parser reads them
+    # exact mode's flags too: every server batch-invariant on TRITON_ATTN, as vLLM's parser reads them; the
+    # CacheBlend configs pin their own token budget, which the mode's step cap would replace: refused
+    exact_configs = [c for c in GPU_CONFIGS if not c.startswith("ucm-blend")]
     exact = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py",
-                render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml", ["baseline", *GPU_CONFIGS], "--exact"))
+                render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml", ["baseline", *exact_configs], "--exact"))
     assert exact.returncode == 0, exact.stdout + exact.stderr
-    for name in GPU_CONFIGS:
+    for name in exact_configs:
         assert f"{name}: ok (attention backend TRITON_ATTN)" in exact.stdout
+    blend = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", REPO / "loadtests" / "matrix.yaml", "render",
+                "--configs", "ucm-blend", "--platform", "cuda", "--model", model_dir, "--run-dir", tmp_path,
+                "--out", tmp_path / "blend.json", "--exact")
+    assert blend.returncode != 0 and "exact mode sets --max-num-batched-tokens" in blend.stderr
 
 
 def test_the_argument_check_catches_a_misspelt_flag_and_a_bad_value(tmp_path, model_dir):

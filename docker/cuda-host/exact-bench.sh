@@ -11,9 +11,10 @@
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
 # folders are written under OUT_DIR/results, outside the checkout: a tool that syncs the checkout while the
 # run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default);
-# ATTENTION serves the 4B parts on another attention backend than the matrix's (their run ids then name it).
-#   [PARTS=tiny,exact,normal,failed-load] [ATTENTION=FLASH_ATTN] docker/cuda-host/exact-bench.sh OUT_DIR \
-#     [QUERIES=56] [USERS=16]
+# ATTENTION serves the 4B parts on another attention backend than the matrix's (their run ids then name it);
+# CONFIGS replaces the exact part's configs (e.g. only the correct caches, for a run at one user).
+#   [PARTS=tiny,exact,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] docker/cuda-host/exact-bench.sh \
+#     OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
 here=$(dirname "$0"); all=tiny,exact,normal,failed-load; parts=,${PARTS:-$all},
@@ -25,6 +26,7 @@ for part in ${parts//,/ }; do
 done
 export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries RESULTS=$out/results
 correct=baseline,control,apc,offload-cpu-tier,kvscope-ram,kvscope-fs
+exact_configs=${CONFIGS:-$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs}
 bf16='{"dtype": "bfloat16"'${ATTENTION:+', "attention-backend": "'$ATTENTION'"'}'}'
 keep() {  # keep PART FILES...: what a part made, in one archive (paths under OUT_DIR)
   tar -czf "$out/$1.tar.gz" -C "$out" --ignore-failed-read "${@:2}" 2>/dev/null
@@ -38,7 +40,7 @@ want tiny && (
   keep tiny tiny.log results/h200-exact-tiny-fp32
 ) &
 if want exact; then
-  EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16$tag "$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs" "$bf16" \
+  EXACT=1 bash "$here/bench.sh" qwen3-4b h200-exact-4b-bf16$tag "$exact_configs" "$bf16" \
     "$users" > "$out/exact.log" 2>&1
   keep exact exact.log "results/h200-exact-4b-bf16$tag"
 fi
