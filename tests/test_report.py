@@ -550,3 +550,45 @@ def test_the_html_colours_each_verdict(tmp_path):
     page = (run / "report.html").read_text()
     assert '<strong class="verdict-fail">FAIL</strong>' in page and '<strong class="verdict-pass">PASS</strong>' in page
     assert ".verdict-fail" in page and ".verdict-pass" in page  # styled, not only named
+
+
+def _png(xs, ys, xmax: float | None = None) -> bytes:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 3), dpi=100)
+    ax.plot(xs, ys)
+    ax.set(xscale="log")
+    if xmax:
+        ax.set_xlim(right=xmax)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def test_one_plot_drawn_on_two_cpus_counts_as_alike_and_a_changed_plot_does_not():
+    # numpy's log10 differs in the last bit with and without AVX-512, which moved a log axis's edge by a
+    # pixel: a published plot re-rendered on another CPU differed in 476 of 244,944 pixels
+    from kvscope.analyze import plots
+
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    xs, ys = [100, 300, 1000, 3000], [0.1, 0.4, 0.8, 1.0]
+    drawn = _png(xs, ys, 4000)
+    assert plots.drawn_alike(drawn, drawn)
+    pixels = np.asarray(Image.open(io.BytesIO(drawn))).copy()
+    pixels[:, 300:] = pixels[:, 299:-1].copy()  # everything right of column 300 one pixel over, as on the CPUs
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="png")
+    assert buf.getvalue() != drawn and plots.drawn_alike(buf.getvalue(), drawn)
+    assert not plots.drawn_alike(_png(xs, ys, 4000 * 1.004), drawn)  # an axis limit moved: every line with it
+    assert not plots.drawn_alike(_png(xs, [0.1, 0.5, 0.8, 1.0], 4000), drawn)  # one point moved
+    assert not plots.drawn_alike(_png([*xs, 3500], [*ys, 1.0], 4000), drawn)  # a point added

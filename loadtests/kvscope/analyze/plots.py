@@ -6,6 +6,7 @@ canaries thin and dotted (they are broken on purpose).
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,33 @@ from kvscope.runfolder import RunFolder
 
 FIDELITY_COLOURS = {"ok": "#4daf4a", Answer.FAIL: "#e41a1c", "partly unscored": "#ffbf00", "no data": "#bdbdbd",
                     "golden missing": "#bdbdbd"}
+
+
+def drawn_alike(a: bytes, b: bytes) -> bool:
+    """Whether two PNGs draw one plot: the same size, and every pixel of each found in the other at most one
+    pixel away. numpy's log10 differs in the last bit with and without AVX-512, which moves a log axis's edge
+    by a pixel between CPUs; a changed value, line or label moves more, or adds colours."""
+    if a == b:
+        return True
+    from PIL import Image  # matplotlib's own dependency
+
+    try:
+        for png in (a, b):
+            Image.open(io.BytesIO(png)).verify()  # every chunk whole, to the end
+        x, y = (np.asarray(Image.open(io.BytesIO(png)).convert("RGBA")) for png in (a, b))
+    except (OSError, SyntaxError, ValueError):  # what PIL raises for a file that is not a whole PNG
+        return False
+    return x.shape == y.shape and _within_a_pixel(x, y) and _within_a_pixel(y, x)
+
+
+def _within_a_pixel(x: np.ndarray, y: np.ndarray) -> bool:
+    h, w = x.shape[:2]
+    padded = np.pad(y, ((1, 1), (1, 1), (0, 0)), mode="edge")
+    found = np.zeros((h, w), dtype=bool)
+    for dy in range(3):
+        for dx in range(3):
+            found |= (x == padded[dy:dy + h, dx:dx + w]).all(axis=-1)
+    return bool(found.all())
 
 
 def _style(role: str, colour) -> dict:

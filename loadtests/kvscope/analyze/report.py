@@ -324,12 +324,20 @@ def write_report(a: Analysis, out: Path | None = None) -> int:
 
 def rendered_differently(a: Analysis, folder: Path) -> list[str]:
     """The files of FOLDER that rendering the analysis there would change, add or remove (report.md, run.json,
-    the tables and plots): a published report that disagrees with the code."""
+    the tables and plots): a published report that disagrees with the code. Plots are compared as drawn, not
+    byte for byte, since one plot renders a pixel apart on different CPUs."""
     with tempfile.TemporaryDirectory() as tmp:
         write_report(a, Path(tmp))
         fresh = {f.name: f.read_bytes() for f in RunFolder(Path(tmp)).derived()}
     held = {f.name: f.read_bytes() for f in RunFolder(folder).derived()}
-    return sorted(name for name in fresh.keys() | held.keys() if fresh.get(name) != held.get(name))
+    return sorted(name for name in fresh.keys() | held.keys() if not _alike(name, fresh.get(name), held.get(name)))
+
+
+def _alike(name: str, fresh: bytes | None, held: bytes | None) -> bool:
+    """A file as rendered and as held: equal, or for a plot drawn alike (plots.drawn_alike)."""
+    if fresh is None or held is None or fresh == held:
+        return fresh == held
+    return name.endswith(".png") and plots.drawn_alike(fresh, held)
 
 
 def console(a: Analysis) -> str:
