@@ -4,8 +4,10 @@ Each loophole that let a run PASS without evidence has a test here: failed or mi
 that never ran, no cache hits, answers without token ids, a golden server that was not cache-off.
 """
 
+import io
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -553,8 +555,6 @@ def test_the_html_colours_each_verdict(tmp_path):
 
 
 def _png(xs, ys, xmax: float | None = None) -> bytes:
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -574,12 +574,9 @@ def _png(xs, ys, xmax: float | None = None) -> bytes:
 def test_one_plot_drawn_on_two_cpus_counts_as_alike_and_a_changed_plot_does_not():
     # numpy's log10 differs in the last bit with and without AVX-512, which moved a log axis's edge by a
     # pixel: a published plot re-rendered on another CPU differed in 476 of 244,944 pixels
-    from kvscope.analyze import plots
-
-    import io
-
-    import numpy as np
     from PIL import Image
+
+    from kvscope.analyze import plots
 
     xs, ys = [100, 300, 1000, 3000], [0.1, 0.4, 0.8, 1.0]
     drawn = _png(xs, ys, 4000)
