@@ -28,7 +28,10 @@ def main(path: str) -> int:
             if "--kv-transfer-config" in args:
                 KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
             backend = engine.attention_backend or engine.attention_config.backend
-            print(f"{server['config']}: ok" + (f" (attention backend {backend})" if backend else ""))
+            read = ([f"attention backend {backend}"] if backend else []) + (
+                [f"steps of at most {engine.max_num_batched_tokens} tokens and {engine.max_num_seqs} requests"]
+                if engine.max_num_batched_tokens else [])
+            print(f"{server['config']}: ok" + (f" ({', '.join(read)})" if read else ""))
         except (Exception, SystemExit) as exc:  # argparse exits on bad flags
             failures += 1
             print(f"{server['config']}: {type(exc).__name__}: {exc}")

@@ -82,8 +82,8 @@ def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
     exact = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py",
                 render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml", ["baseline", *exact_configs], "--exact"))
     assert exact.returncode == 0, exact.stdout + exact.stderr
-    for name in exact_configs:
-        assert f"{name}: ok (attention backend TRITON_ATTN)" in exact.stdout
+    for name in exact_configs:  # as vLLM's parser reads them
+        assert f"{name}: ok (attention backend TRITON_ATTN, steps of at most 255 tokens and 32 requests)" in exact.stdout
     blend = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", REPO / "loadtests" / "matrix.yaml", "render",
                 "--configs", "ucm-blend", "--platform", "cuda", "--model", model_dir, "--run-dir", tmp_path,
                 "--out", tmp_path / "blend.json", "--exact")

@@ -227,6 +227,28 @@ def test_exact_mode_refuses_a_config_that_picks_its_own_attention_backend(tmp_pa
     assert flag_value(out.server_args, "--attention-backend") == "FLASH_ATTN"
 
 
+@pytest.mark.parametrize("flags", [{"--max-num-b": 8192}, {"--max-num-se": 256}, {"--max_num_batched_tokens": 8192}])
+def test_exact_mode_refuses_a_config_that_sets_a_flag_of_the_mode_in_any_spelling_vllm_reads(tmp_path, flags):
+    # vLLM's parser reads an unambiguous prefix as the whole option: '--max-num-b 8192' would replace the
+    # mode's step cap while the server is recorded (and judged) as exact
+    m = matrix.load(SHIPPED)
+    cfg = m.get("kvscope-fs").model_copy(update={"flags": flags})
+    with pytest.raises(matrix.ConfigError, match="exact mode sets --max-num-"):
+        render(m, cfg, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
+
+
+@pytest.mark.parametrize("override", ['{"max-num-b": 8192}', '{"max-num-batched-tokens": false}'])
+def test_exact_mode_refuses_an_override_that_abbreviates_or_drops_a_flag_of_the_mode(tmp_path, override):
+    m = matrix.load(SHIPPED)
+    with pytest.raises(matrix.ConfigError, match="--max-num-batched-tokens"):
+        render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True,
+               overrides=parse_overrides(override))
+    # in full and with a value, an override is the user's explicit choice, and the server's argv says it
+    out = render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True,
+                 overrides=parse_overrides('{"max-num-batched-tokens": 8192}'))
+    assert flag_value(out.server_args, "--max-num-batched-tokens") == "8192"
+
+
 def test_a_bench_refuses_servers_of_both_modes_and_an_exact_bench_of_normal_servers():
     from kvscope.artifacts import Treatment
     from kvscope.run.treatments import serving_mode, treatments

@@ -93,9 +93,11 @@ def render(
     port = cfg.port + port_offset
     args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
     flags = {**defaults.flags, **cfg.flags, **(mode.flags if mode else {}), **(overrides or {})}
-    if mode and (mine := {vllm_option(f) for f in cfg.flags} & {vllm_option(f) for f in mode.flags}):
+    if mode and (mine := {o for f in cfg.flags if (o := _mode_option(f, mode.flags))}):
         raise ConfigError(f"config '{cfg.name}': exact mode sets {', '.join(sorted(mine))} (platforms.{platform}"
                           ".exact), which the config sets too; batch invariance needs the platform's choice")
+    if mode and (errors := _override_errors(overrides or {}, mode.flags)):
+        raise ConfigError(f"flag overrides in exact mode: {'; '.join(errors)}")
     if errors := whole_and_key_errors(flags) + attention_backend_errors(flags):
         raise ConfigError(f"config '{cfg.name}': {'; '.join(errors)}")
     if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
@@ -113,6 +115,24 @@ def render(
                           store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages),
                           upstream=list(cfg.upstream), exact=mode is not None, tiers=list(cfg.tiers),
                           writer=cfg.writer)
+
+
+def _mode_option(flag: str, mode_flags: dict) -> str | None:
+    """The exact mode's option that FLAG sets, as vLLM's parser reads it (a prefix is the whole option)."""
+    option = vllm_option(flag)
+    return next((m for m in sorted({vllm_option(f) for f in mode_flags}) if m.startswith(option)), None)
+
+
+def _override_errors(overrides: dict, mode_flags: dict) -> list[str]:
+    """An override replaces a flag of the exact mode only in full and with a value (so the server's argv shows
+    it): an abbreviation or a switch-off would change what vLLM runs while the server is judged as exact."""
+    errors = []
+    for flag, value in overrides.items():
+        if (option := _mode_option(flag, mode_flags)) and option != vllm_option(flag):
+            errors.append(f"'{flag}' abbreviates {option}, which exact mode sets: write it in full")
+        elif option and value in (None, False):
+            errors.append(f"'{flag}' would drop {option}, which exact mode sets")
+    return errors
 
 
 def model_errors(model_dir: Path) -> list[str]:
