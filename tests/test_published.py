@@ -155,6 +155,28 @@ def test_report_refuses_to_rewrite_a_committed_report_that_the_code_renders_diff
     assert (run / "report.md").read_text() == (REPO / "results" / name / "report.md").read_text()
 
 
+def test_report_keeps_a_published_plot_that_it_draws_a_pixel_apart(tmp_path, monkeypatch):
+    # as drawn on another CPU (numpy's log10 with or without AVX-512): alike, so the published bytes stay and
+    # the checkout stays clean
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from kvscope import cli
+
+    run = _committed_copy(tmp_path, SMALL)
+    png = run / "ttft_cdf.png"
+    pixels = np.asarray(Image.open(png)).copy()
+    pixels[:, 200:] = pixels[:, 199:-1].copy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="png")
+    png.write_bytes(buf.getvalue())
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["report", f"results/{SMALL}"]) != 2
+    assert png.read_bytes() == buf.getvalue()
+
+
 def test_report_rerenders_a_committed_report_it_renders_alike_and_writes_its_html(tmp_path, monkeypatch):
     from kvscope import cli
 

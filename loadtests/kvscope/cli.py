@@ -158,13 +158,18 @@ def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) 
         raise loaded.RunError(f"--out {out}: not a new or empty folder; the report writes into one")
     run = loaded.load(folder)
     a = report.analyze(run, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
+    kept: dict[Path, bytes] = {}
     if out.resolve() == folder.resolve() and run.published_as is not None and not rewrite:
         if changed := report.rendered_differently(a, folder):
             raise loaded.RunError(
                 f"{folder} is a published run (tracked by its checkout as {run.published_as}) and this code "
                 f"renders {', '.join(changed)} differently: write the report elsewhere with --out DIR (make "
                 "report OUT=DIR), or rewrite the published run with --rewrite (make report REWRITE=1) and commit it")
+        # its plots are drawn alike, perhaps a pixel apart (another CPU): the published bytes stay
+        kept = {f: f.read_bytes() for f in RunFolder(folder).derived() if f.suffix == ".png"}
     code = report.write_report(a, out)
+    for path, data in kept.items():
+        path.write_bytes(data)
     if args.json:  # the verdicts and the gate, nothing else on stdout
         print(report.as_json(a, code))
         return code
