@@ -177,11 +177,12 @@ def test_each_node_renders_its_own_configs_and_gets_them_beside_its_servers(tmp_
 
 
 def test_the_manifest_probe_imports_each_connectors_modules_in_the_servers_environment(tmp_path, model_dir):
+    from kvscope.artifacts import Rendered
     from kvscope.deploy.servers import connector_imports, connector_modules
 
-    rendered = json.loads(open(render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml",
-                                           ["kvscope-fs", "lmcache-cpu", "offload-cpu"])).read())
-    modules = {s["config"]: connector_modules(s["server_args"]) for s in rendered["kvscope_servers"]}
+    rendered = Rendered.model_validate_json(open(render_cuda(tmp_path, REPO / "loadtests" / "matrix.yaml",
+                                                             ["kvscope-fs", "lmcache-cpu", "offload-cpu"])).read())
+    modules = {s.config: connector_modules(s) for s in rendered.kvscope_servers}
     assert modules == {"kvscope-fs": ["kvscope_connector"], "offload-cpu": [],
                        "lmcache-cpu": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.cuda_ops"]}
     found = connector_imports(str(REPO / ".venv-vllm" / "bin" / "python"), ["kvscope_connector", "lmcache.cuda_ops"])

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvscope.artifacts import flag_value
 from kvscope.config import matrix
-from kvscope.config.render import flag_value, parse_overrides, render
+from kvscope.config.render import parse_overrides, render
 
 SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml"
 

@@ -91,6 +91,19 @@ class Part(BaseModel):
 # config -> deploy
 
 
+DEFAULT_GPU_SHARE = 0.9  # vLLM's --gpu-memory-utilization when a config does not set it
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value a server's arguments give `flag` (`--flag V` as rendered, or `--flag=V`), else None."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 class RenderedServer(Artifact):
     """A storage config rendered for one platform: everything a runtime starts it with."""
 
@@ -119,6 +132,22 @@ class RenderedServer(Artifact):
             args = data["server_args"]
             data = {**data, "served_model_name": args[args.index("--served-model-name") + 1]}
         return data
+
+    # What the arguments say, read in one place (run.json keeps only the arguments)
+    @property
+    def kv_transfer_config(self) -> dict | None:
+        text = flag_value(self.server_args, "--kv-transfer-config")
+        return None if text is None else json.loads(text)
+
+    @property
+    def dtype(self) -> str | None:
+        return flag_value(self.server_args, "--dtype")
+
+    @property
+    def gpu_share(self) -> float:
+        """The --gpu-memory-utilization it claims (vLLM's default where it sets none)."""
+        value = flag_value(self.server_args, "--gpu-memory-utilization")
+        return float(value) if value is not None else DEFAULT_GPU_SHARE
 
 
 class Rendered(Artifact):

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvscope import artifacts
 from kvscope.cli import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
-from kvscope.config.render import flag_value, model_errors, parse_overrides, render
+from kvscope.config.render import model_errors, parse_overrides, render
 from kvscope.deploy import servers
 
 
@@ -30,27 +30,18 @@ def cmd_render(args) -> int:
         render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset, args.exact)
         for c in chosen])
     if args.max_gpu_share:
-        claims = {r.config: gpu_share(r.server_args) for r in rendered.kvscope_servers}
+        claims = {r.config: r.gpu_share for r in rendered.kvscope_servers}
         if sum(claims.values()) > args.max_gpu_share:
             raise matrix_mod.ConfigError(
                 f"these servers claim {sum(claims.values()):.2f} of the node's memory together ({claims}, from "
-                f"--gpu-memory-utilization; vLLM's default is {DEFAULT_GPU_SHARE}); a unified-memory node (GB10) "
-                f"allows {args.max_gpu_share}, leaving the rest to the CPU side and the CPU-RAM KV tiers: lower "
+                f"--gpu-memory-utilization; vLLM's default is {artifacts.DEFAULT_GPU_SHARE}); a unified-memory node "
+                f"(GB10) allows {args.max_gpu_share}, leaving the rest to the CPU side and the CPU-RAM KV tiers: lower "
                 "it in the matrix or deploy fewer configs per node")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(out, rendered)
     print(f"rendered {', '.join(r.config for r in rendered.kvscope_servers)} for {args.platform} into {out}")
     return 0
-
-
-DEFAULT_GPU_SHARE = 0.9  # vLLM's --gpu-memory-utilization when a config does not set it
-
-
-def gpu_share(server_args: list[str]) -> float:
-    """The --gpu-memory-utilization a server's arguments claim."""
-    value = flag_value(server_args, "--gpu-memory-utilization")
-    return float(value) if value is not None else DEFAULT_GPU_SHARE
 
 
 def cmd_probe(args) -> int:
@@ -81,7 +72,7 @@ def cmd_manifest(args) -> int:
     python = args.server_python
     doc = servers.manifest(run_dir / args.config / "server.pid", rendered, model, model_hash(model), args.host,
                            servers.package_versions(python) if python else None, args.container,
-                           servers.connector_imports(python, servers.connector_modules(rendered.server_args))
+                           servers.connector_imports(python, servers.connector_modules(rendered))
                            if python else None)
     artifacts.write_json(run_dir / args.config / "manifest.json", doc)
     (run_dir / args.config / "failed.json").unlink(missing_ok=True)

@@ -26,12 +26,11 @@ from kvscope.artifacts import (
     RunInfo,
     Scorer,
     StatusRow,
-    Treatment,
     Verdict,
+    flag_value,
     write_json,
 )
 from kvscope.config.matrix import ROLE_ORDER
-from kvscope.config.render import flag_value
 from kvscope.run import metrics
 from kvscope.run.records import key_from_server_id
 from kvscope.runfolder import RunFolder
@@ -56,10 +55,6 @@ def _pct(values, q) -> float | None:
     return float(np.percentile(values, q)) if len(values) >= MIN_SAMPLES.get(q, 1) else None
 
 
-def served_dtype(server: Treatment) -> str | None:
-    return flag_value(server.server_args, "--dtype")
-
-
 def scorer(loaded: LoadedRun, min_hits: int, max_failed: float) -> Scorer:
     """The scorer, its gate thresholds, and the run's tolerances and what they rest on: the control against
     golden (the direct floor), golden's own answers scored again by golden (the continuation floor), and the
@@ -71,7 +66,7 @@ def scorer(loaded: LoadedRun, min_hits: int, max_failed: float) -> Scorer:
                for r in recs.get((s.config, sc), [])]
     calibration = {k: v for sc in run.scenarios for k, v in loaded.continuations[golden, sc].items()}
     direct, cont = fidelity.direct_noise(by_key, control), fidelity.continuation_noise(by_key, calibration)
-    tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), served_dtype(run.golden()),
+    tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), run.golden().dtype,
                                      exact=run.mode == "exact")
     nonzero = sorted((d for d in direct + cont if d.nats > 0), key=lambda d: -d.nats)
     return Scorer(version=fidelity.SCORER_VERSION, min_verified_hits=min_hits, max_failed_share=max_failed,
@@ -473,7 +468,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     lines += ["| config | role | runs as | port | flags | kv-transfer-config |", "|---|---|---|---|---|---|"]
     for s in run.servers:
         args = s.server_args
-        ktc = flag_value(args, "--kv-transfer-config") or "–"
+        ktc = flag_value(args, "--kv-transfer-config") or "–"  # as served, spelt as given
         skip = {i + 1 for i, a in enumerate(args) if a in ("--model", "--kv-transfer-config")}
         flags = " ".join(a if len(a) <= 60 else f"{a[:40]}…({len(a)} characters)" for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))

@@ -34,16 +34,6 @@ def _flag_args(flags: dict) -> list[str]:
     return args
 
 
-def flag_value(args: list[str], flag: str) -> str | None:
-    """The value a server's arguments give `flag` (`--flag V` as rendered, or `--flag=V`), else None."""
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def _fill_stores(value, stores: dict[str, str]):
     if isinstance(value, str):
         for name, path in stores.items():

@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
 from kvscope.auth import headers, redact_args, redact_env
-from kvscope.config.render import flag_value
 
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
@@ -258,12 +257,10 @@ _IMPORTS = ("import importlib, json\nout = {}\nfor n in %r:\n try:\n  importlib.
             " except BaseException as e:\n  out[n] = f'{type(e).__name__}: {e}'[:300]\nprint(json.dumps(out))")
 
 
-def connector_modules(server_args: list[str]) -> list[str]:
+def connector_modules(server: RenderedServer) -> list[str]:
     """The modules a server's KV connector needs, from its --kv-transfer-config."""
-    text = flag_value(server_args, "--kv-transfer-config")
-    if text is None:
+    if (ktc := server.kv_transfer_config) is None:
         return []
-    ktc = json.loads(text)
     own = [ktc["kv_connector_module_path"]] if ktc.get("kv_connector_module_path") else []
     return own + CONNECTOR_MODULES.get(ktc.get("kv_connector", ""), [])
 

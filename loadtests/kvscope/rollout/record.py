@@ -165,11 +165,7 @@ def restorable(manifest: Manifest, rendered: dict[str, RenderedServer]) -> Rende
 
 def connector(m: Manifest) -> str:
     """'KVScopeConnector (kvscope_connector.canary)', 'prefix cache', or 'no cache'."""
-    from kvscope.config.render import flag_value
-
-    text = flag_value(m.server_args, "--kv-transfer-config")
-    if text:
-        ktc = json.loads(text)
+    if ktc := m.kv_transfer_config:
         path = ktc.get("kv_connector_module_path")
         return ktc.get("kv_connector", "?") + (f" ({path})" if path else "")
     return "prefix cache" if m.prefix_caching else "no cache"

@@ -44,7 +44,6 @@ from kvscope.artifacts import (
     write_json,
 )
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
-from kvscope.config.render import flag_value
 from kvscope.deploy import servers
 from kvscope.run import continuations, metrics
 from kvscope.run.records import SESSION_LOST
@@ -261,10 +260,7 @@ def treatments(servers_: list[Treatment]) -> list[Treatment]:
 def connector_log(server: Treatment, name: str) -> Path | None:
     """Where a server's connector writes a log (its kv-transfer-config's `name`: a canary's fault_log,
     kvscope's load_log), if anywhere."""
-    text = flag_value(server.server_args, "--kv-transfer-config")
-    if text is None:
-        return None
-    extra = json.loads(text).get("kv_connector_extra_config", {})
+    extra = (server.kv_transfer_config or {}).get("kv_connector_extra_config", {})
     return Path(extra[name]) if extra.get(name) else None
 
 
