@@ -52,6 +52,13 @@ def vllm_option(flag: str) -> str:
     return vllm_flag(flag).split(".", 1)[0]
 
 
+def option_read(flag: str, options) -> str | None:
+    """The option of OPTIONS that FLAG sets as vLLM's parser reads it: its own, or the one it abbreviates (an
+    unambiguous prefix is the whole option); None when it sets none of them."""
+    option = vllm_option(flag)
+    return option if option in options else next((o for o in sorted(options) if o.startswith(option)), None)
+
+
 def cache_off_errors(flags: dict[str, FlagValue]) -> list[str]:
     """Why these server flags do not keep vLLM's prefix cache and KV offloading off ([] when they do)."""
     on = {vllm_option(f) for f, v in flags.items() if v not in (None, False, 0)}
@@ -76,7 +83,7 @@ def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
     errors, seen = [], set()
     for flag in flags:
         option = vllm_option(flag)
-        whole = next((f for f in sorted(WATCHED_FLAGS) if f != option and f.startswith(option)), None)
+        whole = read if (read := option_read(flag, WATCHED_FLAGS)) != option else None
         if not flag.startswith("--"):
             errors.append(f"flag '{flag}' must start with '--'")
         elif option in RESERVED_FLAGS:

@@ -18,6 +18,7 @@ from kvscope.config.matrix import (
     attention_backend_errors,
     cache_off_errors,
     flag_errors,
+    option_read,
     vllm_flags,
     vllm_option,
     whole_and_key_errors,
@@ -83,7 +84,7 @@ def render(
     port = cfg.port + port_offset
     args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
     flags = {**defaults.flags, **cfg.flags, **(mode.flags if mode else {}), **(overrides or {})}
-    if mode and (mine := {o for f in cfg.flags if (o := _mode_option(f, mode.flags))}):
+    if mode and (mine := {o for f in cfg.flags if (o := option_read(f, _options(mode.flags)))}):
         raise ConfigError(f"config '{cfg.name}': exact mode sets {', '.join(sorted(mine))} (platforms.{platform}"
                           ".exact), which the config sets too; batch invariance needs the platform's choice")
     if mode and (errors := _override_errors(overrides or {}, mode.flags)):
@@ -107,10 +108,8 @@ def render(
                           writer=cfg.writer)
 
 
-def _mode_option(flag: str, mode_flags: dict) -> str | None:
-    """The exact mode's option that FLAG sets, as vLLM's parser reads it (a prefix is the whole option)."""
-    option = vllm_option(flag)
-    return next((m for m in sorted({vllm_option(f) for f in mode_flags}) if m.startswith(option)), None)
+def _options(flags: dict) -> set[str]:
+    return {vllm_option(f) for f in flags}
 
 
 def _override_errors(overrides: dict, mode_flags: dict) -> list[str]:
@@ -118,7 +117,7 @@ def _override_errors(overrides: dict, mode_flags: dict) -> list[str]:
     it): an abbreviation or a switch-off would change what vLLM runs while the server is judged as exact."""
     errors = []
     for flag, value in overrides.items():
-        if (option := _mode_option(flag, mode_flags)) and option != vllm_option(flag):
+        if (option := option_read(flag, _options(mode_flags))) and option != vllm_option(flag):
             errors.append(f"'{flag}' abbreviates {option}, which exact mode sets: write it in full")
         elif option and value in (None, False):
             errors.append(f"'{flag}' would drop {option}, which exact mode sets")

@@ -165,7 +165,7 @@ def restorable(manifest: Manifest, rendered: dict[str, RenderedServer]) -> Rende
 
 def connector(m: Manifest) -> str:
     """'KVScopeConnector (kvscope_connector.canary)', 'prefix cache', or 'no cache'."""
-    if ktc := m.kv_transfer_config:
+    if (ktc := m.kv_transfer_config) is not None:
         path = ktc.get("kv_connector_module_path")
         return ktc.get("kv_connector", "?") + (f" ({path})" if path else "")
     return "prefix cache" if m.prefix_caching else "no cache"
