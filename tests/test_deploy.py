@@ -84,7 +84,7 @@ def test_a_port_another_process_holds_stops_deploy_and_names_the_process(tmp_pat
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))
         port = probe_socket.getsockname()[1]
-    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
     doc["configs"][0]["port"] = port
     own = tmp_path / "matrix.yaml"
     own.write_text(yaml.safe_dump(doc))
@@ -105,7 +105,7 @@ def test_a_port_another_process_holds_stops_deploy_and_names_the_process(tmp_pat
 
 
 def test_bad_config_stops_deploy_before_anything_starts(tmp_path):
-    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
     next(c for c in doc["configs"] if c["name"] == "apc")["port"] = doc["configs"][0]["port"]
     bad = tmp_path / "matrix.yaml"
     bad.write_text(yaml.safe_dump(doc))
@@ -123,7 +123,7 @@ def test_config_for_another_platform_is_refused(tmp_path):
 
 
 def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
-    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
     # apart from the session's servers; apc asks for more context than the model has, so vLLM refuses to start
     by_name = {c["name"]: c for c in doc["configs"]}
     doc["configs"] = [dict(by_name["baseline"], port=8190),
@@ -212,7 +212,7 @@ def test_your_own_matrix_connector_folder_and_model_deployed_and_scored(tmp_path
     (mine / "connectors").mkdir(parents=True)
     (mine / "connectors" / "my_connectors.py").write_text(MY_CONNECTOR)
     model = shutil.copytree(model_dir, mine / "my-model")  # a model of one's own, by path
-    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
     baseline = next(c for c in doc["configs"] if c["name"] == "baseline")
     doc["configs"] = [dict(baseline, port=8170), {
         "name": "my-tier", "description": "a connector that is not installed, from the team's folder",
@@ -253,3 +253,24 @@ def test_the_upstream_repro_script_finds_every_repeat_identical_on_correct_cache
         assert out.returncode == 0, out.stdout + out.stderr
         assert "every repeat is identical" in out.stdout
         assert "long #1 prompt A: cached 0 tokens" not in out.stdout  # the repeat was a cache hit
+
+
+def lmcache_repro(deployment, config: str) -> subprocess.CompletedProcess:
+    deployed = servers_of(deployment)
+    return subprocess.run([sys.executable, str(REPO / "loadtests" / "repro" / "lmcache_mp_under_load.py"),
+                           "--url", f"http://127.0.0.1:{deployed[config]['port']}",
+                           "--reference-url", f"http://127.0.0.1:{deployed['baseline']['port']}",
+                           "--prompts", "2", "--sentences", "40", "--users", "4", "--rounds", "1",
+                           "--max-tokens", "8"], capture_output=True, text=True, timeout=600)
+
+
+def test_the_lmcache_repro_script_passes_a_correct_cache_and_fails_one_that_loads_wrong_kv(deployment):
+    # loadtests/repro/lmcache_mp_under_load.py, run as an upstream maintainer would: against vLLM's prefix
+    # cache every answer equals the reference's; against the canary (its default fault, KV loaded one block
+    # late) the hits differ
+    correct = lmcache_repro(deployment, "apc")
+    assert correct.returncode == 0, correct.stdout + correct.stderr
+    assert "repeat pass, 4 concurrent clients: 0 of 4 answers differ" in correct.stdout
+    wrong = lmcache_repro(deployment, "canary")
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert re.search(r"repeat \S+: cached [1-9]\d* tokens, DIFFERS", wrong.stdout), wrong.stdout

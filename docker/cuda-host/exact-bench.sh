@@ -6,6 +6,8 @@
 #  tiny:   beside it, the tiny model in fp32, exact: golden, control, kvscope-fs and the canary;
 #  normal: then the same 4B workload without batch invariance on baseline, apc and kvscope-fs, same flags
 #          otherwise: speed, and the mode's cost (three servers start in a fraction of the ten's time);
+#  lmcache-repro: loadtests/repro/lmcache_mp_servers.sh on the 4B shape: lmcache-mp's wrong hits without
+#          kvscope (three exact servers of their own, after the exact part's are gone);
 #  failed-load: last, on the freed GPU, loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt
 #          whose KV load failed?).
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
@@ -13,11 +15,11 @@
 # run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default);
 # ATTENTION serves the 4B parts on another attention backend than the matrix's (their run ids then name it);
 # CONFIGS replaces the exact part's configs (e.g. only the correct caches, for a run at one user).
-#   [PARTS=tiny,exact,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] docker/cuda-host/exact-bench.sh \
+#   [PARTS=tiny,exact,lmcache-repro,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] docker/cuda-host/exact-bench.sh \
 #     OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
-here=$(dirname "$0"); all=tiny,exact,normal,failed-load; parts=,${PARTS:-$all},
+here=$(dirname "$0"); all=tiny,exact,lmcache-repro,normal,failed-load; parts=,${PARTS:-$all},
 want() { [[ $parts == *,$1,* ]]; }
 [[ ${ATTENTION:-X} =~ ^[A-Z0-9_]+$ ]] || { echo "exact-bench: ATTENTION '$ATTENTION' is not a backend name" >&2; exit 2; }
 tag=${ATTENTION:+-${ATTENTION,,}}
@@ -45,6 +47,11 @@ if want exact; then
   keep exact exact.log "results/h200-exact-4b-bf16$tag"
 fi
 wait
+if want lmcache-repro; then
+  (. "$here/env.sh" && model qwen3-4b) > "$out/lmcache-repro.log" 2>&1
+  bash loadtests/repro/lmcache_mp_servers.sh models/qwen3-4b "$out/lmcache-repro" "$users" >> "$out/lmcache-repro.log" 2>&1
+  keep lmcache-repro lmcache-repro.log lmcache-repro
+fi
 if want normal; then
   bash "$here/bench.sh" qwen3-4b "h200-normal-4b-bf16$tag" baseline,apc,kvscope-fs "$bf16" "$users" > "$out/normal.log" 2>&1
   keep normal normal.log "results/h200-normal-4b-bf16$tag"
