@@ -10,7 +10,10 @@ sdist=$(cd "$(dirname "$1")" && pwd)/$(basename "$1"); out=$(mkdir -p "$2" && cd
 python=${PYTHON:-python3}
 work=$(mktemp -d)
 tar -xzf "$sdist" -C "$work"
-export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+# The toolkit whose headers go with nvcc: /usr/local/cuda where it holds them (nvcc on PATH may be a wrapper
+# script elsewhere, whose folder has no include/), else the folder above nvcc's real path
+[ -f /usr/local/cuda/include/cuda_runtime.h ] && cuda=/usr/local/cuda || cuda=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+export CUDA_HOME=${CUDA_HOME:-$cuda}
 export TORCH_CUDA_ARCH_LIST=${ARCHS:-9.0} MAX_JOBS=${JOBS:-8} NVCC_THREADS=1 BUILD_WITH_CUDA=1 ENABLE_CXX11_ABI=1
 export LMCACHE_CUDA_MAJOR=${LMCACHE_CUDA_MAJOR:-13}
 # torch's CUDA headers include cusparse.h, cublas*.h, cusolverDn.h: from the CUDA wheels torch depends on

@@ -18,7 +18,9 @@ pack_set() {  # pack_set NAME LIST IMPORTS
   local names; names=$(grep -v '^#' "$list" | grep . | { if [ -n "${LMCACHE_WHEEL:-}" ]; then grep -v '^lmcache=='; else cat; fi; })
   echo "$names" | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/whl"
   if [ "$name" = connectors ] && [ -n "${LMCACHE_WHEEL:-}" ]; then cp "$LMCACHE_WHEEL" "$work/whl/"; fi
-  python3 -m pip install -q --no-deps --no-compile --target "$work/site" "${plat[@]}" "$work"/whl/*.whl
+  # linux_x86_64: the tag of a wheel built here (build-lmcache.sh's); downloads stay manylinux
+  python3 -m pip install -q --no-deps --no-compile --target "$work/site" "${plat[@]}" --platform linux_x86_64 \
+    "$work"/whl/*.whl
   if [ "$name" = base ]; then
     # The playbooks' collections (ansible.posix for NFS mounts, community.docker for containers), from the
     # harness venv's `ansible` package (make setup): the whole package would be ~50 MB more.
