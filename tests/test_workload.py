@@ -28,7 +28,7 @@ def tok(model_dir):
 
 @pytest.fixture(scope="module")
 def shipped():
-    return load_scenarios(REPO / "loadtests" / "scenarios.yaml")
+    return load_scenarios(REPO / "loadtests" / "kvscope" / "scenarios.yaml")
 
 
 def test_shipped_scenarios_include_the_four_defaults(shipped):

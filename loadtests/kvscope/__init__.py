@@ -9,5 +9,5 @@ from pathlib import Path
 
 __version__ = "0.2.0"
 
-HARNESS = Path(__file__).resolve().parent.parent  # loadtests/: matrix.yaml, scenarios.yaml, locustfile.py
-REPO = HARNESS.parent
+HARNESS = Path(__file__).resolve().parent  # the package data: matrix.yaml, scenarios.yaml, locustfile.py
+REPO = HARNESS.parent.parent  # a checkout's root (ansible/, docker/): the rollout and image helpers need one

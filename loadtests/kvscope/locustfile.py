@@ -1,3 +1,3 @@
-"""Locust entry point: `locust -f loadtests/kvscope/locustfile.py --kvscope-workload W.jsonl --kvscope-records R.jsonl ...`"""
+"""Locust entry point: `locust -f loadtests/kvscope/locustfile.py --kvscope-workload W --kvscope-records R ...`"""
 
 from kvscope.run.loaduser import KVScopeUser  # noqa: F401  (Locust runs the User classes it finds here)

@@ -30,7 +30,7 @@ SEED_USER = (
 
 
 class Scenario(Strict):
-    """A named, parameterised workload profile (loadtests/scenarios.yaml)."""
+    """A named, parameterised workload profile (loadtests/kvscope/scenarios.yaml)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
     kind: Literal["rag", "multiturn", "repeat", "trace", "reuse"]

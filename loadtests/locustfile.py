@@ -1,3 +1,0 @@
-"""Locust entry point: `locust -f loadtests/locustfile.py --kvscope-workload W.jsonl --kvscope-records R.jsonl ...`"""
-
-from kvscope.run.loaduser import KVScopeUser  # noqa: F401  (Locust runs the User classes it finds here)
