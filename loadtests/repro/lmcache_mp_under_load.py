@@ -22,7 +22,8 @@ their own: every prompt's first LMCache chunks are the same, as in a RAG corpus)
 prompt once. The server under test answers each prompt once, one at a time (LMCache stores it, and a
 `shared` prompt already hits the passages stored before it), then ROUNDS more times from USERS concurrent
 clients. One line per answer that differs from the reference (cached prompt tokens, the first differing
-character) and a summary per phase; exit 1 when any answer differs. `--users 1` tells whether load matters.
+character) and a summary per phase (answers that differ, answers vLLM reports cached tokens for: a phase
+without hits tests nothing); exit 1 when any answer differs. `--users 1` tells whether load matters.
 A reference run against a correct cache (vLLM's prefix cache: the same flags with prefix caching on and no
 connector) must find every answer identical; otherwise the two servers do not compute alike.
 """
@@ -84,21 +85,25 @@ def main() -> int:
     reference_model = served_model(args.reference_url)
     reference = {name: ask(args.reference_url, reference_model, p, args.max_tokens)[0] for name, p in todo.items()}
 
-    def judge(phase: str, name: str) -> bool:
+    def judge(phase: str, name: str) -> tuple[bool, bool]:  # (differs, served cached tokens)
         answer, cached = ask(args.url, model, todo[name], args.max_tokens)
         at = differs_at(answer, reference[name])
         if at is not None:
             print(f"{phase} {name}: cached {cached} tokens, DIFFERS from the reference at character {at}: "
                   f"{answer[:60]!r} vs {reference[name][:60]!r}", flush=True)
-        return at is not None
+        return at is not None, bool(cached)
 
-    first = sum(judge("first", name) for name in todo)
-    print(f"first pass, one at a time: {first} of {len(todo)} answers differ", flush=True)
+    def summary(results: list[tuple[bool, bool]]) -> str:
+        return (f"{sum(d for d, _ in results)} of {len(results)} answers differ "
+                f"({sum(h for _, h in results)} reported cached tokens)")
+
+    first = [judge("first", name) for name in todo]
+    print(f"first pass, one at a time: {summary(first)}", flush=True)
     repeats = [name for _ in range(args.rounds) for name in todo]
     with ThreadPoolExecutor(args.users) as pool:
-        again = sum(pool.map(lambda name: judge("repeat", name), repeats))
-    print(f"repeat pass, {args.users} concurrent clients: {again} of {len(repeats)} answers differ", flush=True)
-    wrong = first + again
+        again = list(pool.map(lambda name: judge("repeat", name), repeats))
+    print(f"repeat pass, {args.users} concurrent clients: {summary(again)}", flush=True)
+    wrong = sum(d for d, _ in first + again)
     print(f"{wrong} answer(s) differ from the reference" if wrong else "every answer is identical to the reference")
     return 1 if wrong else 0
 
