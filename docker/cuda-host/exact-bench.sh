@@ -34,6 +34,8 @@ keep() {  # keep PART FILES...: what a part made, in one archive (paths under OU
   tar -czf "$out/$1.tar.gz" -C "$out" --ignore-failed-read "${@:2}" 2>/dev/null
   echo "$(date -u +%T) $1 kept" >> "$out/progress"
 }
+python3 -c 'import vllm, ansible, pydantic' 2>/dev/null \
+  || { echo "exact-bench: vLLM or the harness's packages do not import: bootstrap.sh first" | tee "$out/DONE" >&2; exit 2; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
 want tiny && (
