@@ -282,7 +282,7 @@ def test_a_writer_must_name_another_config_of_the_matrix(tmp_path, doc):
 
 def test_an_installed_wheel_carries_the_matrix_the_workloads_and_the_locustfile(tmp_path):
     # a non-editable install has no checkout around it: what the CLI reads by default must be package data
-    source = shutil.copytree(SHIPPED.parents[1], tmp_path / "src", ignore=shutil.ignore_patterns("*.egg-info", "build"))
+    source = shutil.copytree(SHIPPED.parents[1], tmp_path / "src", ignore=shutil.ignore_patterns("*.egg-info", "build", ".*_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, capture_output=True)
     (wheel,) = (tmp_path / "dist").glob("kvscope-*.whl")

@@ -302,3 +302,13 @@ def test_a_golden_server_that_stopped_serving_gives_no_verdict_so_the_batch_is_r
     r = load(tmp_path)
     assert r.batches[0].state == "rolled-back" and hosts.serving["h1"]["tier"][0] == "v1"
     assert report.headline(r).startswith("stopped at host 1 (h1): CRASHED: baseline kvh1: baseline is not serving")
+
+
+def test_a_resumed_rollout_reads_its_matrix_from_where_the_command_names_it(tmp_path):
+    # the matrix moved (loadtests/matrix.yaml -> loadtests/kvscope/matrix.yaml) with the same content: the
+    # resumed rollout's plan matches by sha256, and its deploys must not read the recorded, vanished path
+    r = rollout(tmp_path).model_copy(update={"outcome": "stopped", "interrupted": "Ctrl-C"})
+    again = r.model_copy(update={"matrix": "moved/m.yaml", "outcome": "running"})
+    out = rollout_cli.resumed(r, again)
+    assert (out.matrix, out.matrix_sha256, out.outcome, out.interrupted) == ("moved/m.yaml", "0" * 64, "running", None)
+    assert out.batches == r.batches and out.rollout_id == r.rollout_id  # the rest is the recorded rollout's

@@ -7,7 +7,8 @@
 #  normal: then the same 4B workload without batch invariance on baseline, apc and kvscope-fs, same flags
 #          otherwise: speed, and the mode's cost (three servers start in a fraction of the ten's time);
 #  lmcache-repro: loadtests/repro/lmcache_mp_servers.sh on the 4B shape: lmcache-mp's wrong hits without
-#          kvscope (three exact servers of their own, after the exact part's are gone);
+#          kvscope (three exact servers of their own on TRITON_ATTN whatever ATTENTION says, after the exact
+#          part's are gone);
 #  failed-load: last, on the freed GPU, loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt
 #          whose KV load failed?).
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
@@ -50,8 +51,9 @@ if want exact; then
 fi
 wait
 if want lmcache-repro; then
-  (. "$here/env.sh" && model qwen3-4b) > "$out/lmcache-repro.log" 2>&1
-  bash loadtests/repro/lmcache_mp_servers.sh models/qwen3-4b "$out/lmcache-repro" "$users" >> "$out/lmcache-repro.log" 2>&1
+  if (. "$here/env.sh" && model qwen3-4b) > "$out/lmcache-repro.log" 2>&1; then
+    bash loadtests/repro/lmcache_mp_servers.sh models/qwen3-4b "$out/lmcache-repro" "$users" >> "$out/lmcache-repro.log" 2>&1
+  else echo "the model did not build" >> "$out/lmcache-repro.log"; fi
   keep lmcache-repro lmcache-repro.log lmcache-repro
 fi
 if want normal; then

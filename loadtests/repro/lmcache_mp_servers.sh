@@ -11,7 +11,18 @@ export VLLM_BATCH_INVARIANT=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLL
 lmcache='{"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
   "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 8317,
   "lmcache.mp.autostart": true, "lmcache.mp.autostart.server_args": "--l1-size-gb 4 --eviction-policy LRU --http-port 8318"}}'
+ports=(8190 8191 8192 8317 8318)
+for port in "${ports[@]}"; do  # a server left from an earlier run would answer for the new one
+  ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || { echo "port $port is in use: stop what serves it" >&2; exit 2; }
+done
 pids=()
+stop() {  # every server's process group (LMCache's server is the connector's child), then whatever is left
+  for pid in "${pids[@]}"; do kill -- -"$pid" 2>/dev/null; done
+  for _ in $(seq 30); do pgrep -g "$(IFS=,; echo "${pids[*]}")" >/dev/null 2>&1 || return 0; sleep 1; done
+  for pid in "${pids[@]}"; do kill -9 -- -"$pid" 2>/dev/null; done
+}
+trap stop EXIT
+trap 'exit 130' INT TERM
 serve() {  # serve NAME PORT FLAGS...
   setsid python3 -m vllm.entrypoints.openai.api_server --model "$model" --port "$2" --dtype bfloat16 \
     --attention-backend TRITON_ATTN --max-num-batched-tokens 255 --max-num-seqs 32 --max-model-len 4096 \
@@ -23,12 +34,20 @@ serve() {  # serve NAME PORT FLAGS...
 serve reference 8190 --no-enable-prefix-caching
 serve apc 8191
 serve lmcache-mp 8192 --no-enable-prefix-caching --kv-transfer-config "$lmcache"
-up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
-for port in 8190 8191 8192; do up $port || echo "server on port $port did not start (logs in $out)"; done
-for target in apc:8191 lmcache-mp:8192; do
-  echo "== ${target%%:*} against reference, $users users" | tee "$out/${target%%:*}.txt"
-  python3 "$here/lmcache_mp_under_load.py" --url "http://127.0.0.1:${target##*:}" \
-    --reference-url http://127.0.0.1:8190 --users "$users" >> "$out/${target%%:*}.txt" 2>&1
-  echo "exit $?" >> "$out/${target%%:*}.txt"; tail -4 "$out/${target%%:*}.txt"
+up() {  # up PORT PID: healthy within 10 minutes, while its process lives
+  for _ in $(seq 600); do
+    curl -sf --max-time 5 "http://127.0.0.1:$1/health" >/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
+up 8190 "${pids[0]}" || { echo "the reference server did not start (logs in $out)"; exit 1; }
+for target in apc:8191:1 lmcache-mp:8192:2; do
+  IFS=: read -r name port i <<< "$target"
+  if ! up "$port" "${pids[$i]}"; then echo "$name did not start (its log: $out/$name.log)" | tee "$out/$name.txt"; continue; fi
+  echo "== $name against reference, $users users" | tee "$out/$name.txt"
+  python3 "$here/lmcache_mp_under_load.py" --url "http://127.0.0.1:$port" \
+    --reference-url http://127.0.0.1:8190 --users "$users" >> "$out/$name.txt" 2>&1
+  echo "exit $?" >> "$out/$name.txt"; tail -4 "$out/$name.txt"
 done
-for pid in "${pids[@]}"; do kill -- -"$pid" 2>/dev/null; done; wait

@@ -1,19 +1,22 @@
-"""Reproduce lmcache-mp's wrong hits without kvscope: prompts whose KV LMCache's multi-process server already
-holds, asked again by many clients at once, answer differently from a server that recomputes them. Only
-Python's standard library; run it against live servers.
+"""Look for lmcache-mp's wrong hits without kvscope: prompts whose KV LMCache's multi-process server already
+holds, asked again by many clients at once, each answer compared with a server that recomputes it (kvscope
+saw lmcache-mp serve wrong KV on some hits of its RAG workload). Only Python's standard library; run it
+against live servers.
 
 Start vLLM 0.26 with LMCache 0.5.6's multi-process connector (prefix caching off, so every hit comes from
 LMCache), exact (greedy answers then depend on the KV alone, not on how requests were batched), e.g.:
 
     VLLM_BATCH_INVARIANT=1 python3 -m vllm.entrypoints.openai.api_server --model MODEL --port 8000 \
       --dtype bfloat16 --attention-backend TRITON_ATTN --max-num-batched-tokens 255 --max-num-seqs 32 \
+      --kv-cache-memory-bytes 3221225472 --gpu-memory-utilization 0.05 \
       --no-enable-prefix-caching --enable-prompt-tokens-details --kv-transfer-config \
       '{"kv_connector": "LMCacheMPConnector",
         "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 8317,
           "lmcache.mp.autostart": true, "lmcache.mp.autostart.server_args": "--l1-size-gb 4 --http-port 8318"}}'
 
-and the reference beside it: the same command on another port without `--kv-transfer-config`. Then
+and the reference beside it on the same GPU: the same command on another port without `--kv-transfer-config`
+(`lmcache_mp_servers.sh` starts both and the control). Then
 
     python3 lmcache_mp_under_load.py --url http://127.0.0.1:8000 --reference-url http://127.0.0.1:8001
 
@@ -21,9 +24,11 @@ Prompts: `distinct` ones (passages of their own) and `shared` ones (the same pas
 their own: every prompt's first LMCache chunks are the same, as in a RAG corpus). The reference answers each
 prompt once. The server under test answers each prompt once, one at a time (LMCache stores it, and a
 `shared` prompt already hits the passages stored before it), then ROUNDS more times from USERS concurrent
-clients. One line per answer that differs from the reference (cached prompt tokens, the first differing
-character) and a summary per phase (answers that differ, answers vLLM reports cached tokens for: a phase
-without hits tests nothing); exit 1 when any answer differs. `--users 1` tells whether load matters.
+clients. An answer is its greedy tokens and each one's top-5 logprobs, compared exactly (exact servers give
+bitwise-equal logprobs for equal KV; `--compare tokens` for servers that are not). One line per answer that
+differs (cached prompt tokens, the first differing token) and a summary per phase (answers that differ,
+answers vLLM reports cached tokens for). Exit 1: an answer differs; 2: a request failed; 3: none differs,
+but the repeats reported no cached token (no hit: nothing was tested). `--users 1` tells whether load matters.
 A reference run against a correct cache (vLLM's prefix cache: the same flags with prefix caching on and no
 connector) must find every answer identical; otherwise the two servers do not compute alike.
 """
@@ -49,14 +54,17 @@ def prompts(count: int, sentences: int) -> dict[str, str]:
     return out
 
 
-def ask(url: str, model: str, prompt: str, max_tokens: int) -> tuple[str, int | None]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 0}
+def ask(url: str, model: str, prompt: str, max_tokens: int) -> tuple[list, int | None]:
+    """The answer as [(token, {top-5 token: logprob})] and the prompt tokens vLLM reports as cached."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 0,
+            "logprobs": 5}
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as resp:
         doc = json.load(resp)
     details = doc.get("usage", {}).get("prompt_tokens_details") or {}
-    return doc["choices"][0]["text"], details.get("cached_tokens")
+    lp = doc["choices"][0]["logprobs"]
+    return list(zip(lp["tokens"], lp["top_logprobs"], strict=True)), details.get("cached_tokens")
 
 
 def served_model(url: str) -> str:
@@ -64,10 +72,17 @@ def served_model(url: str) -> str:
         return json.load(resp)["data"][0]["id"]
 
 
-def differs_at(answer: str, reference: str) -> int | None:
+def differs_at(answer: list, reference: list, tokens_only: bool = False) -> int | None:
+    """The first token whose text (or, unless tokens_only, top-5 logprobs) differ; None where they are equal."""
+    if tokens_only:
+        answer, reference = [t for t, _ in answer], [t for t, _ in reference]
     if answer == reference:
         return None
     return next((j for j, (a, b) in enumerate(zip(answer, reference)) if a != b), min(len(answer), len(reference)))
+
+
+def text(answer: list) -> str:
+    return "".join(token for token, _ in answer)
 
 
 def main() -> int:
@@ -79,6 +94,8 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=16, help="concurrent clients in the repeat phase")
     ap.add_argument("--rounds", type=int, default=2, help="times each prompt is asked again in the repeat phase")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--compare", choices=("logprobs", "tokens"), default="logprobs",
+                    help="tokens: the greedy tokens alone, for servers that are not batch-invariant")
     args = ap.parse_args()
     model = served_model(args.url)
     todo = prompts(args.prompts, args.sentences)
@@ -87,10 +104,10 @@ def main() -> int:
 
     def judge(phase: str, name: str) -> tuple[bool, bool]:  # (differs, served cached tokens)
         answer, cached = ask(args.url, model, todo[name], args.max_tokens)
-        at = differs_at(answer, reference[name])
+        at = differs_at(answer, reference[name], args.compare == "tokens")
         if at is not None:
-            print(f"{phase} {name}: cached {cached} tokens, DIFFERS from the reference at character {at}: "
-                  f"{answer[:60]!r} vs {reference[name][:60]!r}", flush=True)
+            print(f"{phase} {name}: cached {cached} tokens, DIFFERS from the reference at token {at}: "
+                  f"{text(answer)[:60]!r} vs {text(reference[name])[:60]!r}", flush=True)
         return at is not None, bool(cached)
 
     def summary(results: list[tuple[bool, bool]]) -> str:
@@ -104,9 +121,19 @@ def main() -> int:
         again = list(pool.map(lambda name: judge("repeat", name), repeats))
     print(f"repeat pass, {args.users} concurrent clients: {summary(again)}", flush=True)
     wrong = sum(d for d, _ in first + again)
-    print(f"{wrong} answer(s) differ from the reference" if wrong else "every answer is identical to the reference")
-    return 1 if wrong else 0
+    if wrong:
+        print(f"{wrong} answer(s) differ from the reference")
+        return 1
+    if not any(h for _, h in again):
+        print("no answer differs, but no repeat reported cached tokens: no hit, nothing tested")
+        return 3
+    print("every answer is identical to the reference")
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except OSError as exc:  # a server that refused, timed out or answered an HTTP error: no verdict
+        print(f"a request failed: {exc}", file=sys.stderr)
+        sys.exit(2)

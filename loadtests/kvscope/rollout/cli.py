@@ -61,6 +61,12 @@ def _plan_key(r: Rollout) -> tuple:
     return (r.inventory, r.configs, r.matrix_sha256, r.image, r.serial)
 
 
+def resumed(r: Rollout, candidate: Rollout) -> Rollout:
+    """An unfinished rollout, running again as `candidate` (the same plan) asks: its matrix is read from where
+    the command names it, the same content (sha256) wherever the recorded path now points."""
+    return r.model_copy(update={"outcome": "running", "interrupted": None, "matrix": candidate.matrix})
+
+
 def _unfinished(results: Path, inventory: str) -> list[Path]:
     found = []
     for path in sorted(results.glob("*/rollout.json")):
@@ -124,7 +130,7 @@ def cmd_rollout(args) -> int:
                 return report.main(folder)
             print(f"resuming rollout {r.rollout_id} ({r.outcome}" + (f": {r.interrupted}" if r.interrupted else "")
                   + f") from {folder}")
-            r.outcome, r.interrupted = "running", None
+            r = resumed(r, candidate)
         else:
             r = candidate
             folder.mkdir(parents=True, exist_ok=False)
