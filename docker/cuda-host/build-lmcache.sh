@@ -10,11 +10,16 @@ sdist=$(cd "$(dirname "$1")" && pwd)/$(basename "$1"); out=$(mkdir -p "$2" && cd
 python=${PYTHON:-python3}
 work=$(mktemp -d)
 tar -xzf "$sdist" -C "$work"
-# The toolkit nvcc belongs to, as nvcc itself reports it (TOP): nvcc on PATH may be a wrapper script
-# elsewhere, whose folder has no include/
-cuda=$(nvcc --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
-export CUDA_HOME=${CUDA_HOME:-$(cd "${cuda:-/nonexistent}" 2>/dev/null && pwd)}
-[ -f "$CUDA_HOME/include/cuda_runtime.h" ] || { echo "build-lmcache: no CUDA toolkit found (set CUDA_HOME)" >&2; exit 2; }
+# CUDA_HOME, else the toolkit nvcc belongs to as nvcc itself reports it (TOP: nvcc on PATH may be a wrapper
+# script elsewhere, whose folder has no include/), else /usr/local/cuda
+if [ -z "${CUDA_HOME:-}" ]; then
+  top=$( { nvcc --dryrun -c -x cu /dev/null 2>&1 || true; } | sed -n 's/^#\$ TOP=//p' | head -1)
+  CUDA_HOME=$(cd "${top:-/usr/local/cuda}" 2>/dev/null && pwd || true)
+fi
+[ -f "${CUDA_HOME:-}/include/cuda_runtime.h" ] \
+  || { echo "build-lmcache: no CUDA toolkit found: put its nvcc on PATH or set CUDA_HOME" >&2; exit 2; }
+export CUDA_HOME
+export TORCH_CUDA_ARCH_LIST=${ARCHS:-9.0} MAX_JOBS=${JOBS:-8} NVCC_THREADS=1 BUILD_WITH_CUDA=1 ENABLE_CXX11_ABI=1
 export LMCACHE_CUDA_MAJOR=${LMCACHE_CUDA_MAJOR:-13}
 # torch's CUDA headers include cusparse.h, cublas*.h, cusolverDn.h: from the CUDA wheels torch depends on
 # where the toolkit lacks them

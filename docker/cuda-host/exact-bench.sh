@@ -4,11 +4,11 @@
 #          cache and CPU offload, kvscope's connector, LMCache (in-process and multi-process) and UCM's NFS
 #          store, and the canary's nine faults; QUERIES queries per scenario (>= 60 broken hits per fault);
 #  tiny:   beside it, the tiny model in fp32, exact: golden, control, kvscope-fs and the canary;
-#  normal: then the same 4B workload without batch invariance on baseline, apc and kvscope-fs, same flags
-#          otherwise: speed, and the mode's cost (three servers start in a fraction of the ten's time);
 #  lmcache-repro: loadtests/repro/lmcache_mp_servers.sh on the 4B shape: lmcache-mp's wrong hits without
 #          kvscope (three exact servers of their own on TRITON_ATTN whatever ATTENTION says, after the exact
 #          part's are gone);
+#  normal: then the same 4B workload without batch invariance on baseline, apc and kvscope-fs, same flags
+#          otherwise: speed, and the mode's cost (three servers start in a fraction of the ten's time);
 #  failed-load: last, on the freed GPU, loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt
 #          whose KV load failed?).
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run

@@ -4,6 +4,8 @@
 # prefix cache (the control: must find every answer identical) and against LMCache's multi-process
 # connector, both judged against the server that recomputes every prompt. Logs and output go to OUT.
 #   loadtests/repro/lmcache_mp_servers.sh MODEL_DIR OUT [USERS=16]
+# Exit: the worst of the script's exits (0 identical, 1 an answer differs, 2 a request failed or a server did
+# not start, 3 nothing known to be tested).
 set -uo pipefail
 model=$1; out=$(mkdir -p "$2" && cd "$2" && pwd); users=${3:-16}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,14 +17,17 @@ ports=(8190 8191 8192 8317 8318)
 for port in "${ports[@]}"; do  # a server left from an earlier run would answer for the new one
   ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || { echo "port $port is in use: stop what serves it" >&2; exit 2; }
 done
-pids=()
-stop() {  # every server's process group (LMCache's server is the connector's child), then whatever is left
+pids=(); client=""
+stop() {  # the client, every server's process group (LMCache's server is the connector's child), then what is left
+  trap '' INT TERM
+  [ -n "$client" ] && kill "$client" 2>/dev/null
   for pid in "${pids[@]}"; do kill -- -"$pid" 2>/dev/null; done
   for _ in $(seq 30); do pgrep -g "$(IFS=,; echo "${pids[*]}")" >/dev/null 2>&1 || return 0; sleep 1; done
   for pid in "${pids[@]}"; do kill -9 -- -"$pid" 2>/dev/null; done
 }
 trap stop EXIT
-trap 'exit 130' INT TERM
+trap 'exit 130' INT
+trap 'exit 143' TERM
 serve() {  # serve NAME PORT FLAGS...
   setsid python3 -m vllm.entrypoints.openai.api_server --model "$model" --port "$2" --dtype bfloat16 \
     --attention-backend TRITON_ATTN --max-num-batched-tokens 255 --max-num-seqs 32 --max-model-len 4096 \
@@ -42,12 +47,18 @@ up() {  # up PORT PID: healthy within 10 minutes, while its process lives
   done
   return 1
 }
-up 8190 "${pids[0]}" || { echo "the reference server did not start (logs in $out)"; exit 1; }
+up 8190 "${pids[0]}" || { echo "the reference server did not start (logs in $out)"; exit 2; }
+worst=0
 for target in apc:8191:1 lmcache-mp:8192:2; do
   IFS=: read -r name port i <<< "$target"
-  if ! up "$port" "${pids[$i]}"; then echo "$name did not start (its log: $out/$name.log)" | tee "$out/$name.txt"; continue; fi
+  if ! up "$port" "${pids[$i]}"; then
+    echo "$name did not start (its log: $out/$name.log)" | tee "$out/$name.txt"; worst=2; continue
+  fi
   echo "== $name against reference, $users users" | tee "$out/$name.txt"
   python3 "$here/lmcache_mp_under_load.py" --url "http://127.0.0.1:$port" \
-    --reference-url http://127.0.0.1:8190 --users "$users" >> "$out/$name.txt" 2>&1
-  echo "exit $?" >> "$out/$name.txt"; tail -4 "$out/$name.txt"
+    --reference-url http://127.0.0.1:8190 --users "$users" >> "$out/$name.txt" 2>&1 &
+  client=$!; wait "$client"; rc=$?; client=""  # in the background, so a signal's trap runs at once
+  echo "exit $rc" >> "$out/$name.txt"; tail -4 "$out/$name.txt"
+  (( rc > worst )) && worst=$rc
 done
+exit "$worst"

@@ -28,9 +28,10 @@ clients. An answer is its greedy tokens and each one's top-5 logprobs, compared 
 bitwise-equal logprobs for equal KV; `--compare tokens` for servers that are not). One line per answer that
 differs (cached prompt tokens, the first differing token) and a summary per phase (answers that differ,
 answers vLLM reports cached tokens for). Exit 1: an answer differs; 2: a request failed; 3: none differs,
-but the repeats reported no cached token (no hit: nothing was tested). `--users 1` tells whether load matters.
-A reference run against a correct cache (vLLM's prefix cache: the same flags with prefix caching on and no
-connector) must find every answer identical; otherwise the two servers do not compute alike.
+but no repeat was a hit, or the server does not report cached tokens (nothing known to be tested).
+`--users 1` tells whether load matters. A reference run against a correct cache (vLLM's prefix cache: the
+same flags with prefix caching on and no connector) must find every answer identical; otherwise the two
+servers do not compute alike.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def prompts(count: int, sentences: int) -> dict[str, str]:
 
 
 def ask(url: str, model: str, prompt: str, max_tokens: int) -> tuple[list, int | None]:
-    """The answer as [(token, {top-5 token: logprob})] and the prompt tokens vLLM reports as cached."""
+    """The answer as [("token_id:N", {top-5 "token_id:N": logprob})] and the prompt tokens vLLM reports as
+    cached (None where the server does not report them)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 0,
-            "logprobs": 5}
+            "logprobs": 5, "return_tokens_as_token_ids": True}  # ids: two tokens may decode alike
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as resp:
@@ -81,10 +83,6 @@ def differs_at(answer: list, reference: list, tokens_only: bool = False) -> int 
     return next((j for j, (a, b) in enumerate(zip(answer, reference)) if a != b), min(len(answer), len(reference)))
 
 
-def text(answer: list) -> str:
-    return "".join(token for token, _ in answer)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the server under test (LMCache)")
@@ -104,26 +102,36 @@ def main() -> int:
 
     def judge(phase: str, name: str) -> tuple[bool, bool]:  # (differs, served cached tokens)
         answer, cached = ask(args.url, model, todo[name], args.max_tokens)
+        reported.append(cached is not None)
         at = differs_at(answer, reference[name], args.compare == "tokens")
         if at is not None:
+            mine, theirs = (a[at] if at < len(a) else "(ended)" for a in (answer, reference[name]))
             print(f"{phase} {name}: cached {cached} tokens, DIFFERS from the reference at token {at}: "
-                  f"{text(answer)[:60]!r} vs {text(reference[name])[:60]!r}", flush=True)
+                  f"{mine} vs {theirs}", flush=True)
         return at is not None, bool(cached)
 
     def summary(results: list[tuple[bool, bool]]) -> str:
         return (f"{sum(d for d, _ in results)} of {len(results)} answers differ "
                 f"({sum(h for _, h in results)} reported cached tokens)")
 
+    reported: list[bool] = []
     first = [judge("first", name) for name in todo]
     print(f"first pass, one at a time: {summary(first)}", flush=True)
     repeats = [name for _ in range(args.rounds) for name in todo]
-    with ThreadPoolExecutor(args.users) as pool:
+    pool = ThreadPoolExecutor(args.users)
+    try:
         again = list(pool.map(lambda name: judge("repeat", name), repeats))
+    finally:  # on a failed request or Ctrl-C, the queued repeats are not sent
+        pool.shutdown(wait=False, cancel_futures=True)
     print(f"repeat pass, {args.users} concurrent clients: {summary(again)}", flush=True)
     wrong = sum(d for d, _ in first + again)
     if wrong:
         print(f"{wrong} answer(s) differ from the reference")
         return 1
+    if not all(reported):
+        print("no answer differs, but the server reports no cached tokens (start it with "
+              "--enable-prompt-tokens-details): whether any answer was a hit is unknown")
+        return 3
     if not any(h for _, h in again):
         print("no answer differs, but no repeat reported cached tokens: no hit, nothing tested")
         return 3
@@ -134,6 +142,6 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except OSError as exc:  # a server that refused, timed out or answered an HTTP error: no verdict
-        print(f"a request failed: {exc}", file=sys.stderr)
+    except Exception as exc:  # a server that refused, timed out, died mid-answer or answered otherwise
+        print(f"a request failed: {type(exc).__name__}: {exc}", file=sys.stderr)  # than expected: no verdict
         sys.exit(2)
