@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+MATRIX = REPO / "loadtests" / "kvscope" / "matrix.yaml"  # the shipped storage-config matrix
 MODEL = REPO / "models" / "tiny-qwen3"
 PLAYBOOK = REPO / ".venv" / "bin" / "ansible-playbook"
 INVENTORY = REPO / "ansible" / "inventories" / "local"

@@ -17,7 +17,7 @@ from pydoc_data.topics import topics
 
 import pytest
 import yaml
-from conftest import REPO, ansible, failure_of, servers_of
+from conftest import MATRIX, REPO, ansible, failure_of, servers_of
 from tokenizers import Tokenizer
 
 from kvscope.deploy import servers
@@ -57,7 +57,7 @@ def golden(connector_run):
 @pytest.fixture(scope="module")
 def connector_run(tmp_path_factory, model_dir):
     """The module's own servers, golden included (apart from the session's, so fewer run at once)."""
-    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((MATRIX).read_text())
     by_name = {c["name"]: c for c in doc["configs"]}
     tight = json.loads(json.dumps(by_name["kvscope-fs"]))
     tight.update(name="kvscope-apc-tight", description="vLLM prefix caching on, chunked prefill, a KV cache "

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 import yaml
-from conftest import REPO, SESSION_CONFIGS, SESSION_DEPLOY, ansible, failure_of, servers_of
+from conftest import MATRIX, REPO, SESSION_CONFIGS, SESSION_DEPLOY, ansible, failure_of, servers_of
 
 from kvscope.deploy import servers
 
@@ -84,7 +84,7 @@ def test_a_port_another_process_holds_stops_deploy_and_names_the_process(tmp_pat
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))
         port = probe_socket.getsockname()[1]
-    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((MATRIX).read_text())
     doc["configs"][0]["port"] = port
     own = tmp_path / "matrix.yaml"
     own.write_text(yaml.safe_dump(doc))
@@ -105,7 +105,7 @@ def test_a_port_another_process_holds_stops_deploy_and_names_the_process(tmp_pat
 
 
 def test_bad_config_stops_deploy_before_anything_starts(tmp_path):
-    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((MATRIX).read_text())
     next(c for c in doc["configs"] if c["name"] == "apc")["port"] = doc["configs"][0]["port"]
     bad = tmp_path / "matrix.yaml"
     bad.write_text(yaml.safe_dump(doc))
@@ -123,7 +123,7 @@ def test_config_for_another_platform_is_refused(tmp_path):
 
 
 def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
-    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((MATRIX).read_text())
     # apart from the session's servers; apc asks for more context than the model has, so vLLM refuses to start
     by_name = {c["name"]: c for c in doc["configs"]}
     doc["configs"] = [dict(by_name["baseline"], port=8190),
@@ -212,7 +212,7 @@ def test_your_own_matrix_connector_folder_and_model_deployed_and_scored(tmp_path
     (mine / "connectors").mkdir(parents=True)
     (mine / "connectors" / "my_connectors.py").write_text(MY_CONNECTOR)
     model = shutil.copytree(model_dir, mine / "my-model")  # a model of one's own, by path
-    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((MATRIX).read_text())
     baseline = next(c for c in doc["configs"] if c["name"] == "baseline")
     doc["configs"] = [dict(baseline, port=8170), {
         "name": "my-tier", "description": "a connector that is not installed, from the team's folder",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import MATRIX, REPO
 
 from kvscope.deploy import images
 
@@ -69,7 +69,7 @@ def render_cuda(tmp_path, matrix_file, configs, *extra) -> str:
 
 
 def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
-    rendered = render_cuda(tmp_path, REPO / "loadtests" / "kvscope" / "matrix.yaml", ["baseline", *GPU_CONFIGS])
+    rendered = render_cuda(tmp_path, MATRIX, ["baseline", *GPU_CONFIGS])
     out = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py", rendered)
     assert out.returncode == 0, out.stdout + out.stderr
     for name in GPU_CONFIGS:
@@ -80,18 +80,18 @@ def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
     # CacheBlend configs pin their own token budget, which the mode's step cap would replace: refused
     exact_configs = [c for c in GPU_CONFIGS if not c.startswith("ucm-blend")]
     exact = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py",
-                render_cuda(tmp_path, REPO / "loadtests" / "kvscope" / "matrix.yaml", ["baseline", *exact_configs], "--exact"))
+                render_cuda(tmp_path, MATRIX, ["baseline", *exact_configs], "--exact"))
     assert exact.returncode == 0, exact.stdout + exact.stderr
     for name in exact_configs:  # as vLLM's parser reads them
         assert f"{name}: ok (attention backend TRITON_ATTN, steps of at most 255 tokens and 32 requests)" in exact.stdout
-    blend = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", REPO / "loadtests" / "kvscope" / "matrix.yaml", "render",
+    blend = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", MATRIX, "render",
                 "--configs", "ucm-blend", "--platform", "cuda", "--model", model_dir, "--run-dir", tmp_path,
                 "--out", tmp_path / "blend.json", "--exact")
     assert blend.returncode != 0 and "exact mode sets --max-num-batched-tokens" in blend.stderr
 
 
 def test_the_argument_check_catches_a_misspelt_flag_and_a_bad_value(tmp_path, model_dir):
-    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((MATRIX).read_text())
     by_name = {c["name"]: c for c in doc["configs"]}
     by_name["offload-cpu"]["flags"]["--kv-offloading-sise"] = 4
     by_name["ucm-pipeline"]["flags"]["--block-size"] = "thirty-two"
@@ -180,7 +180,7 @@ def test_the_manifest_probe_imports_each_connectors_modules_in_the_servers_envir
     from kvscope.artifacts import Rendered
     from kvscope.deploy.servers import connector_imports, connector_modules
 
-    rendered = Rendered.model_validate_json(open(render_cuda(tmp_path, REPO / "loadtests" / "kvscope" / "matrix.yaml",
+    rendered = Rendered.model_validate_json(open(render_cuda(tmp_path, MATRIX,
                                                              ["kvscope-fs", "lmcache-cpu", "offload-cpu"])).read())
     modules = {s.config: connector_modules(s) for s in rendered.kvscope_servers}
     assert modules == {"kvscope-fs": ["kvscope_connector"], "offload-cpu": [],

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import MATRIX as SHIPPED
 
 from kvscope.artifacts import flag_value
 from kvscope.config import matrix
 from kvscope.config.render import parse_overrides, render
-
-SHIPPED = Path(__file__).resolve().parent.parent / "loadtests" / "kvscope" / "matrix.yaml"
 
 
 def write(tmp_path, doc) -> Path:
@@ -118,7 +117,7 @@ def test_shared_stores_resolve_to_one_directory_for_every_config(tmp_path):
 def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
     from kvscope.config.render import parse_overrides
 
-    m = matrix.load(Path(__file__).resolve().parent.parent / "loadtests" / "kvscope" / "matrix.yaml")
+    m = matrix.load(SHIPPED)
     cfg = next(c for c in m.configs if c.name == "apc")
     args = render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
                   parse_overrides('{"dtype": "bfloat16", "enforce-eager": false}')).server_args

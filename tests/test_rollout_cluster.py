@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PLAYBOOK, REPO, failure_of
+from conftest import MATRIX, PLAYBOOK, REPO, failure_of
 
 from kvscope.rollout.record import identity, load
 
@@ -29,7 +29,7 @@ HOSTS = ["kvh1", "kvh2"]
 
 def tier_matrix(path: Path, faulty: bool) -> Path:
     """loadtests/kvscope/matrix.yaml with a new kvscope-fs: the faulty canary connector, or a disk tier of 8 GiB."""
-    doc = yaml.safe_load((REPO / "loadtests" / "kvscope" / "matrix.yaml").read_text())
+    doc = yaml.safe_load((MATRIX).read_text())
     tier = next(c for c in doc["configs"] if c["name"] == "kvscope-fs")
     extra = tier["kv_transfer_config"]["kv_connector_extra_config"]
     if faulty:
