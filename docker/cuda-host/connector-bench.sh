@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the CUDA host, from the repository root: kvscope's connector against vLLM's own CPU offload and
 # recomputing, on the Qwen3-4B shape in bf16 served with CUDA graphs (no --enforce-eager), in one run:
-# connector_ttft.py (the prompt-length sweep and misses under load), the connector's GPU tests,
-# copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
+# connector_ttft.py (the prompt-length sweep; misses under load on kvscope-ram, kvscope-fs and offload-cpu-tier),
+# the connector's GPU tests, load_throughput.py (file loads into the GPU's KV cache, hot and cold, on the host's
+# disk under runs/), copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
 # (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR.
 #   docker/cuda-host/connector-bench.sh OUT_DIR [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
@@ -24,10 +25,20 @@ fi
 cp "$run_dir/deployment.json" "$out/"
 python3 loadtests/benchmarks/connector_ttft.py --deployment "$run_dir/deployment.json" \
   --configs kvscope-ram,kvscope-fs --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
-  --pause 0.3 --load-users 8 --load-configs kvscope-ram > "$out/connector_ttft.txt" 2>&1
+  --pause 0.3 --load-users 8 --load-configs kvscope-ram,kvscope-fs --load-peers offload-cpu-tier \
+  > "$out/connector_ttft.txt" 2>&1
 echo "connector_ttft exit $?"
 python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
 echo "GPU tests exit $?"
+files="$PWD/runs/load-throughput"  # the host's disk, not /tmp (it may be tmpfs)
+for mode in hot cold; do
+  rm -rf "$files" && mkdir -p "$files"
+  { echo "filesystem under $files: $(stat -f -c %T "$files")"
+    python3 loadtests/benchmarks/load_throughput.py --device cuda --dir "$files" $([ "$mode" = cold ] && echo --cold)
+  } > "$out/load_throughput-$mode.txt" 2>&1
+  echo "load_throughput $mode exit $?"
+done
+rm -rf "$files"
 for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
 python3 -m kvscope.cli bench --deployment "$run_dir/deployment.json" --configs "$configs" \
   --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report > "$out/bench.log" 2>&1

@@ -5,10 +5,12 @@ fp16, block 64 -> 8 MiB per block). Blocks are written by WorkerSide.save, then 
 alternation: raw (read every file whole, sequentially) and connector (WorkerSide.load: read, verify
 header, shapes and checksum, copy into the KV cache). Both run with the files in the page cache, so the
 ratio measures what verification and injection cost on top of the read; with --cold, every file is
-dropped from the page cache (posix_fadvise DONTNEED) before each read, so both read the disk.
+dropped from the page cache (posix_fadvise DONTNEED) before each read, so both read the disk. With
+--device cuda the KV caches are on the GPU and the worker checks blocks there (mix128, as the connector
+does beside a GPU); each connector load ends with a device synchronize before its timer stops.
 Goal (issue 5): >= 0.7.
 
-    .venv-vllm/bin/python loadtests/benchmarks/load_throughput.py [--dir /path/on/the/fs/under/test]
+    .venv-vllm/bin/python loadtests/benchmarks/load_throughput.py [--dir /path/on/the/fs/under/test] [--device cuda]
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ def drop(files: list[Path], cold: bool) -> None:
     if cold:
         for f in files:
             with open(f, "rb") as fh:
+                os.fsync(fh.fileno())  # DONTNEED leaves dirty pages (files just saved) in the page cache
                 os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -42,16 +50,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="drop each file from the page cache before reading")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the KV caches are")
     args = ap.parse_args()
+    device = torch.device(args.device)
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvscope-bench-"))
     fp, block = "b" * 32, 64
-    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(args.blocks * 2, 8, block, 256).half()
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(args.blocks * 2, 8, block, 256, device=device).half()
               for i in range(args.layers)}
-    worker = WorkerSide(fp, block, None, FsTier(str(root), fp, None))
+    checksum = "mix128" if device.type == "cuda" else "xxh3-128"  # the connector's choice (connector._checksum)
+    worker = WorkerSide(fp, block, None, FsTier(str(root), fp, None), checksum=checksum)
     worker.register(caches)
     keys = [f"{i:04x}" + "0" * 36 for i in range(args.blocks)]
     worker.save(KVScopeMetadata(stores=[StoreSpec(i, k, False, True) for i, k in enumerate(keys)]))
     worker.flush()
+    sync(device)
     files = [worker.fs.path(k) for k in keys]
     total = sum(f.stat().st_size for f in files)
     meta = KVScopeMetadata(loads=[LoadSpec(args.blocks + i, k, "fs") for i, k in enumerate(keys)])
@@ -65,12 +77,14 @@ def main() -> None:
         drop(files, args.cold)
         t = time.perf_counter()
         worker.load(meta)
+        sync(device)
         conn.append(total / (time.perf_counter() - t))
         assert not worker.take_load_errors()
     assert all(torch.equal(t[args.blocks], t[0]) for t in caches.values())
     mib = 2**20
     cache = "cold: dropped from the page cache" if args.cold else "hot: in the page cache"
-    print(f"{args.blocks} blocks x {total / args.blocks / mib:.1f} MiB under {root}, {args.repeats} rounds, {cache}")
+    print(f"{args.blocks} blocks x {total / args.blocks / mib:.1f} MiB under {root}, {args.repeats} rounds, {cache}, "
+          f"KV caches on {device}")
     for name, rates in (("raw sequential read", raw), ("connector load", conn)):
         print(f"{name:<20} median {np.median(rates) / mib:8.0f} MiB/s "
               f"(min {min(rates) / mib:.0f}, max {max(rates) / mib:.0f})")
