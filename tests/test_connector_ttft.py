@@ -1,0 +1,37 @@
+"""benchmarks/connector_ttft.py's judging of the misses under load, from medians: no servers."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("connector_ttft", REPO / "loadtests" / "benchmarks" / "connector_ttft.py")
+assert spec is not None and spec.loader is not None
+connector_ttft = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(connector_ttft)
+verdicts = connector_ttft.miss_verdicts
+
+
+def test_a_config_within_5_percent_but_worse_than_the_peer_is_not_met():
+    lines = verdicts({"baseline": 1.0, "offload-cpu-tier": 1.01, "kvscope-fs": 1.04}, "baseline", ["offload-cpu-tier"])
+    assert lines == ["offload-cpu-tier miss under load / baseline's: 1.01 (a peer: no goal)",
+                     "kvscope-fs miss under load / baseline's: 1.04 (goal <= 1.05: met)",
+                     "kvscope-fs miss under load / baseline's <= offload-cpu-tier's: NOT met against 1.01"]
+
+
+def test_a_config_no_worse_than_the_peer_meets_both():
+    lines = verdicts({"baseline": 1.0, "offload-cpu-tier": 1.2, "kvscope-ram": 1.0}, "baseline", ["offload-cpu-tier"])
+    assert lines[1:] == ["kvscope-ram miss under load / baseline's: 1.00 (goal <= 1.05: met)",
+                         "kvscope-ram miss under load / baseline's <= offload-cpu-tier's: met against 1.20"]
+
+
+def test_a_peer_not_loaded_is_said_not_passed():
+    for peers in (["offload-cpu-tier"], []):
+        lines = verdicts({"baseline": 1.0, "kvscope-ram": 1.0}, "baseline", peers)
+        assert lines[-1].endswith(": peer not measured") and "NOT met" not in lines[-1]
+        assert not any(line.endswith("'s: met") for line in lines)
+
+
+def test_no_load_phase_judges_nothing():
+    assert verdicts({}, "baseline", ["offload-cpu-tier"]) == []
