@@ -42,10 +42,11 @@ from kvscope.run.records import new_record, parse_stream, request_body
 CHARS_PER_TOKEN = 3.9  # pydoc's prose in the tiny model's tokenizer, where the model's tokenizer is not at hand
 COLD = "cold baseline"
 # (config, against, shortest length, longest length, the most the ratio may be): the goals of docs/benchmarks.md
-GOALS = {"cuda": [("kvscope-ram", "offload-cpu-tier", 8000, None, 1.2), ("kvscope-ram", COLD, 16000, 17000, 0.3),
-                  ("kvscope-fs", "offload-cpu-tier", 8000, None, 1.3), ("kvscope-fs", COLD, 16000, None, 0.5)],
-         "cpu": [("kvscope-ram", "apc", 0, None, 1.15), ("kvscope-ram", COLD, 0, None, 0.35),
-                 ("kvscope-fs", COLD, 0, None, 0.35)]}
+GOALS: dict[str, list[tuple[str, str, int, int | None, float]]] = {
+    "cuda": [("kvscope-ram", "offload-cpu-tier", 8000, None, 1.2), ("kvscope-ram", COLD, 16000, 17000, 0.3),
+             ("kvscope-fs", "offload-cpu-tier", 8000, None, 1.3), ("kvscope-fs", COLD, 16000, None, 0.5)],
+    "cpu": [("kvscope-ram", "apc", 0, None, 1.15), ("kvscope-ram", COLD, 0, None, 0.35),
+            ("kvscope-fs", COLD, 0, None, 0.35)]}
 MISS_GOAL = 1.05  # a miss under load against baseline's, every config; and at most each peer's own ratio
 
 
