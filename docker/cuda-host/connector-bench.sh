@@ -4,7 +4,8 @@
 # connector_ttft.py (the prompt-length sweep; misses under load on kvscope-ram, kvscope-fs and offload-cpu-tier),
 # the connector's GPU tests, load_throughput.py (file loads into the GPU's KV cache, hot and cold, on the host's
 # disk under runs/), copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
-# (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR.
+# (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR, the
+# bench's run folder too (OUT_DIR/RUN_ID: a lent host that re-syncs the checkout removes what lies in results/).
 #   docker/cuda-host/connector-bench.sh OUT_DIR [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}
@@ -41,7 +42,6 @@ done
 rm -rf "$files"
 for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
 python3 -m kvscope.cli bench --deployment "$run_dir/deployment.json" --configs "$configs" \
-  --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report > "$out/bench.log" 2>&1
+  --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report --results "$out" > "$out/bench.log" 2>&1
 echo "bench exit $?"
-cp -r "results/$run_id" "$out/"
 teardown > /dev/null 2>&1
