@@ -55,19 +55,31 @@ def test_a_loaded_run_scores_and_renders_with_none_of_its_input_files_left(tmp_p
             assert (copy / f.name).read_text() == f.read_text(), f.name
 
 
-def test_the_results_index_names_no_other_cpu_than_each_runs_own():
-    # results/README.md once called an AMD EPYC run "Intel Xeon": machine facts come from run.json
+def test_the_results_index_names_each_runs_own_machine():
+    # results/README.md once called an AMD EPYC run "Intel Xeon": its CPU, cores, memory and GPU come from run.json
+    import re
+
     from kvscope.artifacts import RunInfo, read_json
 
     rows = [line for line in (REPO / "results" / "README.md").read_text().splitlines() if line.startswith("| [")]
+    checked = 0
     for row in rows:
         name = row.split("](", 1)[0][3:]
         if not (REPO / "results" / name / "run.json").exists():  # a repro's folder: no bench, no run.json
             continue
-        cpu = read_json(REPO / "results" / name / "run.json", RunInfo).machine.cpu
+        m = read_json(REPO / "results" / name / "run.json", RunInfo).machine
         machine = row.split(" | ")[2]
         for vendor in ("Intel", "AMD"):
-            assert vendor in cpu or vendor not in machine, (name, cpu, machine)
+            assert vendor in m.cpu or vendor not in machine, (name, m.cpu, machine)
+        assert all(int(n) == m.cores for n in re.findall(r"(\d+)-core", machine)), (name, m.cores, machine)
+        assert all(abs(float(g) - m.memory_gib) < 0.5 for g in re.findall(r"x86_64(?: VM)?, ([\d.]+) GiB", machine)), (
+            name, m.memory_gib, machine)
+        if m.gpu:
+            assert m.gpu.split(",")[0].removeprefix("NVIDIA ") in machine, (name, m.gpu, machine)
+        else:
+            assert not re.search(r"NVIDIA|H[12]00|GB10", machine), (name, machine)
+        checked += 1
+    assert checked == len(RUNS)
 
 
 def test_every_relative_link_in_the_markdown_resolves_in_a_clone():
