@@ -82,6 +82,25 @@ def test_the_results_index_names_each_runs_own_machine():
     assert checked == len(RUNS)
 
 
+def test_results_publishes_no_regenerable_file_at_any_depth():
+    # results/ held ~524 Locust CSVs and HTML pages that embed the PNGs again; a comparison's page in a run's
+    # subfolder stayed after: report.html, comparison.html and locust/ are ignored wherever make writes them
+    import subprocess
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO).returncode == 0
+
+    tracked = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard", "--", "results"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+    assert tracked == ""
+    for path in ("results/r/report.html", "results/r/locust/apc__s.measure_stats.csv",
+                 "results/r/mode-cost/comparison.html", "results/r/part/report.html"):
+        assert ignored(path), path
+    for path in ("results/r/records/apc__s.jsonl", "results/r/report.md", "results/r/run.json",
+                 "results/r/summary.csv", "results/r/ttft_cdf.png", "results/r/mode-cost/comparison.md"):
+        assert not ignored(path), path
+
+
 def test_every_relative_link_in_the_markdown_resolves_in_a_clone():
     # a loose build log was dropped for the facts in docker/README.md, and results/ keeps no regenerable page:
     # a link must name a tracked file or folder (an ignored report.html is not in a clone)
