@@ -161,9 +161,10 @@ def test_bench_report_json_prints_the_verdicts_alone_on_stdout_and_its_progress_
 
 
 def test_every_option_of_every_command_says_what_it_does():
+    # kvscope's and the plumbing's (`python -m kvscope.plumbing VERB --help`, what the Ansible roles call)
     import argparse
 
-    from kvscope.cli import build_parser
+    from kvscope import cli, plumbing
 
     def parsers(p):
         yield p
@@ -172,8 +173,8 @@ def test_every_option_of_every_command_says_what_it_does():
                 for sub in action.choices.values():
                     yield from parsers(sub)
 
-    silent = [(p.prog, a.dest) for p in parsers(build_parser()) for a in p._actions
-              if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    silent = [(p.prog, a.dest) for top in (cli.build_parser(), plumbing.build_parser()) for p in parsers(top)
+              for a in p._actions if not a.help and not isinstance(a, argparse._SubParsersAction)]
     assert silent == []
 
 
