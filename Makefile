@@ -160,23 +160,28 @@ help: ## list the targets and the variables they read
 	@awk 'BEGIN {FS = ":.*##"} /^##@/ {printf "\n%s\n", substr($$0, 5)} /^[a-z-]+:.*##/ {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@printf '\nVariables (make bench CONFIGS=baseline,apc,kvscope-fs ...)\n'; sed -n 's/^#> //p' Makefile
 
-#> CONFIGS      configs of the matrix to deploy, bench or roll, comma-separated (default: the CPU selection)
-#> SCENARIOS    workloads of loadtests/kvscope/scenarios.yaml to run, comma-separated
-#> USERS        concurrent Locust users; 1,4,16 sweeps the load
-#> REPEATS      run every treatment this many times (the spread)
-#> MATRIX       a storage-config matrix of your own (default loadtests/kvscope/matrix.yaml)
-#> MODEL        a Hugging Face model folder of your own (default: the tiny model `make model` builds)
-#> INVENTORY    the Ansible inventory whose hosts serve (default ansible/inventories/local)
-#> RUNTIME      process (default) or container (the CPU image, make images-cpu)
-#> EXACT        1: serve batch-invariant and judge bitwise (GPU; refused on the CPU)
-#> DRY_RUN      make deploy DRY_RUN=1: render and check the selection, print each server's command, start nothing
-#> RUN_ID       the run folder's name under results/ (default: the time, UTC); RESUME=1 continues it
-#> SLO          a service-level objective for the summary: ttft=500,tpot=50 (ms)
-#> RUN, RUNS    make report RUN=results/<id> [OUT=dir] [REWRITE=1]; make compare RUNS=results/a,results/b [OUT=dir]
-#> REWRITE      make report: 1 rewrites a published run (report.md tracked) that this code renders differently
-#> SERIAL       make rollout: hosts per batch, a number or a percentage (25%); IMAGE=, ROLLOUT_ID=, ROLLOUT_ARGS=
-#> PYTHON3      the Python setup makes both environments with (default python3)
-#> TORCH_INDEX  where setup finds torch==2.13.0+cpu (PyTorch's CPU index; a mirror, or empty)
-#> IMAGE_ARGS   make images: extra Ansible options (-e image_push=true)
+#> CONFIGS       configs of the matrix to deploy, bench or roll, comma-separated (default: the CPU selection)
+#> SCENARIOS     workloads of loadtests/kvscope/scenarios.yaml to run, comma-separated
+#> USERS         concurrent Locust users; 1,4,16 sweeps the load
+#> REPEATS       run every treatment this many times (the spread)
+#> MATRIX        a storage-config matrix of your own (default loadtests/kvscope/matrix.yaml)
+#> MODEL         a Hugging Face model folder of your own (default: the tiny model `make model` builds)
+#> INVENTORY     the Ansible inventory whose hosts serve (default ansible/inventories/local)
+#> RUNTIME       process (default) or container (the CPU image, make images-cpu)
+#> EXACT         1: serve batch-invariant and judge bitwise (GPU; refused on the CPU)
+#> DRY_RUN       make deploy DRY_RUN=1: render and check the selection, print each server's command, start nothing
+#> RUN_ID        the run folder's name under results/ (default: the time, UTC)
+#> RESUME        make bench RESUME=1 RUN_ID=<id>: continue that run folder, keeping its finished treatments
+#> SLO           a service-level objective for the summary: ttft=500,tpot=50 (ms)
+#> RUN, RUNS     make report RUN=results/<id> [OUT=dir] [REWRITE=1]; make compare RUNS=results/a,results/b [OUT=dir]
+#> OUT           make report, make compare: write into this folder instead (report: a new or empty one)
+#> REWRITE       make report: 1 rewrites a published run (report.md tracked) that this code renders differently
+#> SERIAL        make rollout: hosts per batch, a number or a percentage (25%)
+#> IMAGE         make rollout: the new image to roll (container runtime)
+#> ROLLOUT_ID    make rollout: the rollout's id (results/<id>/); an unfinished rollout of that id is resumed
+#> ROLLOUT_ARGS  make rollout: extra kvscope rollout options (--gate-queries 32 ...)
+#> PYTHON3       the Python setup makes both environments with (default python3)
+#> TORCH_INDEX   where setup finds torch==2.13.0+cpu (PyTorch's CPU index; a mirror, or empty)
+#> IMAGE_ARGS    make images: extra Ansible options (-e image_push=true)
 
 .PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench rollout report compare bench-connector test-deps test test-fast test-slow help

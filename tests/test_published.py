@@ -55,19 +55,69 @@ def test_a_loaded_run_scores_and_renders_with_none_of_its_input_files_left(tmp_p
             assert (copy / f.name).read_text() == f.read_text(), f.name
 
 
-def test_the_results_index_names_no_other_cpu_than_each_runs_own():
-    # results/README.md once called an AMD EPYC run "Intel Xeon": machine facts come from run.json
+def test_the_results_index_names_each_runs_own_machine():
+    # results/README.md once called an AMD EPYC run "Intel Xeon": its CPU, cores, memory and GPU come from run.json
+    import re
+
     from kvscope.artifacts import RunInfo, read_json
 
     rows = [line for line in (REPO / "results" / "README.md").read_text().splitlines() if line.startswith("| [")]
+    checked = 0
     for row in rows:
         name = row.split("](", 1)[0][3:]
         if not (REPO / "results" / name / "run.json").exists():  # a repro's folder: no bench, no run.json
             continue
-        cpu = read_json(REPO / "results" / name / "run.json", RunInfo).machine.cpu
+        m = read_json(REPO / "results" / name / "run.json", RunInfo).machine
         machine = row.split(" | ")[2]
         for vendor in ("Intel", "AMD"):
-            assert vendor in cpu or vendor not in machine, (name, cpu, machine)
+            assert vendor in m.cpu or vendor not in machine, (name, m.cpu, machine)
+        assert all(int(n) == m.cores for n in re.findall(r"(\d+)-core", machine)), (name, m.cores, machine)
+        assert all(abs(float(g) - m.memory_gib) < 0.5 for g in re.findall(r"x86_64(?: VM)?, ([\d.]+) GiB", machine)), (
+            name, m.memory_gib, machine)
+        if m.gpu:
+            assert m.gpu.split(",")[0].removeprefix("NVIDIA ") in machine, (name, m.gpu, machine)
+        else:
+            assert not re.search(r"NVIDIA|H[12]00|GB10", machine), (name, machine)
+        checked += 1
+    assert checked == len(RUNS)
+
+
+def test_results_publishes_no_regenerable_file_at_any_depth():
+    # results/ held ~524 Locust CSVs and HTML pages that embed the PNGs again; a comparison's page in a run's
+    # subfolder stayed after: report.html, comparison.html and locust/ are ignored wherever make writes them
+    import subprocess
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO).returncode == 0
+
+    tracked = subprocess.run(["git", "ls-files", "-ci", "--exclude-standard", "--", "results"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+    assert tracked == ""
+    for path in ("results/r/report.html", "results/r/locust/apc__s.measure_stats.csv",
+                 "results/r/mode-cost/comparison.html", "results/r/part/report.html"):
+        assert ignored(path), path
+    for path in ("results/r/records/apc__s.jsonl", "results/r/report.md", "results/r/run.json",
+                 "results/r/summary.csv", "results/r/ttft_cdf.png", "results/r/mode-cost/comparison.md"):
+        assert not ignored(path), path
+
+
+def test_every_relative_link_in_the_markdown_resolves_in_a_clone():
+    # a loose build log was dropped for the facts in docker/README.md, and results/ keeps no regenerable page:
+    # a link must name a tracked file or folder (an ignored report.html is not in a clone)
+    import os
+    import re
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    paths = {p for f in tracked.splitlines() for p in [f, *(str(d) for d in Path(f).parents)]}
+    broken = []
+    for name in (f for f in tracked.splitlines() if f.endswith(".md")):
+        text = re.sub(r"```.*?```", "", (REPO / name).read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = os.path.normpath(Path(name).parent / target.split("#")[0])
+            if not re.match(r"[a-z]+:|#", target) and path not in paths:
+                broken.append((name, target))
+    assert broken == []
 
 
 def test_report_json_gives_a_published_runs_verdicts_and_gate_for_scripts(tmp_path):
@@ -111,9 +161,10 @@ def test_bench_report_json_prints_the_verdicts_alone_on_stdout_and_its_progress_
 
 
 def test_every_option_of_every_command_says_what_it_does():
+    # kvscope's and the plumbing's (`python -m kvscope.plumbing VERB --help`, what the Ansible roles call)
     import argparse
 
-    from kvscope.cli import build_parser
+    from kvscope import cli, plumbing
 
     def parsers(p):
         yield p
@@ -122,8 +173,8 @@ def test_every_option_of_every_command_says_what_it_does():
                 for sub in action.choices.values():
                     yield from parsers(sub)
 
-    silent = [(p.prog, a.dest) for p in parsers(build_parser()) for a in p._actions
-              if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    silent = [(p.prog, a.dest) for top in (cli.build_parser(), plumbing.build_parser()) for p in parsers(top)
+              for a in p._actions if not a.help and not isinstance(a, argparse._SubParsersAction)]
     assert silent == []
 
 

@@ -369,6 +369,17 @@ def test_a_comparison_says_when_its_runs_come_from_different_machines(tmp_path):
         comparison.write([a, b]))
 
 
+def test_a_comparison_says_when_its_runs_come_from_different_gpus(tmp_path):
+    a, b = make_run(tmp_path / "a", four()), make_run(tmp_path / "b", four())
+    for run, gpu in ((a, "NVIDIA H200, 143771 MiB, 580.159.04"), (b, "NVIDIA GB10, 122502 MiB, 580.95.05")):
+        doc = json.loads((run / "run.json").read_text())
+        doc["machine"]["gpu"] = gpu  # the same CPU and cores: the GPU alone tells the machines apart
+        (run / "run.json").write_text(json.dumps(doc))
+    text = comparison.write([a, b])
+    assert "**These runs come from different machines** (`a`: test, 2 cores, GPU NVIDIA H200, 143771 MiB, " \
+           "580.159.04; `b`: test, 2 cores, GPU NVIDIA GB10" in text
+
+
 def test_a_comparison_of_an_exact_and_a_normal_run_gives_the_exact_modes_cost(tmp_path):
     a, b = make_run(tmp_path / "a", four()), make_run(tmp_path / "b", four())
     doc = json.loads((b / "run.json").read_text())

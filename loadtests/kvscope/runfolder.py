@@ -7,8 +7,8 @@
     continuations/<config>__<scenario>.jsonl   golden's scoring of answers that split from its own
     faults/<config>__<scenario>.jsonl          a canary treatment's fault log
     loads/<config>__<scenario>.jsonl           the connector's load log of a treatment
-    locust/<config>__<scenario>.<phase>*       Locust's own CSVs
-    <table>.csv, <plot>.png, report.md/.html   what the report derives (TABLES, plots.py)
+    locust/<config>__<scenario>.<phase>*       Locust's own CSVs (nothing reads them; not published)
+    <table>.csv, <plot>.png, report.md/.html   what the report derives (TABLES, plots.py; report.html not published)
 """
 
 from __future__ import annotations
