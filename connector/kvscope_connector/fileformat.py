@@ -48,6 +48,35 @@ def encode(block: Block, layout: Layout, fingerprint: str, key: str, digest: str
     return st_save(layout.views(block), metadata=meta)
 
 
+_META = b'{"__metadata__":'  # how safetensors begins a header that has metadata
+_DECODER = json.JSONDecoder()
+
+
+@functools.lru_cache(maxsize=8)
+def _tensors_text(layout: Layout) -> str:
+    """What follows the metadata object in a header that encode() writes for layout (its padding stripped):
+    the tensors' entries, the same bytes whatever the metadata (safetensors orders the metadata's keys
+    differently in every process, so only this part has one spelling)."""
+    data = st_save(layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8)), metadata={"": ""})
+    (n,) = struct.unpack_from("<Q", data, 0)
+    text = data[8:8 + n].decode()
+    return text[_DECODER.raw_decode(text, len(_META))[1]:].rstrip(" ")
+
+
+def _quick_meta(json_text: bytes, layout: Layout) -> object | None:
+    """The metadata of a header's JSON that is encode()'s for layout, parsed alone: the tensors' entries are
+    compared as text, not parsed (parsing them was most of a block load's Python time). None for any other
+    spelling, which the full parse then decides: this path accepts only what the full parse would."""
+    if not json_text.startswith(_META) or not json_text.isascii():
+        return None
+    text = json_text.decode("ascii")
+    try:
+        meta, end = _DECODER.raw_decode(text, len(_META))
+    except (ValueError, RecursionError):
+        return None
+    return meta if text[end:].rstrip(" ") == _tensors_text(layout) else None
+
+
 def _header(data: bytes) -> tuple[int, dict, dict]:
     """The header's length, its metadata and its tensors' entries as the JSON gives them."""
     (n,) = struct.unpack_from("<Q", data, 0)
@@ -56,10 +85,13 @@ def _header(data: bytes) -> tuple[int, dict, dict]:
     header = json.loads(bytes(data[8:8 + n]))
     if not isinstance(header, dict):
         raise TypeError(f"the header is a JSON {type(header).__name__}, not an object")
-    meta = header.pop("__metadata__", {})
+    return n, _strings(header.pop("__metadata__", {})), header
+
+
+def _strings(meta: object) -> dict:
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise TypeError("__metadata__ is not a map of strings")
-    return n, meta, header
+    return meta
 
 
 @functools.lru_cache(maxsize=8)
@@ -90,8 +122,12 @@ def decode(header: bytes, block: Block, fingerprint: str, key: str, layout: Layo
     the caller to check (on the GPU, after the copy), and the block must not be used until it has.
     """
     try:
-        n, meta, tensors = _header(header)
-        wrong = None if tensors == _expected(layout) else _mismatch(tensors, layout)
+        (n,) = struct.unpack_from("<Q", header, 0)
+        if n <= MAX_HEADER and (quick := _quick_meta(header[8:8 + n], layout)) is not None:
+            meta, wrong = _strings(quick), None
+        else:
+            n, meta, tensors = _header(header)
+            wrong = None if tensors == _expected(layout) else _mismatch(tensors, layout)
     except (struct.error, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CorruptBlock(f"unreadable block: {exc}") from exc
     if meta.get("kvscope_format") != FORMAT_VERSION:

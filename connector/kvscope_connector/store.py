@@ -319,23 +319,25 @@ class FsTier:
         if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
             os.close(fd)
             raise CorruptBlock(f"not a regular file (mode {st.st_mode:o})")
-        with open(fd, "rb") as f:
-            head = f.read(8)
+        try:  # two reads: the header's length, then the header and the block in one call (no lock held)
+            head = os.pread(fd, 8, 0)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             size = st.st_size
             if not 0 <= n <= MAX_HEADER or size != 8 + n + layout.nbytes:
                 raise CorruptBlock(f"{size} bytes, expected {8 + max(n, 0) + layout.nbytes} (truncated or padded)")
-            header = head + f.read(n)
+            header = bytearray(n)
             block = self.pool.take() if self.pool is not None else torch.empty(layout.nbytes, dtype=torch.uint8)
             try:
-                if len(header) != 8 + n or f.readinto(block.numpy()) != layout.nbytes:
+                if os.preadv(fd, [header, block.numpy()], 8) != n + layout.nbytes:
                     raise CorruptBlock("the file shrank while it was read")
-                found = decode(header, block, self.fingerprint, key, layout, self.secret,
+                found = decode(head + header, block, self.fingerprint, key, layout, self.secret,
                                self.checksum if verify else None)
             except BaseException:
                 if self.pool is not None:
                     self.pool.give_back(block)
                 raise
+        finally:
+            os.close(fd)
         self._note(key, size)
         return found
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -10,6 +11,7 @@ import torch
 from test_sides import worker
 from test_store import FP, LAYOUT, block, tier, write
 
+from kvscope_connector import fileformat
 from kvscope_connector import worker as worker_mod
 from kvscope_connector.blocks import CorruptBlock
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
@@ -183,6 +185,43 @@ def test_a_header_with_the_layouts_tensors_loads_whatever_its_spacing_and_order(
     rewrite_header(fs.path("ab12"), lambda h: json.dumps(dict(reversed(json.loads(h).items())), indent=1))
     got, _ = fs.get("ab12")
     assert torch.equal(got, b)
+
+
+def _metadata_reordered(h):
+    """The header with its metadata's keys in another order (as another process's safetensors writes them)
+    and its tensors' entries as they were, byte for byte."""
+    meta, end = json.JSONDecoder().raw_decode(h, len('{"__metadata__":'))
+    return '{"__metadata__":' + json.dumps(dict(reversed(meta.items())), separators=(",", ":")) + h[end:]
+
+
+@pytest.mark.parametrize("edit", [lambda h: h, _metadata_reordered], ids=["as-written", "metadata-reordered"])
+def test_a_header_as_encode_writes_it_loads_without_parsing_its_tensors(tmp_path, monkeypatch, edit):
+    # the tensors' entries are compared as text: the full parse (most of a load's Python time) is not needed
+    fs = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=b"s" * 32)
+    b = block()
+    write(fs, "ab12", b)
+    rewrite_header(fs.path("ab12"), edit)
+    monkeypatch.setattr(fileformat, "_header", lambda data: pytest.fail("the full parse ran"))
+    got, _ = fs.get("ab12")
+    assert torch.equal(got, b)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h.replace('"fingerprint":"', '"fingerprint":"0', 1), "foreign"),
+    (lambda h: h.replace('"kvscope_format":"3"', '"kvscope_format":"2"', 1), "format"),
+    (lambda h: re.sub(r'"key":"[0-9a-f]*"', '"key":1', h, count=1), "unreadable"),
+    (lambda h: h.rstrip() + "\n", None),  # spacing the full parse accepts
+], ids=["fingerprint", "format", "not-a-string", "spacing"])
+def test_the_quick_header_check_refuses_what_the_full_parse_refuses(tmp_path, edit, message):
+    fs = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=b"s" * 32)
+    b = block()
+    write(fs, "ab12", b)
+    rewrite_header(fs.path("ab12"), edit)
+    if message is None:
+        assert torch.equal(fs.get("ab12")[0], b)
+    else:
+        with pytest.raises(CorruptBlock, match=message):
+            fs.get("ab12")
 
 
 def test_a_folder_at_a_blocks_name_is_a_quarantined_miss(tmp_path):

@@ -7,6 +7,10 @@ pages ("cold": posix_fadvise DONTNEED on clean pages; no root needed):
 - raw: one thread, one sequential read of the segment: the disk's own rate, the cold-disk reference;
 - per-file: open + readinto per block file on --threads threads (the connector's pattern);
 - preadv: os.preadv of --chunk blocks per call from the segment on --threads threads;
+- connector: the connector's own file read on --threads threads (FsTier.get without the host checksum, into
+  its slot pool: the host's half of a load beside a GPU, whose checksum runs on the GPU), from files in its
+  format (a header per block) written by FsTier.put, when kvscope_connector imports; against per-file, what
+  the connector's per-block work costs;
 - kvikio: KvikIO's pread of the segment into GPU memory (GDS where the host has it, its threaded POSIX path
   where not) and into pinned host memory, when kvikio imports;
 - h2d: one pinned host-to-device copy of the same bytes, the limit beside a GPU.
@@ -74,6 +78,40 @@ def preadv(segment, dst, size, n, chunk, pool):
         os.close(fd)
 
 
+def connector_files(work, src, n, size, pinned):
+    """The blocks as the connector stores them, and a read of them all the way a load beside a GPU reads them;
+    None where kvscope_connector does not import."""
+    try:
+        from kvscope_connector.blocks import Layout
+        from kvscope_connector.store import FsTier
+        from kvscope_connector.transfer import Side, SlotPool
+    except ImportError as e:
+        print(f"connector not measured: {e}")
+        return None
+    layers = size // (8 * 16 * 128 * 2 * 2)  # the Qwen3-4B shape's layer in a 16-token block: 8 KV heads x 128
+    layout = Layout({f"model.layers.{i:02d}.self_attn.attn": torch.empty(2, 8, 16, 128, dtype=torch.bfloat16)
+                     for i in range(layers)})
+    if layout.nbytes != size:
+        print(f"connector not measured: {size} bytes is not a whole number of the Qwen3-4B shape's layers")
+        return None
+    fs = FsTier(os.path.join(work, "connector"), "f" * 32, None, layout=layout)
+    fs.pool = SlotPool(size, Side(torch.device("cpu")), pinned=pinned)
+    keys = [f"{i:040x}" for i in range(n)]
+    for i, key in enumerate(keys):
+        fs.put(key, src[i * size:(i + 1) * size], "0" * 32)  # a checksum nobody checks here (the GPU would)
+
+    def read(pool, dst=None):
+        """Every block into a slot of its own (as a load holds ~2 chunks' worth, hundreds of MB, until the
+        GPU has them), then every slot back to the pool; with dst, the blocks copied there too, for the check
+        of the bytes (beside a GPU the side stream copies a slot, not this thread)."""
+        blocks = [block for block, _ in pool.map(lambda key: fs.get(key, verify=False), keys)]
+        if dst is not None:
+            torch.cat(blocks, out=dst)
+        for block in blocks:
+            fs.pool.give_back(block)
+    return read, [fs._name(k) for k in keys]
+
+
 def raw(segment, dst):
     with open(segment, "rb", buffering=0) as f:
         view, got = memoryview(dst.numpy()), 0
@@ -113,6 +151,10 @@ def main() -> None:
         ways = {"raw": (lambda: raw(segment, dst), [segment]),
                 "per-file": (lambda: per_file(files, dst, size, pool), files),
                 "preadv": (lambda: preadv(segment, dst, size, n, args.chunk, pool), [segment])}
+        filled = {}  # ways whose reads leave no bytes in dst: how to fill it for the check
+        if (conn := connector_files(work, src, n, size, gpu)) is not None:
+            ways["connector"] = (lambda: conn[0](pool), conn[1])
+            filled["connector"] = lambda: conn[0](pool, dst)
         on_gpu = {}
         if gpu:
             dev = torch.empty(total, dtype=torch.uint8, device="cuda")
@@ -162,6 +204,8 @@ def main() -> None:
                     fn()
                     sync()
                     times.append(time.perf_counter() - t)
+                if name in filled:
+                    filled[name]()
                 got = on_gpu[name].cpu() if name in on_gpu else dst
                 ok = "(not checked)" if name == "h2d" else "ok" if torch.equal(got, src) else "WRONG BYTES"
                 gbs = [total / t / 1e9 for t in times]
@@ -172,6 +216,8 @@ def main() -> None:
             base = rates[cache, "raw"]
             print(f"{cache}: " + ", ".join(f"{name} / raw {r / base:.2f}" for (c, name), r in rates.items()
                                            if c == cache and name != "raw"))
+            if (cache, "connector") in rates:
+                print(f"{cache}: connector / per-file {rates[cache, 'connector'] / rates[cache, 'per-file']:.2f}")
     finally:
         shutil.rmtree(work)
 
