@@ -11,10 +11,12 @@ one of these models, and is read and written only here.
     faults/*.jsonl   FaultEvent      the canary connector -> analyze: what a request's loads really got
     loads/*.jsonl    LoadEvent       kvscope's connector -> analyze: which tier served each request's blocks
     status.jsonl     StatusRow       run -> analyze: one treatment's resets, Locust exit, counter deltas
-    run.json         RunInfo         run -> analyze: the machine, the treatments, the scenarios, the scorer
+    run.json         RunInfo         run -> analyze: the machine, the treatments (each with its server's
+                                     Manifest), the scenarios, the scorer
 
 Every model carries `schema_version`; a file written before versions existed reads as version 0 and is
-brought up to date on reading (legacy()). Unknown keys are errors: a renamed field must not read as absent.
+brought up to date on reading (legacy()); a run.json is written back in the form it was read in. Unknown keys
+are errors: a renamed field must not read as absent.
 The parts of a model (each a Part: run.json's machine, load and scorer, a status row's reset and phases) carry
 no version of their own and are written with the keys they were given: a key an older file lacks stays out.
 """
@@ -36,7 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: run.json nests each treatment's manifest (RunInfo)
 Role = Literal["golden", "control", "candidate", "canary"]
 Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
 
@@ -320,19 +322,53 @@ class StatusRow(Artifact):
         return measure.metrics_delta if isinstance(measure, LocustPhase) else None
 
 
-class Treatment(Manifest):
-    """A server as the bench ran it: a deployed config, or one fault class of a canary server."""
+class Treatment(BaseModel):
+    """A treatment the bench runs: a deployed config, or one fault class of a canary server, on the server its
+    manifest describes."""
 
+    model_config = ConfigDict(extra="forbid")
+    config: str  # the treatment's name: its config, or '<canary>-<fault>'
+    manifest: Manifest  # the server it runs on; manifest.config is the config that server was deployed as
     run_dir: str | None = None  # the deployment folder its log is in
-    deployed_as: str | None = None  # a canary treatment: the config the server was deployed as
     fault: str | None = None
     scheme: Scheme = "http"  # https: an endpoint kvscope did not deploy
 
+    @model_validator(mode="before")
+    @classmethod
+    def legacy(cls, data: Any) -> Any:
+        """Versions 0 and 1 (runs recorded before 2026-12-04): a treatment is one flat object, its manifest's
+        fields beside its own, the server's config in `deployed_as` where the treatment is named otherwise."""
+        if isinstance(data, dict) and "manifest" not in data:
+            own = {k: data[k] for k in ("run_dir", "fault", "scheme") if k in data}
+            manifest = {k: v for k, v in data.items() if k not in (*own, "deployed_as")}
+            data = {**own, "config": data.get("config"),
+                    "manifest": {**manifest, "config": data.get("deployed_as") or data.get("config")}}
+        return data
+
+    def flat(self) -> dict[str, Any]:
+        """The treatment as versions 0 and 1 wrote it (legacy())."""
+        own = self.model_dump(include={"run_dir", "fault", "scheme"})
+        return {**self.manifest.model_dump(by_alias=True), "config": self.config, "run_dir": own["run_dir"],
+                "deployed_as": self.deployed_as if self.deployed_as != self.config else None,
+                "fault": own["fault"], "scheme": own["scheme"]}
+
+    @property
+    def role(self) -> Role:
+        return self.manifest.role
+
+    @property
+    def deployed_as(self) -> str:
+        """The config its server was deployed as (a canary's treatments share one server)."""
+        return self.manifest.config
+
     @property
     def url(self) -> str:
-        """The server's root URL (an IPv6 address in brackets)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}"
+        return root_url(self.scheme, self.manifest.host, self.manifest.port)
+
+
+def root_url(scheme: Scheme, host: str, port: int) -> str:
+    """A server's root URL (an IPv6 address in brackets)."""
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 class Machine(Part):
@@ -398,6 +434,15 @@ class RunInfo(Artifact):
     scorer: Scorer | None = None  # written by the report
     mode: Mode = "normal"
     interrupted: str | None = None  # why the bench stopped early; the treatments in status.jsonl are intact
+
+    @model_serializer(mode="wrap")
+    def _as_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A run.json of version 0 or 1 is written back in its own form, each treatment flat (Treatment.legacy),
+        so a published run re-renders byte for byte."""
+        data = handler(self)
+        if self.schema_version < 2:
+            data["servers"] = [s.flat() for s in self.servers]
+        return data
 
     def golden(self) -> Treatment:
         return next(s for s in self.servers if s.role == "golden")

@@ -312,5 +312,5 @@ def _treatment(state: HostState, config: str) -> Treatment:
     s = state.serving(config)
     if s is None or s.manifest is None:
         raise RolloutError(f"{state.host}: {config} is not serving ({describe(s)})")
-    return Treatment(**s.manifest.model_dump(by_alias=True), run_dir=state.run_dir)
+    return Treatment(config=config, manifest=s.manifest, run_dir=state.run_dir)
 
