@@ -417,7 +417,7 @@ def test_https_endpoints_are_checked_against_the_systems_cas_or_a_ca_file(tmp_pa
         monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
         cli.main(["bench", "--endpoint", f"theirs={url}", "--golden", url, "--model-dir", str(model_dir), "--ca-file",
                   str(ca)])
-        assert [(t.config, t.url, t.served_model_name) for t in seen["endpoints"]] == [
+        assert [(t.config, t.url, t.manifest.served_model_name) for t in seen["endpoints"]] == [
             ("golden", url, "tiny"), ("theirs", url, "tiny")]
     finally:
         server.shutdown()
