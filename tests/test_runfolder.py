@@ -38,7 +38,7 @@ def test_the_layout(tmp_path):
 
 
 @pytest.mark.parametrize("where", [["machine"], ["load"], ["scorer"], ["scorer", "largest_differences", 0],
-                                   ["servers", 0]])
+                                   ["servers", 0], ["scenarios", "restart"]])
 def test_an_unknown_key_in_a_part_of_run_json_is_refused(tmp_path, where):
     doc = json.loads(PUBLISHED.run_json.read_text())
     reduce(operator.getitem, where, doc)["renamed"] = 1  # a renamed key must not read as an absent one
@@ -78,3 +78,13 @@ def test_a_flat_run_json_loads_each_treatment_with_its_servers_manifest_and_is_w
     canary = next(t for t in doc["servers"] if t["config"] == "canary-shift")
     assert set(canary) == {"config", "manifest", "run_dir", "fault", "scheme"} and canary["manifest"]["config"] == "canary"
     assert read_json(tmp_path / "new.json", RunInfo) == new
+
+
+def test_run_json_keeps_the_scenario_settings_each_run_recorded_and_reads_each_columns_level_and_repeat(tmp_path):
+    # three generations of published scenarios: without a load level, with one, with trace/reuse/restart settings
+    old, swept = (read_json(REPO / "results" / name / "run.json", RunInfo)
+                  for name in ("2026-11-29-cpu-vllm0.32", "2026-12-01-cpu-vllm0.32-lifecycle"))
+    first = next(iter(old.scenarios.values()))
+    assert (first.users, first.repeat) == (None, 1) and "users" not in first.model_dump()
+    restart = swept.scenarios["restart"]
+    assert restart.restart and restart.prime == "replay" and restart.users and restart.repeat == 1

@@ -17,8 +17,9 @@ one of these models, and is read and written only here.
 Every model carries `schema_version`; a file written before versions existed reads as version 0 and is
 brought up to date on reading (legacy()); a run.json is written back in the form it was read in. Unknown keys
 are errors: a renamed field must not read as absent.
-The parts of a model (each a Part: run.json's machine, load and scorer, a status row's reset and phases) carry
-no version of their own and are written with the keys they were given: a key an older file lacks stays out.
+The parts of a model (each a Part: run.json's machine, scenarios, load and scorer, a status row's reset and
+phases) carry no version of their own and are written with the keys they were given: a key an older file lacks
+stays out.
 """
 
 from __future__ import annotations
@@ -192,6 +193,71 @@ class Deployment(Artifact):
 
 
 # run
+
+
+class Scenario(BaseModel):
+    """A named, parameterised workload profile (loadtests/kvscope/scenarios.yaml; run/workload.py makes its
+    requests). Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    kind: Literal["rag", "multiturn", "repeat", "trace", "reuse"]
+    description: str = ""
+    endpoint: Literal["chat", "completions"] = "chat"
+    seed: int = 0
+    num_docs: int = Field(default=32, ge=1, description="document pool size (ignored with working_set)")
+    working_set: float | None = Field(
+        default=None, gt=0, description="size the pool to this multiple of the servers' KV capacity"
+    )
+    doc_tokens_median: int = Field(default=160, ge=16, description="lognormal median document length")
+    doc_tokens_sigma: float = Field(default=0.4, ge=0)
+    docs_per_query: int = Field(default=3, ge=1, description="k documents per query")
+    zipf_s: float = Field(default=1.0, ge=0, description="Zipf exponent of document popularity")
+    order: Literal["canonical", "relevance"] = Field(
+        default="canonical", description="canonical: sorted ids (prefix-friendly); relevance: shuffled"
+    )
+    num_queries: int = Field(default=24, ge=1, description="queries, or sessions for multiturn")
+    turns: int = Field(default=3, ge=1, description="turns per multiturn session")
+    tenants: int = Field(default=1, ge=1, description="distinct shared system prompts")
+    system_prompt_tokens: int = Field(default=96, ge=0)
+    repeats: int = Field(default=2, ge=1, description="repeat: how often the seed request is sent in a row")
+    max_tokens: int = Field(default=16, ge=1)
+    prime: Literal["none", "replay"] = Field(default="none", description="replay: send every request once first")
+    # kind trace: a Mooncake-format trace (one JSON object a line: timestamp ms, input_length, output_length,
+    # hash_ids of trace_block_tokens-token prefix blocks), replayed open loop at its own arrival times
+    trace: str | None = Field(default=None, description="trace file; relative paths from the scenarios file")
+    trace_block_tokens: int = Field(default=512, ge=1, description="tokens per hash id in the trace")
+    block_tokens: int = Field(default=64, ge=1, description="tokens per hash id replayed (the length scale)")
+    time_scale: float = Field(default=1.0, gt=0, description="multiplies the trace's arrival times")
+    max_requests: int = Field(default=200, ge=1, description="the trace's first requests replayed")
+    duration_s: float = Field(default=300.0, gt=0, description="requests arriving later are not replayed")
+    users: int | None = Field(default=None, ge=1, description="Locust users for this scenario, over --users (a "
+                              "trace's arrivals wait for a free user: give it its peak concurrency)")
+    # kind reuse: a controlled hit rate, each prompt a shared prefix of `reuse` of its tokens and a unique rest
+    reuse: float = Field(default=0.5, ge=0, le=1, description="share of every prompt that a shared prefix reuses")
+    prompt_tokens: int = Field(default=512, ge=1, description="tokens per prompt (kind reuse)")
+    prefixes: int = Field(default=4, ge=1, description="distinct shared prefixes, taken in turn (kind reuse)")
+    shared: bool = Field(default=False, description="a config with a writer (matrix) gets its prime phase sent to "
+                         "the writer's server and its measure phase to its own: it loads what another server stored")
+    restart: bool = Field(default=False, description="restart each candidate's server between the prime phase "
+                          "(which stores) and the measure phase (which loads): a persistent tier must still serve")
+
+    @model_validator(mode="after")
+    def _trace_has_a_file(self) -> Scenario:
+        if (self.kind == "trace") != (self.trace is not None):
+            raise ValueError("a trace scenario names its trace file (field 'trace'), and only a trace scenario does")
+        if (self.restart or self.shared) and self.prime != "replay":
+            raise ValueError("a restart or shared scenario needs prime: replay (the phase that stores the blocks)")
+        return self
+
+
+class RunScenario(Part, Scenario):
+    """A treatment column of run.json: its scenario's settings, the load level it ran at and which repeat;
+    written with the keys it was given (a setting, or the level, that an older run did not record stays out)."""
+
+    users: int | None = None  # the load level (--users); Locust ran the scenario's own users where it set them
+    repeat: int = 1
 
 
 class Request(Artifact):
@@ -428,7 +494,7 @@ class RunInfo(Artifact):
     machine: Machine
     servers: list[Treatment]
     crashed: list[Failure] = Field(default_factory=list)
-    scenarios: dict[str, dict[str, Any]]
+    scenarios: dict[str, RunScenario]  # by column label (treatments.variants)
     load: Load
     kv_capacity_tokens_for_sizing: int | None = None
     scorer: Scorer | None = None  # written by the report

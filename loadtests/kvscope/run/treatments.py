@@ -36,6 +36,7 @@ from kvscope.artifacts import (
     Reset,
     RestartPhase,
     RunInfo,
+    RunScenario,
     StatusRow,
     Treatment,
     append_jsonl,
@@ -364,7 +365,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if not resume:
         write_json(rf.run_json, RunInfo(
             run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed,
-            scenarios={label: {**all_scenarios[name].model_dump(), "users": u, "repeat": r}
+            scenarios={label: RunScenario(**{**all_scenarios[name].model_dump(), "users": u, "repeat": r})
                        for label, (name, u, r) in labels.items()},
             load=Load(users=levels[0] if len(levels) == 1 else levels, repeats=repeats, processes=processes,
                       rate_sessions_per_s=rate, locust_worker_hosts=(remote or {}).get("hosts", [])),
