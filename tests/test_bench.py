@@ -16,7 +16,7 @@ from conftest import REPO, SESSION_CONFIGS
 
 from kvscope import artifacts
 from kvscope.analyze import fidelity
-from kvscope.artifacts import Treatment
+from kvscope.artifacts import Manifest, Treatment
 from kvscope.config.matrix import CANARY_FAULTS as FAULTS
 from kvscope.run.records import read
 from kvscope.run.treatments import reset
@@ -171,14 +171,19 @@ def test_a_dead_server_gives_failed_records_and_the_run_goes_on(deployment, tmp_
     assert all(r.ok for r in read(tmp_path / "dead" / "records" / "baseline__repeat-867.jsonl"))
 
 
+def stored(run_dir, stores, policy) -> Treatment:
+    """A treatment with only what reset reads: a server on a closed port, its stores and their policy."""
+    server = Manifest.model_construct(host="127.0.0.1", port=9, stores=stores, store_reset=policy)
+    return Treatment.model_construct(manifest=server, run_dir=str(run_dir))
+
+
 @pytest.mark.parametrize("policy,left", [("wipe", []), ("keep", ["gc-heartbeat"])])
 def test_reset_keeps_the_stores_of_a_connector_that_owns_their_layout(tmp_path, policy, left):
     # UCM keeps GC heartbeats and shard dirs in its store; wiping them under the live server broke it (H200)
     store = tmp_path / "stores" / "ucm-nfs" / "ucm"
     store.mkdir(parents=True)
     (store / "gc-heartbeat").write_text("x")
-    server = Treatment.model_construct(host="127.0.0.1", port=9, stores={"ucm": str(store)}, store_reset=policy,
-                                       run_dir=str(tmp_path))  # only what reset reads
+    server = stored(tmp_path, {"ucm": str(store)}, policy)
     row = reset(server)
     assert sorted(p.name for p in store.iterdir()) == left
     assert row.stores_wiped == ([] if policy == "keep" else ["ucm"])
@@ -191,8 +196,7 @@ def test_reset_wipes_nothing_outside_the_deployments_stores_folder(tmp_path):
     (tmp_path / "run" / "stores").mkdir(parents=True)
     stores = {"abs": str(outside), "dots": str(tmp_path / "run" / "stores" / ".." / ".." / "home"),
               "root": str(tmp_path / "run" / "stores")}
-    server = Treatment.model_construct(host="127.0.0.1", port=9, stores=stores, store_reset="wipe",
-                                       run_dir=str(tmp_path / "run"))
+    server = stored(tmp_path / "run", stores, "wipe")
     row = reset(server)
     assert (outside / "thesis.tex").exists()
     assert row.stores_wiped == [] and row.stores_refused == ["abs", "dots", "root"]
@@ -271,8 +275,7 @@ def test_reset_wipes_a_store_the_live_server_is_still_writing(tmp_path):
     writer = threading.Thread(target=saver)
     writer.start()
     time.sleep(0.05)
-    server = Treatment.model_construct(host="127.0.0.1", port=9, stores={"blocks": str(store)}, store_reset="wipe",
-                                       run_dir=str(tmp_path))
+    server = stored(tmp_path, {"blocks": str(store)}, "wipe")
     row = reset(server)
     writer.join()
     assert row.stores_wiped == ["blocks"] and "stores_refused" not in row.model_fields_set

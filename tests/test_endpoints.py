@@ -68,7 +68,7 @@ def test_servers_kvscope_did_not_deploy_are_benched_scored_and_their_uncontrolle
         verdicts = {r["config"]: r for r in csv.DictReader((run / "verdicts.csv").open())}
         assert verdicts["golden"]["verdict"] == "GOLDEN", out.stdout[-3000:] + out.stderr[-3000:]
         assert verdicts["their-apc"]["verdict"] == "PASS" and int(verdicts["their-apc"]["verified_hits"]) >= 3
-        servers = {s["config"]: s for s in json.loads((run / "run.json").read_text())["servers"]}
+        servers = {s["config"]: s["manifest"] for s in json.loads((run / "run.json").read_text())["servers"]}
         assert servers["their-apc"]["served_model_name"] == str(model_dir)  # as the server names it (/v1/models)
         assert servers["their-apc"]["block_size"] == 64
         assert "`their-apc`: **cache state not controlled**" in (run / "report.md").read_text()

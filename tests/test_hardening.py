@@ -417,7 +417,7 @@ def test_https_endpoints_are_checked_against_the_systems_cas_or_a_ca_file(tmp_pa
         monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
         cli.main(["bench", "--endpoint", f"theirs={url}", "--golden", url, "--model-dir", str(model_dir), "--ca-file",
                   str(ca)])
-        assert [(t.config, t.url, t.served_model_name) for t in seen["endpoints"]] == [
+        assert [(t.config, t.url, t.manifest.served_model_name) for t in seen["endpoints"]] == [
             ("golden", url, "tiny"), ("theirs", url, "tiny")]
     finally:
         server.shutdown()
@@ -427,12 +427,12 @@ def test_https_endpoints_are_checked_against_the_systems_cas_or_a_ca_file(tmp_pa
 
 
 def test_endpoint_urls_are_rebuilt_exactly_and_refused_with_their_name_before_anything_is_contacted(model_dir):
-    from kvscope.artifacts import Treatment
+    from kvscope.artifacts import root_url
     from kvscope.config.matrix import ConfigError
     from kvscope.run import endpoints
 
     name, scheme, host, port = endpoints.parse("v6=http://[::1]:9", "endpoint-1")
-    assert Treatment.model_construct(scheme=scheme, host=host, port=port).url == "http://[::1]:9"
+    assert root_url(scheme, host, port) == "http://[::1]:9"
     assert endpoints.parse("https://gateway", "e")[1:] == ("https", "gateway", 443)
     for bad, why in (("http://h:99999", "endpoint 'http://h:99999': port"), ("http://h:1/?model=x", "query"),
                      ("http://u:pw@h:1", "credentials"), ("ftp://h:1", "http")):

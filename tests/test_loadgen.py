@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from kvscope.artifacts import Treatment
+from kvscope.artifacts import Manifest, Treatment
 from kvscope.run.records import read
 from kvscope.run.treatments import run_locust
 from kvscope.run.workload import Request, write_jsonl
@@ -25,8 +25,9 @@ def sse_server():
     proc = subprocess.Popen([sys.executable, str(REPO / "loadtests" / "benchmarks" / "sse_server.py"), str(PORT), "16"])
     time.sleep(1.0)
     # only what run_locust reads: the synthetic server has no manifest
-    yield Treatment.model_construct(config="sse", role="candidate", host="127.0.0.1", port=PORT, block_size=64,
-                                    served_model_name="tiny")
+    server = Manifest.model_construct(config="sse", role="candidate", host="127.0.0.1", port=PORT, block_size=64,
+                                      served_model_name="tiny")
+    yield Treatment.model_construct(config="sse", manifest=server)
     proc.terminate()
     proc.wait()
 

@@ -254,13 +254,14 @@ def test_exact_mode_refuses_an_override_that_abbreviates_or_drops_a_flag_of_the_
 
 
 def test_a_bench_refuses_servers_of_both_modes_and_an_exact_bench_of_normal_servers():
-    from kvscope.artifacts import Treatment
+    from kvscope.artifacts import Manifest, Treatment
     from kvscope.run.treatments import serving_mode, treatments
 
     def server(config, role, exact, faults=()):
-        return Treatment(config=config, role=role, port=8100, platform="cuda", served_model_name="m", server_args=[],
-                         vllm_version="0.26.0", kv_capacity_tokens=1, block_size=32, prefix_caching=False,
-                         model_path="/m", model_hash="h", exact=exact, faults=list(faults))
+        return Treatment(config=config, manifest=Manifest(
+            config=config, role=role, port=8100, platform="cuda", served_model_name="m", server_args=[],
+            vllm_version="0.26.0", kv_capacity_tokens=1, block_size=32, prefix_caching=False, model_path="/m",
+            model_hash="h", exact=exact, faults=list(faults)))
 
     exact = treatments([server("baseline", "golden", True), server("canary", "canary", True, ["shift", "zeros"])])
     assert serving_mode(exact, exact=False) == "exact" == serving_mode(exact, exact=True)

@@ -59,7 +59,7 @@ def published(name: str, roles: tuple[str, ...]) -> pd.DataFrame:
     folder = RESULTS / name
     loaded = load(folder)
     run, recs = loaded.run, loaded.recs
-    sizes = {s.config: s.block_size for s in run.servers if s.role in roles}
+    sizes = {s.config: s.manifest.block_size for s in run.servers if s.role in roles}
     return provenance.table(recs, pd.read_csv(folder / "scores.csv"), sizes).set_index(["config", "scenario"])
 
 

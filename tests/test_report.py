@@ -17,6 +17,7 @@ from kvscope.artifacts import Record
 SERVERS = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-shift", "canary")]
 GOOD = [[1, 2, 3], [4, 5, 6]]
 BAD = [[1, 9, 3], [7, 5, 6]]
+SCENARIO = {"name": "s", "kind": "rag"}  # as an older run.json records it: no load level
 
 
 def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, servers=SERVERS, status=True,
@@ -33,7 +34,7 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
              "kv_capacity_tokens": 1024, "block_size": 64, "prefix_caching": False,
              "server_args": ["--model", "/m", "--port", str(8100 + i), "--dtype", "float32"]}
             for i, (c, r) in enumerate(servers)]
-    run = {"run_id": folder.name, "command": "kvscope bench (test)", "servers": docs, "scenarios": {"s": {}},
+    run = {"run_id": folder.name, "command": "kvscope bench (test)", "servers": docs, "scenarios": {"s": SCENARIO},
            "machine": {"cpu": "test", "cores": 2, "memory_gib": 1, "arch": "x86_64", "os": "linux", "python": "3",
                        "gpu": None},
            "load": {"users": 1, "processes": 1, "rate_sessions_per_s": 0.0}, "kv_capacity_tokens_for_sizing": 1024, "mode": mode}
@@ -289,7 +290,7 @@ def interrupted_before_golden(folder, golden_file):
     so, t has its workload and no status row; golden's records file is absent, or created and still empty."""
     run = make_run(folder, four())
     doc = json.loads((run / "run.json").read_text())
-    doc["scenarios"]["t"], doc["interrupted"] = {}, "KeyboardInterrupt during baseline x t"
+    doc["scenarios"]["t"], doc["interrupted"] = SCENARIO, "KeyboardInterrupt during baseline x t"
     (run / "run.json").write_text(json.dumps(doc))
     (run / "workloads" / "t.measure.jsonl").write_text('{"request_id": "r0"}\n')
     if golden_file == "empty":
@@ -507,7 +508,7 @@ def test_a_load_sweep_and_repeats_become_their_own_columns_and_a_sweep_table(tmp
     run = make_run(tmp_path / "run1", four())
     info = json.loads((run / "run.json").read_text())
     labels = variants(["s"], [1, 4], 2)
-    info["scenarios"] = {label: {"users": u, "repeat": r} for label, (_, u, r) in labels.items()}
+    info["scenarios"] = {label: {**SCENARIO, "users": u, "repeat": r} for label, (_, u, r) in labels.items()}
     info["load"] = {**info["load"], "users": [1, 4], "repeats": 2}
     (run / "run.json").write_text(json.dumps(info))
     for label in labels:

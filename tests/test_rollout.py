@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -19,7 +20,7 @@ from kvscope.rollout import cli as rollout_cli
 from kvscope.rollout import report
 from kvscope.rollout.ansible import RolloutError, parse_state
 from kvscope.rollout.engine import Engine, StopFlag
-from kvscope.rollout.record import GateResult, HostState, Rollout, ServerState, load, restorable, save
+from kvscope.rollout.record import GateResult, HostState, Rollout, ServerState, load, restorable, save, sha256
 
 
 def manifest(config: str, version: str, pid: int, role: str = "candidate") -> Manifest:
@@ -92,8 +93,10 @@ def fake_gate(hosts: FakeHosts, inconclusive: bool = False):
 
 def rollout(tmp_path, serial: str = "1", inconclusive: str = "stop") -> Rollout:
     hosts = ["h1", "h2", "h3"]
-    r = Rollout(rollout_id="r1", command="make rollout", inventory="inv", configs=["tier"], matrix="m.yaml",
-                matrix_sha256="0" * 64, serial=serial, inconclusive=inconclusive, hosts=hosts,
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text("configs: []  # what the fake hosts deploy\n")
+    r = Rollout(rollout_id="r1", command="make rollout", inventory="inv", configs=["tier"], matrix=str(matrix),
+                matrix_sha256=sha256(matrix), serial=serial, inconclusive=inconclusive, hosts=hosts,
                 gate={"repeats": 12, "queries": 16, "min_hits": 20}, batches=rollout_cli.batches(hosts, serial))
     save(tmp_path, r)
     return r
@@ -310,5 +313,43 @@ def test_a_resumed_rollout_reads_its_matrix_from_where_the_command_names_it(tmp_
     r = rollout(tmp_path).model_copy(update={"outcome": "stopped", "interrupted": "Ctrl-C"})
     again = r.model_copy(update={"matrix": "moved/m.yaml", "outcome": "running"})
     out = rollout_cli.resumed(r, again)
-    assert (out.matrix, out.matrix_sha256, out.outcome, out.interrupted) == ("moved/m.yaml", "0" * 64, "running", None)
+    assert (out.matrix, out.matrix_sha256, out.outcome, out.interrupted) == ("moved/m.yaml", r.matrix_sha256, "running",
+                                                                             None)
     assert out.batches == r.batches and out.rollout_id == r.rollout_id  # the rest is the recorded rollout's
+
+
+@pytest.mark.parametrize("edited_during,states", [("change", ["passed", "pending", "pending"]),
+                                                  ("record", ["passed", "changing", "pending"])])
+def test_a_matrix_edited_mid_rollout_is_refused_before_the_next_change_and_a_rerun_with_it_restored_resumes(
+        tmp_path, edited_during, states):
+    # each batch's change deploys the matrix file as it is then: an edit after the start would roll content that
+    # the record (its sha256) does not name; refused before the next batch's record, and again before its change
+    hosts = FakeHosts()
+    e = engine(tmp_path, hosts)
+    matrix = Path(e.r.matrix)
+    recorded = matrix.read_text()
+
+    def edit(hosts_):
+        if hosts_ == ["h1" if edited_during == "change" else "h2"]:
+            matrix.write_text(recorded + "# edited\n")
+
+    if edited_during == "change":
+        hosts.on_change = edit
+    else:
+        real_state = hosts.state
+
+        def state(hs, dest, log):
+            if dest.name == "before":
+                edit(hs)
+            return real_state(hs, dest, log)
+
+        hosts.state = state  # type: ignore[method-assign]
+    assert e.run() == 2
+    assert hosts.changes == ["h1"]  # h2 was never torn down
+    r = load(tmp_path)
+    assert r.outcome == "interrupted" and [b.state for b in r.batches] == states
+    assert f"{matrix} changed since the rollout started" in r.interrupted and r.matrix_sha256[:12] in r.interrupted
+    assert report.headline(r).endswith("re-run to resume")
+    matrix.write_text(recorded)
+    assert engine(tmp_path, hosts, r=rollout_cli.resumed(r, r)).run() == 0
+    assert hosts.changes == ["h1", "h2", "h3"] and load(tmp_path).interrupted is None

@@ -8,7 +8,7 @@ from functools import reduce
 import pytest
 from conftest import REPO
 
-from kvscope.artifacts import ArtifactError, RunInfo, StatusRow, read_json, read_jsonl
+from kvscope.artifacts import SCHEMA_VERSION, ArtifactError, RunInfo, StatusRow, read_json, read_jsonl, write_json
 from kvscope.runfolder import TABLES, RunFolder
 
 # A run folder's files and folders, as a path expression would name them outside the module.
@@ -37,7 +37,8 @@ def test_the_layout(tmp_path):
     assert (tmp_path / "records").is_dir() and (tmp_path / "workloads").is_dir()
 
 
-@pytest.mark.parametrize("where", [["machine"], ["load"], ["scorer"], ["scorer", "largest_differences", 0]])
+@pytest.mark.parametrize("where", [["machine"], ["load"], ["scorer"], ["scorer", "largest_differences", 0],
+                                   ["servers", 0], ["scenarios", "restart"]])
 def test_an_unknown_key_in_a_part_of_run_json_is_refused(tmp_path, where):
     doc = json.loads(PUBLISHED.run_json.read_text())
     reduce(operator.getitem, where, doc)["renamed"] = 1  # a renamed key must not read as an absent one
@@ -54,3 +55,36 @@ def test_an_unknown_key_in_a_part_of_a_status_row_is_refused(tmp_path, where):
     (tmp_path / "status.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(ArtifactError, match="renamed"):
         read_jsonl(tmp_path / "status.jsonl", StatusRow)
+
+
+def test_a_flat_run_json_loads_each_treatment_with_its_servers_manifest_and_is_written_back_flat(tmp_path):
+    # versions 0 and 1 wrote a treatment as one flat object (Treatment was a Manifest); published runs keep that form
+    published = REPO / "results" / "2026-12-01-h200-vllm0.26-qwen3-4b-bf16-invariant" / "run.json"
+    flat = json.loads(published.read_text())
+    assert flat["schema_version"] == 1 and "manifest" not in flat["servers"][0]
+    run = read_json(published, RunInfo)
+    shift = next(t for t in run.servers if t.config == "canary-shift")
+    assert (shift.deployed_as, shift.manifest.config, shift.fault, shift.role) == ("canary", "canary", "shift", "canary")
+    assert shift.manifest.block_size == 32 and shift.url == f"http://127.0.0.1:{shift.manifest.port}"
+    golden = run.golden()
+    assert golden.deployed_as == golden.config == "baseline" and golden.run_dir
+    write_json(tmp_path / "run.json", run)
+    assert (tmp_path / "run.json").read_text() == published.read_text()
+
+    # a new run.json nests each treatment's manifest, and reads back as it was
+    new = run.model_copy(update={"schema_version": SCHEMA_VERSION})
+    write_json(tmp_path / "new.json", new)
+    doc = json.loads((tmp_path / "new.json").read_text())
+    canary = next(t for t in doc["servers"] if t["config"] == "canary-shift")
+    assert set(canary) == {"config", "manifest", "run_dir", "fault", "scheme"} and canary["manifest"]["config"] == "canary"
+    assert read_json(tmp_path / "new.json", RunInfo) == new
+
+
+def test_run_json_keeps_the_scenario_settings_each_run_recorded_and_reads_each_columns_level_and_repeat(tmp_path):
+    # three generations of published scenarios: without a load level, with one, with trace/reuse/restart settings
+    old, swept = (read_json(REPO / "results" / name / "run.json", RunInfo)
+                  for name in ("2026-11-29-cpu-vllm0.32", "2026-12-01-cpu-vllm0.32-lifecycle"))
+    first = next(iter(old.scenarios.values()))
+    assert (first.users, first.repeat) == (None, 1) and "users" not in first.model_dump()
+    restart = swept.scenarios["restart"]
+    assert restart.restart and restart.prime == "replay" and restart.users and restart.repeat == 1

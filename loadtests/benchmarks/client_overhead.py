@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvscope.artifacts import Request, Treatment
+from kvscope.artifacts import Manifest, Request, Treatment
 from kvscope.run.records import read, request_key
 from kvscope.run.treatments import run_locust
 from kvscope.run.workload import write_jsonl
@@ -72,8 +72,9 @@ def _sse_server(port: int, tokens: int, log: Path | None = None, pace: list[str]
     if len(CORES) > 1:
         os.sched_setaffinity(proc.pid, CORES[-1:])
     time.sleep(1.0)
-    return proc, Treatment.model_construct(config="sse-server", role="candidate", host="127.0.0.1", port=port,
-                                           block_size=64, served_model_name="tiny")  # a synthetic server
+    server = Manifest.model_construct(config="sse-server", role="candidate", host="127.0.0.1", port=port, block_size=64,
+                                      served_model_name="tiny")  # a synthetic server
+    return proc, Treatment.model_construct(config="sse-server", manifest=server)
 
 
 def _requests(n: int, tokens: int, tag: str) -> list[Request]:

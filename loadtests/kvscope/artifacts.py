@@ -11,12 +11,15 @@ one of these models, and is read and written only here.
     faults/*.jsonl   FaultEvent      the canary connector -> analyze: what a request's loads really got
     loads/*.jsonl    LoadEvent       kvscope's connector -> analyze: which tier served each request's blocks
     status.jsonl     StatusRow       run -> analyze: one treatment's resets, Locust exit, counter deltas
-    run.json         RunInfo         run -> analyze: the machine, the treatments, the scenarios, the scorer
+    run.json         RunInfo         run -> analyze: the machine, the treatments (each with its server's
+                                     Manifest), the scenarios, the scorer
 
 Every model carries `schema_version`; a file written before versions existed reads as version 0 and is
-brought up to date on reading (legacy()). Unknown keys are errors: a renamed field must not read as absent.
-The parts of a model (each a Part: run.json's machine, load and scorer, a status row's reset and phases) carry
-no version of their own and are written with the keys they were given: a key an older file lacks stays out.
+brought up to date on reading (legacy()); a run.json is written back in the form it was read in. Unknown keys
+are errors: a renamed field must not read as absent.
+The parts of a model (each a Part: run.json's machine, scenarios, load and scorer, a status row's reset and
+phases) carry no version of their own and are written with the keys they were given: a key an older file lacks
+stays out.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: run.json nests each treatment's manifest (RunInfo)
 Role = Literal["golden", "control", "candidate", "canary"]
 Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
 
@@ -192,6 +195,71 @@ class Deployment(Artifact):
 # run
 
 
+class Scenario(BaseModel):
+    """A named, parameterised workload profile (loadtests/kvscope/scenarios.yaml; run/workload.py makes its
+    requests). Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    kind: Literal["rag", "multiturn", "repeat", "trace", "reuse"]
+    description: str = ""
+    endpoint: Literal["chat", "completions"] = "chat"
+    seed: int = 0
+    num_docs: int = Field(default=32, ge=1, description="document pool size (ignored with working_set)")
+    working_set: float | None = Field(
+        default=None, gt=0, description="size the pool to this multiple of the servers' KV capacity"
+    )
+    doc_tokens_median: int = Field(default=160, ge=16, description="lognormal median document length")
+    doc_tokens_sigma: float = Field(default=0.4, ge=0)
+    docs_per_query: int = Field(default=3, ge=1, description="k documents per query")
+    zipf_s: float = Field(default=1.0, ge=0, description="Zipf exponent of document popularity")
+    order: Literal["canonical", "relevance"] = Field(
+        default="canonical", description="canonical: sorted ids (prefix-friendly); relevance: shuffled"
+    )
+    num_queries: int = Field(default=24, ge=1, description="queries, or sessions for multiturn")
+    turns: int = Field(default=3, ge=1, description="turns per multiturn session")
+    tenants: int = Field(default=1, ge=1, description="distinct shared system prompts")
+    system_prompt_tokens: int = Field(default=96, ge=0)
+    repeats: int = Field(default=2, ge=1, description="repeat: how often the seed request is sent in a row")
+    max_tokens: int = Field(default=16, ge=1)
+    prime: Literal["none", "replay"] = Field(default="none", description="replay: send every request once first")
+    # kind trace: a Mooncake-format trace (one JSON object a line: timestamp ms, input_length, output_length,
+    # hash_ids of trace_block_tokens-token prefix blocks), replayed open loop at its own arrival times
+    trace: str | None = Field(default=None, description="trace file; relative paths from the scenarios file")
+    trace_block_tokens: int = Field(default=512, ge=1, description="tokens per hash id in the trace")
+    block_tokens: int = Field(default=64, ge=1, description="tokens per hash id replayed (the length scale)")
+    time_scale: float = Field(default=1.0, gt=0, description="multiplies the trace's arrival times")
+    max_requests: int = Field(default=200, ge=1, description="the trace's first requests replayed")
+    duration_s: float = Field(default=300.0, gt=0, description="requests arriving later are not replayed")
+    users: int | None = Field(default=None, ge=1, description="Locust users for this scenario, over --users (a "
+                              "trace's arrivals wait for a free user: give it its peak concurrency)")
+    # kind reuse: a controlled hit rate, each prompt a shared prefix of `reuse` of its tokens and a unique rest
+    reuse: float = Field(default=0.5, ge=0, le=1, description="share of every prompt that a shared prefix reuses")
+    prompt_tokens: int = Field(default=512, ge=1, description="tokens per prompt (kind reuse)")
+    prefixes: int = Field(default=4, ge=1, description="distinct shared prefixes, taken in turn (kind reuse)")
+    shared: bool = Field(default=False, description="a config with a writer (matrix) gets its prime phase sent to "
+                         "the writer's server and its measure phase to its own: it loads what another server stored")
+    restart: bool = Field(default=False, description="restart each candidate's server between the prime phase "
+                          "(which stores) and the measure phase (which loads): a persistent tier must still serve")
+
+    @model_validator(mode="after")
+    def _trace_has_a_file(self) -> Scenario:
+        if (self.kind == "trace") != (self.trace is not None):
+            raise ValueError("a trace scenario names its trace file (field 'trace'), and only a trace scenario does")
+        if (self.restart or self.shared) and self.prime != "replay":
+            raise ValueError("a restart or shared scenario needs prime: replay (the phase that stores the blocks)")
+        return self
+
+
+class RunScenario(Part, Scenario):
+    """A treatment column of run.json: its scenario's settings, the load level it ran at and which repeat;
+    written with the keys it was given (a setting, or the level, that an older run did not record stays out)."""
+
+    users: int | None = None  # the load level (--users); Locust ran the scenario's own users where it set them
+    repeat: int = 1
+
+
 class Request(Artifact):
     """One request of a workload; a session's requests run in order on one user."""
 
@@ -320,19 +388,53 @@ class StatusRow(Artifact):
         return measure.metrics_delta if isinstance(measure, LocustPhase) else None
 
 
-class Treatment(Manifest):
-    """A server as the bench ran it: a deployed config, or one fault class of a canary server."""
+class Treatment(BaseModel):
+    """A treatment the bench runs: a deployed config, or one fault class of a canary server, on the server its
+    manifest describes."""
 
+    model_config = ConfigDict(extra="forbid")
+    config: str  # the treatment's name: its config, or '<canary>-<fault>'
+    manifest: Manifest  # the server it runs on; manifest.config is the config that server was deployed as
     run_dir: str | None = None  # the deployment folder its log is in
-    deployed_as: str | None = None  # a canary treatment: the config the server was deployed as
     fault: str | None = None
     scheme: Scheme = "http"  # https: an endpoint kvscope did not deploy
 
+    @model_validator(mode="before")
+    @classmethod
+    def legacy(cls, data: Any) -> Any:
+        """Versions 0 and 1 (runs recorded before 2026-12-04): a treatment is one flat object, its manifest's
+        fields beside its own, the server's config in `deployed_as` where the treatment is named otherwise."""
+        if isinstance(data, dict) and "manifest" not in data:
+            own = {k: data[k] for k in ("run_dir", "fault", "scheme") if k in data}
+            manifest = {k: v for k, v in data.items() if k not in (*own, "deployed_as")}
+            data = {**own, "config": data.get("config"),
+                    "manifest": {**manifest, "config": data.get("deployed_as") or data.get("config")}}
+        return data
+
+    def flat(self) -> dict[str, Any]:
+        """The treatment as versions 0 and 1 wrote it (legacy())."""
+        own = self.model_dump(include={"run_dir", "fault", "scheme"})
+        return {**self.manifest.model_dump(by_alias=True), "config": self.config, "run_dir": own["run_dir"],
+                "deployed_as": self.deployed_as if self.deployed_as != self.config else None,
+                "fault": own["fault"], "scheme": own["scheme"]}
+
+    @property
+    def role(self) -> Role:
+        return self.manifest.role
+
+    @property
+    def deployed_as(self) -> str:
+        """The config its server was deployed as (a canary's treatments share one server)."""
+        return self.manifest.config
+
     @property
     def url(self) -> str:
-        """The server's root URL (an IPv6 address in brackets)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}"
+        return root_url(self.scheme, self.manifest.host, self.manifest.port)
+
+
+def root_url(scheme: Scheme, host: str, port: int) -> str:
+    """A server's root URL (an IPv6 address in brackets)."""
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 class Machine(Part):
@@ -392,12 +494,21 @@ class RunInfo(Artifact):
     machine: Machine
     servers: list[Treatment]
     crashed: list[Failure] = Field(default_factory=list)
-    scenarios: dict[str, dict[str, Any]]
+    scenarios: dict[str, RunScenario]  # by column label (treatments.variants)
     load: Load
     kv_capacity_tokens_for_sizing: int | None = None
     scorer: Scorer | None = None  # written by the report
     mode: Mode = "normal"
     interrupted: str | None = None  # why the bench stopped early; the treatments in status.jsonl are intact
+
+    @model_serializer(mode="wrap")
+    def _as_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A run.json of version 0 or 1 is written back in its own form, each treatment flat (Treatment.legacy),
+        so a published run re-renders byte for byte."""
+        data = handler(self)
+        if self.schema_version < 2:
+            data["servers"] = [s.flat() for s in self.servers]
+        return data
 
     def golden(self) -> Treatment:
         return next(s for s in self.servers if s.role == "golden")

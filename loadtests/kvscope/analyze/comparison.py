@@ -35,7 +35,7 @@ def _table(analyses: list[Analysis]) -> pd.DataFrame:
     for a in analyses:
         ov = a.overview.copy()
         ov.insert(0, "run", a.loaded.run.run_id)
-        ov.insert(1, "vllm", a.loaded.run.servers[0].vllm_version)
+        ov.insert(1, "vllm", a.loaded.run.servers[0].manifest.vllm_version)
         frames.append(ov)
     both = pd.concat(frames, ignore_index=True)
     first = frames[0].set_index("config")

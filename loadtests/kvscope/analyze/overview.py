@@ -78,7 +78,7 @@ def _pairs(run: RunInfo, recs: dict, config: str, repeat: int | None = None
     golden = run.golden().config
     pairs, hits = [], []
     for (c, scenario), records in recs.items():
-        if c != config or (repeat is not None and run.scenarios[scenario].get("repeat", 1) != repeat):
+        if c != config or (repeat is not None and run.scenarios[scenario].repeat != repeat):
             continue
         gold = {r.request_id: r.ttft_s for r in recs.get((golden, scenario), []) if r.ok and r.ttft_s}
         for r in records:
@@ -210,14 +210,14 @@ def tiers(status) -> pd.DataFrame:
 
 def sweep(run: RunInfo, recs: dict) -> pd.DataFrame:
     """Under a load sweep, each config at each load: throughput and TTFT (all answers, and cache hits)."""
-    levels = sorted({int(sc["users"]) for sc in run.scenarios.values() if sc.get("users")})
+    levels = sorted({sc.users for sc in run.scenarios.values() if sc.users})
     if len(levels) < 2:
         return pd.DataFrame()
     rows = []
     for server in run.servers:
         for users in levels:
             mine = [r for (c, label), rs in recs.items() if c == server.config
-                    and run.scenarios[label].get("users") == users for r in rs]
+                    and run.scenarios[label].users == users for r in rs]
             done = [r for r in mine if r.ok and r.phase == "measure" and r.ttft_s]
             hits = [r.ttft_s for r in done if r.cached_tokens]
             req_s, tok_s = throughput(mine)

@@ -66,7 +66,7 @@ def scorer(loaded: LoadedRun, min_hits: int, max_failed: float) -> Scorer:
                for r in recs.get((s.config, sc), [])]
     calibration = {k: v for sc in run.scenarios for k, v in loaded.continuations[golden, sc].items()}
     direct, cont = fidelity.direct_noise(by_key, control), fidelity.continuation_noise(by_key, calibration)
-    tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), run.golden().dtype,
+    tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), run.golden().manifest.dtype,
                                      exact=run.mode == "exact")
     nonzero = sorted((d for d in direct + cont if d.nats > 0), key=lambda d: -d.nats)
     return Scorer(version=fidelity.SCORER_VERSION, min_verified_hits=min_hits, max_failed_share=max_failed,
@@ -129,7 +129,8 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
             "hit_rate_counters": rates["overall"],
             "hit_rate_counters_local": rates["local"],
             "hit_rate_counters_external": rates["external"],
-            "hit_rate_theoretical": hitrate.theoretical(measure, server.kv_capacity_tokens, server.block_size),
+            "hit_rate_theoretical": hitrate.theoretical(measure, server.manifest.kv_capacity_tokens,
+                                                        server.manifest.block_size),
             "identical_hit": cls(hit_sc, Answer.IDENTICAL), "benign_hit": cls(hit_sc, Answer.BENIGN),
             "fail_hit": cls(hit_sc, Answer.FAIL),
             "identical_miss": cls(miss_sc, Answer.IDENTICAL), "benign_miss": cls(miss_sc, Answer.BENIGN),
@@ -374,9 +375,9 @@ def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
     """Configs with a cache whose reset did not succeed before some treatment, or whose stores are kept
     between treatments (`store_reset: keep`), and why."""
     cached = {s.config for s in run.servers if s.role in ("candidate", "canary")}
-    out = {s.config: (f"its stores {sorted(s.stores)} are kept between treatments (`store_reset: keep`), so blocks "
-                      "an earlier treatment stored stay there") for s in run.servers
-           if s.config in cached and s.store_reset == "keep" and s.stores}
+    out = {s.config: (f"its stores {sorted(s.manifest.stores)} are kept between treatments (`store_reset: keep`), so "
+                      "blocks an earlier treatment stored stay there") for s in run.servers
+           if s.config in cached and s.manifest.store_reset == "keep" and s.manifest.stores}
     for row in status:
         if row.config not in cached or row.reset is None:
             continue
@@ -392,7 +393,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     """report.md's text, rendered from the analysis, its plots (file name, caption) and the tier table."""
     run, summary, scores, folder = a.loaded.run, a.summary, a.scores, a.loaded.name
     m = run.machine
-    first = run.servers[0]
+    first = run.servers[0].manifest
     lines = [f"# kvscope report: run {run.run_id}", ""]
     if run.interrupted:
         lines += [f"**This run is incomplete: it stopped early ({run.interrupted}).** The treatments it finished "
@@ -440,8 +441,8 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     lines += [f"- `{config}`: **cache state not controlled**: its cache was not emptied before every treatment "
               f"({why}); earlier requests may have warmed it, so its hit rate may exceed a fresh cache's"
               for config, why in uncontrolled(run, a.loaded.status).items()]
-    lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.upstream)
-              for s in run.servers if s.upstream]
+    lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.manifest.upstream)
+              for s in run.servers if s.manifest.upstream]
     lines += _tier_lines(a.loaded, a.scores, a.min_hits)
     lines += ["", "## How strong the verdict is", ""]
     lines += _floor_lines(a.scorer)
@@ -467,14 +468,15 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     lines += ['<details markdown="1"><summary>Server flags per config</summary>', ""]
     lines += ["| config | role | runs as | port | flags | kv-transfer-config |", "|---|---|---|---|---|---|"]
     for s in run.servers:
-        args = s.server_args
+        args = s.manifest.server_args
         ktc = flag_value(args, "--kv-transfer-config") or "–"  # as served, spelt as given
         skip = {i + 1 for i, a in enumerate(args) if a in ("--model", "--kv-transfer-config")}
         flags = " ".join(a if len(a) <= 60 else f"{a[:40]}…({len(a)} characters)" for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))
         flags = f"`{flags}`" if args else "not known (an endpoint kvscope did not deploy)"
-        runs_as = f"container `{s.container}`" if s.container else (f"process {s.pid}" if s.pid else "–")
-        lines.append(f"| {s.config} | {s.role} | {runs_as} | {s.port} | {flags} | `{ktc}` |")
+        box, pid = s.manifest.container, s.manifest.pid
+        runs_as = f"container `{box}`" if box else (f"process {pid}" if pid else "–")
+        lines.append(f"| {s.config} | {s.role} | {runs_as} | {s.manifest.port} | {flags} | `{ktc}` |")
     lines += ["", "</details>", "", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "
               "tokens (warm); `n_*` = how many; p90 needs 10 of them and p99 100 (else `–`). Hit rates are "
@@ -519,7 +521,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
                   "the group); a store's answer of its own is not isolated by this.", ""]
         lines += [f"- {line}" for line in shared[:SHARED_SHOWN]]
         lines += [f"- and {len(shared) - SHARED_SHOWN} more", ""] if len(shared) > SHARED_SHOWN else [""]
-    prov = provenance.table(a.loaded.recs, scores, {s.config: s.block_size for s in run.servers
+    prov = provenance.table(a.loaded.recs, scores, {s.config: s.manifest.block_size for s in run.servers
                                              if s.role not in ("golden", "canary")})
     if len(prov):
         lines += ["Where the wrong hits' KV came from (provenance.py): each loaded block is named by its prefix "
@@ -567,20 +569,21 @@ def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str
     be told apart."""
     out = []
     for s in loaded.run.servers:
-        if s.role != "candidate" or not (s.tiers or "--kv-transfer-config" in s.server_args):
+        tiers = s.manifest.tiers
+        if s.role != "candidate" or not (tiers or "--kv-transfer-config" in s.manifest.server_args):
             continue
         sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
         hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
         if hits is None:
-            out.append(f"- `{s.config}`: " + (f"certifies {', '.join(s.tiers)}, but the run kept no load log to tell "
-                                              "them apart" if s.tiers else
+            out.append(f"- `{s.config}`: " + (f"certifies {', '.join(tiers)}, but the run kept no load log to tell "
+                                              "them apart" if tiers else
                                               "tiers not observable per request (no load log; its counters, where "
                                               "vLLM or the connector exports them, are in the tier table below)"))
             continue
-        shown = s.tiers + sorted(t for t in hits if t not in s.tiers)
+        shown = tiers + sorted(t for t in hits if t not in tiers)
         out.append(f"- `{s.config}`: verified hits each tier served: " + ", ".join(
-            f"{t} {hits.get(t, 0)}" + (" (not exercised)" if t in s.tiers and hits.get(t, 0) < least else "")
-            for t in shown) + (f"; it certifies {', '.join(s.tiers)}" if s.tiers else ""))
+            f"{t} {hits.get(t, 0)}" + (" (not exercised)" if t in tiers and hits.get(t, 0) < least else "")
+            for t in shown) + (f"; it certifies {', '.join(tiers)}" if tiers else ""))
     return out
 
 
@@ -619,9 +622,9 @@ def _imports(servers) -> list[str]:
     compiled extension that failed sends LMCache to a fallback path, which only its log would show."""
     groups: dict[str, list[str]] = {}
     for s in servers:
-        if s.connector_imports:
+        if s.manifest.connector_imports:
             text = ", ".join(f"`{m}` " + ("ok" if why == "ok" else f"**does not import**: {why}")
-                             for m, why in s.connector_imports.items())
+                             for m, why in s.manifest.connector_imports.items())
             groups.setdefault(text, []).append(s.config)
     return [f"- connector modules of {', '.join(configs)}: {text}" for text, configs in groups.items()]
 

@@ -34,9 +34,9 @@ CACHE_ARGS = ("--kv-transfer-config", "--kv-offloading-size", "--enable-prefix-c
 
 def cache_off_problems(server: Treatment, cached_tokens: list[int | None]) -> list[str]:
     """Why a golden or control server was not cache-off, from its manifest and its answers ([] if it was)."""
-    args = server.server_args
+    args = server.manifest.server_args
     problems = []
-    if server.prefix_caching:
+    if server.manifest.prefix_caching:
         problems.append("its manifest says prefix caching was on")
     problems += [f"it ran with {flag}" for flag in CACHE_ARGS if flag in args]
     hits = sum(1 for c in cached_tokens if c)
@@ -173,7 +173,7 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
     unverified = []
     if role != "control" and verified < min_hits:
         unverified.append(f"{verified} verified cache hits (at least {min_hits} needed)")
-    elif short := tier_shortfall(server.tiers, hits, min_hits):
+    elif short := tier_shortfall(server.manifest.tiers, hits, min_hits):
         unverified.append(short)
     if counts.get(Answer.UNVERIFIED):
         unverified.append(f"{counts[Answer.UNVERIFIED]} near ties golden could not score")
@@ -182,7 +182,7 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         return Verdict.UNVERIFIED, "; ".join(unverified)
     if role == "control":
         return Verdict.PASS, "within the noise floor"
-    per_tier = ", ".join(f"{t} {(hits or {}).get(t, 0)}" for t in server.tiers)
+    per_tier = ", ".join(f"{t} {(hits or {}).get(t, 0)}" for t in server.manifest.tiers)
     return Verdict.PASS, f"{verified} verified cache hits" + (f" (by tier: {per_tier})" if per_tier else "")
 
 

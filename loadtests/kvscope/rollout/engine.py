@@ -4,9 +4,10 @@ every step.
 A batch goes pending -> changing -> gating -> passed, or on a gate that fails (FAIL, CRASHED, an inconclusive
 verdict unless --inconclusive continue) -> rolling-back -> rolled-back (or rollback-failed, the worst outcome:
 reported, never hidden). A batch's hosts are recorded before anything changes, and a host whose servers cannot
-be restored exactly stops the rollout before it is touched. Ctrl-C (or SIGTERM) stops between steps; during a
-rollback it lets the rollback finish first; a second Ctrl-C aborts the step at once. Re-running resumes from
-the batch's recorded state: finished batches are not rolled again.
+be restored exactly stops the rollout before it is touched; so does a matrix file whose content is no longer the
+sha256 recorded at the start (interrupted: re-running with the recorded content resumes). Ctrl-C (or SIGTERM)
+stops between steps; during a rollback it lets the rollback finish first; a second Ctrl-C aborts the step at
+once. Re-running resumes from the batch's recorded state: finished batches are not rolled again.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvscope.rollout import report
 from kvscope.rollout.ansible import RolloutError
 from kvscope.rollout.ansible import run as run_child
 from kvscope.rollout.record import (
+    EXIT_BAD_INPUT,
     EXIT_INCONCLUSIVE,
     EXIT_OK,
     EXIT_ROLLBACK_FAILED,
@@ -38,6 +40,7 @@ from kvscope.rollout.record import (
     now,
     same,
     save,
+    sha256,
 )
 
 
@@ -57,6 +60,10 @@ class Stopped(Exception):
     def __init__(self, signal_name: str):
         super().__init__(signal_name)
         self.exit_code = 130 if signal_name == "Ctrl-C" else 143
+
+
+class MatrixChanged(Exception):
+    """The matrix file no longer holds what the rollout recorded at its start (its sha256)."""
 
 
 class StopFlag:
@@ -160,6 +167,9 @@ class Engine:
         except Stopped as exc:
             self.r.interrupted = f"{exc} between steps"
             return self._finish("interrupted", exc.exit_code)
+        except MatrixChanged as exc:
+            self.r.interrupted = str(exc)
+            return self._finish("interrupted", EXIT_BAD_INPUT)
         except KeyboardInterrupt:
             self.r.interrupted = "aborted during a step (a second Ctrl-C or SIGTERM)"
             self.r.outcome = "interrupted"
@@ -195,6 +205,7 @@ class Engine:
             return EXIT_STOPPED
         folder = self.batch_dir(batch)
         if batch.state == "pending":
+            self._check_matrix(batch)
             with self.step(batch, "record", "what the hosts serve before the change") as step:
                 batch.before = self.ops.state(batch.hosts, folder / "state" / "before", self.log(step))
             self._check_restorable(batch)
@@ -202,6 +213,7 @@ class Engine:
             self.save()
             self.stop.check()
         if batch.state == "changing":
+            self._check_matrix(batch)  # again: the record step took a while, and the change deploys the file as it is
             with self.step(batch, "change", f"stop the old {', '.join(self.r.configs)}, deploy the new") as step:
                 rc = self.ops.change(batch.hosts, self.log(step))
                 if rc != 0:
@@ -229,6 +241,19 @@ class Engine:
             batch.state, batch.reason = "rolling-back", f"{failed.host}: {report.gate_words(failed)}"
             self.save()
         return self._rollback(batch)
+
+    def _check_matrix(self, batch: Batch) -> None:
+        """Each change deploys the matrix file as it is then: content other than the recorded sha256 is refused
+        before anything of the batch is touched."""
+        try:
+            found = sha256(Path(self.r.matrix))
+            now = f"sha256 {found[:12]}"
+        except OSError as exc:
+            found, now = "", f"unreadable: {exc.strerror}"
+        if found != self.r.matrix_sha256:
+            raise MatrixChanged(f"{self.r.matrix} changed since the rollout started ({now}, recorded sha256 "
+                                f"{self.r.matrix_sha256[:12]}); batch {batch.index} was not changed: put the recorded "
+                                "matrix back and re-run to resume, or roll the new one as a rollout of its own")
 
     def _check_restorable(self, batch: Batch) -> None:
         problems = [f"{h}: {s.error}" for h, s in batch.before.items() if s.error]
@@ -312,5 +337,5 @@ def _treatment(state: HostState, config: str) -> Treatment:
     s = state.serving(config)
     if s is None or s.manifest is None:
         raise RolloutError(f"{state.host}: {config} is not serving ({describe(s)})")
-    return Treatment(**s.manifest.model_dump(by_alias=True), run_dir=state.run_dir)
+    return Treatment(config=config, manifest=s.manifest, run_dir=state.run_dir)
 

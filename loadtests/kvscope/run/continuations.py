@@ -29,7 +29,7 @@ def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[i
                     ) -> list[list[tuple[int, float]]]:
     """Golden's top-5 (and the answer's own token) at each answer position from `start` on."""
     base = golden.url
-    body = {"model": golden.served_model_name, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
+    body = {"model": golden.manifest.served_model_name, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
             "temperature": 0, "prompt_logprobs": TOP}
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(), headers=auth.headers())
     with urllib.request.urlopen(req, timeout=300) as resp:

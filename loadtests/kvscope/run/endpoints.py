@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple, cast
 from urllib.parse import urlparse
 
-from kvscope.artifacts import Role, Scheme, Treatment
+from kvscope.artifacts import Manifest, Role, Scheme, Treatment, root_url
 from kvscope.config.matrix import NAME, ConfigError
 from kvscope.deploy import servers
 
@@ -55,7 +55,7 @@ def parse(spec: str, default_name: str) -> Address:
 def treatment(address: Address, role: Role, model_dir: Path) -> Treatment:
     """One endpoint as a treatment: its served model, and what its /metrics says of its cache."""
     name, scheme, host, port = address
-    base = Treatment.model_construct(scheme=scheme, host=host, port=port).url
+    base = root_url(scheme, host, port)
     try:
         models = json.loads(servers.http_get(f"{base}/v1/models", timeout=30))["data"]
     except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
@@ -73,13 +73,13 @@ def treatment(address: Address, role: Role, model_dir: Path) -> Treatment:
     if caching and labels and role in ("golden", "control"):
         raise ConfigError(f"endpoint '{name}' ({role}) has prefix caching on: the reference must be cache-off "
                           "(vLLM: --no-enable-prefix-caching)")
-    return Treatment(config=name, role=role, port=port, host=host, scheme=scheme, platform="endpoint",
-                     served_model_name=models[0]["id"], server_args=[], store_reset="keep", vllm_version=version,
-                     kv_capacity_tokens=servers.kv_capacity_tokens(labels),
-                     block_size=int(block) if block != "None" else DEFAULT_BLOCK_SIZE,
-                     prefix_caching=caching,
-                     max_model_len=models[0].get("max_model_len"), model_path=str(model_dir),
-                     model_hash=f"served:{models[0]['id']}")
+    manifest = Manifest(config=name, role=role, port=port, host=host, platform="endpoint",
+                        served_model_name=models[0]["id"], server_args=[], store_reset="keep", vllm_version=version,
+                        kv_capacity_tokens=servers.kv_capacity_tokens(labels),
+                        block_size=int(block) if block != "None" else DEFAULT_BLOCK_SIZE, prefix_caching=caching,
+                        max_model_len=models[0].get("max_model_len"), model_path=str(model_dir),
+                        model_hash=f"served:{models[0]['id']}")
+    return Treatment(config=name, manifest=manifest, scheme=scheme)
 
 
 def treatments(endpoints: list[str], golden: str, control: str | None, model_dir: Path) -> list[Treatment]:

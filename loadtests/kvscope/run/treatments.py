@@ -36,6 +36,7 @@ from kvscope.artifacts import (
     Reset,
     RestartPhase,
     RunInfo,
+    RunScenario,
     StatusRow,
     Treatment,
     append_jsonl,
@@ -79,8 +80,8 @@ def reset(server: Treatment) -> Reset:
         status = type(exc).__name__
     wiped, refused = [], []
     root = Path(server.run_dir).resolve() / "stores" if server.run_dir else None
-    for name in sorted(server.stores) if server.store_reset == "wipe" else []:
-        path = Path(server.stores[name]).resolve()
+    for name in sorted(server.manifest.stores) if server.manifest.store_reset == "wipe" else []:
+        path = Path(server.manifest.stores[name]).resolve()
         if root is None or path == root or not path.is_relative_to(root):
             refused.append(name)  # a manifest pointing outside the run's stores folder: wipe nothing there
             continue
@@ -116,7 +117,7 @@ def _wipe(path: Path, passes: int = 20) -> str:
 def restart(server: Treatment, command: str) -> RestartPhase:
     """Restart a server between phases with the user's command ({config} filled in; no shell); what it did."""
     started = time.monotonic()
-    argv = shlex.split(command.replace("{config}", server.deployed_as or server.config))
+    argv = shlex.split(command.replace("{config}", server.deployed_as))
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
         code, tail = done.returncode, (done.stdout + done.stderr).strip().splitlines()[-3:]
@@ -127,7 +128,7 @@ def restart(server: Treatment, command: str) -> RestartPhase:
 
 def warm_up(server: Treatment) -> None:
     """One throwaway request before the reset, so an idle server's slow first request is not measured."""
-    body = json.dumps({"model": server.served_model_name, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
+    body = json.dumps({"model": server.manifest.served_model_name, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
                        "temperature": 0})
     req = urllib.request.Request(f"{server.url}/v1/completions", data=body.encode(),
                                  headers=auth.headers())
@@ -167,8 +168,8 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
     kvscope_args = ["-f", str(LOCUSTFILE), "--host", server.url,
                     "--kvscope-workload", str(Path(workload).resolve()),
                     "--kvscope-records", str(Path(records).resolve()),
-                    "--kvscope-config", server.config, "--kvscope-block-size", str(server.block_size),
-                    "--kvscope-model", server.served_model_name,
+                    "--kvscope-config", server.config, "--kvscope-block-size", str(server.manifest.block_size),
+                    "--kvscope-model", server.manifest.served_model_name,
                     "--kvscope-rate", str(rate)]
     if server.fault:
         kvscope_args += ["--kvscope-fault", server.fault]
@@ -225,7 +226,7 @@ def _phase(server: Treatment, workload: Path, reqs: list[Request], records: Path
     after = _snapshot(base)
     row.metrics_delta = metrics.delta(before, after) if before is not None and after is not None else None
     row.metrics_error = None if row.metrics_delta is not None else "server did not answer /metrics"
-    log = Path(server.run_dir or ".") / (server.deployed_as or server.config) / "server.log"
+    log = Path(server.run_dir or ".") / server.deployed_as / "server.log"
     if row.metrics_error and log.exists():  # the server died mid-run: say why, from its own log
         row.server_error = servers.first_error(log.read_text(errors="replace"))
     row.sessions = len(sessions(reqs))
@@ -239,7 +240,7 @@ def load_deployments(paths: list[Path]) -> tuple[list[Treatment], dict[str, Fail
     found, failed = [], {}
     for path in paths:
         doc = read_json(Path(path), Deployment)
-        found += [Treatment(**s.model_dump(by_alias=True), run_dir=str(Path(path).parent)) for s in doc.servers]
+        found += [Treatment(config=s.config, manifest=s, run_dir=str(Path(path).parent)) for s in doc.servers]
         failed.update({f.config: f for f in doc.failed})
     return found, failed
 
@@ -249,9 +250,8 @@ def treatments(servers_: list[Treatment]) -> list[Treatment]:
     (config '<canary>-<fault>', on the canary's server)."""
     out = []
     for s in sorted(servers_, key=lambda s: ROLE_ORDER[s.role]):
-        if s.role == "canary" and s.faults:
-            out += [s.model_copy(update={"config": f"{s.config}-{f}", "deployed_as": s.config, "fault": f})
-                    for f in s.faults]
+        if s.role == "canary" and s.manifest.faults:
+            out += [s.model_copy(update={"config": f"{s.config}-{f}", "fault": f}) for f in s.manifest.faults]
         else:
             out.append(s)
     return out
@@ -260,7 +260,7 @@ def treatments(servers_: list[Treatment]) -> list[Treatment]:
 def connector_log(server: Treatment, name: str) -> Path | None:
     """Where a server's connector writes a log (its kv-transfer-config's `name`: a canary's fault_log,
     kvscope's load_log), if anywhere."""
-    extra = (server.kv_transfer_config or {}).get("kv_connector_extra_config", {})
+    extra = (server.manifest.kv_transfer_config or {}).get("kv_connector_extra_config", {})
     return Path(extra[name]) if extra.get(name) else None
 
 
@@ -273,11 +273,11 @@ def _done(status_path: Path) -> set[tuple[str, str]]:
 def serving_mode(servers_: list[Treatment], exact: bool) -> Mode:
     """'exact' when every server serves batch-invariant, 'normal' when none does; anything else is refused
     before a request is sent (one exact server beside normal ones proves nothing bitwise)."""
-    plain = sorted({s.deployed_as or s.config for s in servers_ if not s.exact})
+    plain = sorted({s.deployed_as for s in servers_ if not s.manifest.exact})
     if exact and plain:
         raise ConfigError(f"--exact: {', '.join(plain)} were deployed without exact mode; deploy them with "
                           "EXACT=1 (make deploy EXACT=1)")
-    if plain and len(plain) < len({s.deployed_as or s.config for s in servers_}):
+    if plain and len(plain) < len({s.deployed_as for s in servers_}):
         raise ConfigError(f"{', '.join(plain)} serve in normal mode, the others batch-invariant (EXACT=1): deploy "
                           "them all in one mode")
     return "normal" if plain else "exact"
@@ -319,7 +319,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         raise ConfigError("no golden config (role 'golden', e.g. baseline) among the configs: fidelity needs it")
     chosen = treatments(chosen)
     if endpoints is not None and exact:  # the owner of the endpoints says so; the control pair checks it
-        chosen = [s.model_copy(update={"exact": True}) for s in chosen]
+        chosen = [s.model_copy(update={"manifest": s.manifest.model_copy(update={"exact": True})}) for s in chosen]
     mode = serving_mode(chosen, exact)
     all_scenarios = load_scenarios(scenarios_file)
     if queries is not None:
@@ -329,15 +329,15 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     unknown = [n for n in scenario_names if n not in all_scenarios]
     if unknown:
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {sorted(all_scenarios)}")
-    sharing = [s for s in chosen if s.writer and any(all_scenarios[n].shared for n in scenario_names)]
-    if missing := [f"{s.config} (writer {s.writer})" for s in sharing if s.writer not in by_name]:
+    sharing = [s for s in chosen if s.manifest.writer and any(all_scenarios[n].shared for n in scenario_names)]
+    if missing := [f"{s.config} (writer {s.manifest.writer})" for s in sharing if s.manifest.writer not in by_name]:
         raise ConfigError(f"shared scenarios send a config's prime phase to its writer's server, which is not "
                           f"deployed: {', '.join(missing)}")
     restarting = [n for n in scenario_names if all_scenarios[n].restart]
     if restarting and not restart_cmd:
         raise ConfigError(f"scenario(s) {restarting} restart servers: give --restart-cmd (make bench sets it), a "
                           "command with {config} that restarts that config's server")
-    hashes = {s.model_hash for s in chosen}
+    hashes = {s.manifest.model_hash for s in chosen}
     if len(hashes) != 1:
         raise ConfigError(f"deployed servers serve different models ({sorted(hashes)}); outputs are not comparable")
 
@@ -350,9 +350,9 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if resume and not rf.run_json.exists():
         raise ConfigError(f"--resume: {folder} has no run.json; nothing to continue")
     rf.create()
-    tokenizer = Tokenizer.from_file(str(Path(chosen[0].model_path) / "tokenizer.json"))
-    capacity = min(s.kv_capacity_tokens or 0 for s in chosen) or None
-    context = min((s.max_model_len for s in chosen if s.max_model_len), default=None)
+    tokenizer = Tokenizer.from_file(str(Path(chosen[0].manifest.model_path) / "tokenizer.json"))
+    capacity = min(s.manifest.kv_capacity_tokens or 0 for s in chosen) or None
+    context = min((s.manifest.max_model_len for s in chosen if s.manifest.max_model_len), default=None)
     workloads = {n: generate(all_scenarios[n], tokenizer, capacity, context) for n in scenario_names}
     labels = variants(scenario_names, levels, repeats)
     phase_files = {}
@@ -365,7 +365,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if not resume:
         write_json(rf.run_json, RunInfo(
             run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed,
-            scenarios={label: {**all_scenarios[name].model_dump(), "users": u, "repeat": r}
+            scenarios={label: RunScenario(**{**all_scenarios[name].model_dump(), "users": u, "repeat": r})
                        for label, (name, u, r) in labels.items()},
             load=Load(users=levels[0] if len(levels) == 1 else levels, repeats=repeats, processes=processes,
                       rate_sessions_per_s=rate, locust_worker_hosts=(remote or {}).get("hosts", [])),
@@ -386,7 +386,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                     continue
                 users = all_scenarios[name].users or level
                 restart = all_scenarios[name].restart and server.role == "candidate"
-                writer = by_name.get(server.writer or "") if all_scenarios[name].shared else None
+                writer = by_name.get(server.manifest.writer or "") if all_scenarios[name].shared else None
                 _treatment(server, label, folder, phase_files,
                            {**opts, "users": users, "restart": restart, "writer": writer}, status_path,
                            f"[{step}/{total}] {where}")
@@ -447,7 +447,7 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
             workload, part = phase_files[scenario, phase]
             target = server
             if phase == "prime" and writer is not None:
-                target = writer.model_copy(update={"config": server.config, "deployed_as": writer.config})
+                target = writer.model_copy(update={"config": server.config})  # on the writer's server
                 print(f", {phase} on {writer.config}", end="", flush=True)
             print(f", {phase} {len(part)} requests", end="", flush=True)
             row.phases[phase] = _phase(target, workload, part, records, rf.locust(server.config, scenario, phase),

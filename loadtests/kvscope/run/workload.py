@@ -15,72 +15,18 @@ from typing import Literal
 
 import numpy as np
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ValidationError
 
 from kvscope import artifacts
-from kvscope.artifacts import Request, append_jsonl
+from kvscope.artifacts import Request, Scenario, append_jsonl
 from kvscope.config import strict_yaml
-from kvscope.config.matrix import ConfigError, Strict
+from kvscope.config.matrix import ConfigError
 
 SEED_SYSTEM = "你是一个简洁、专业的中文助手"
 SEED_USER = (
     "你好Passage 1: 人工智能是计算机科学的一个分支。Passage 2: 机器学习是人工智能的核心技术。"
     "Passage 3: 深度学习是机器学习的一个分支。\n\nQuestion: 什么是人工智能？\nAnswer:"
 )
-
-
-class Scenario(Strict):
-    """A named, parameterised workload profile (loadtests/kvscope/scenarios.yaml)."""
-
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
-    kind: Literal["rag", "multiturn", "repeat", "trace", "reuse"]
-    description: str = ""
-    endpoint: Literal["chat", "completions"] = "chat"
-    seed: int = 0
-    num_docs: int = Field(default=32, ge=1, description="document pool size (ignored with working_set)")
-    working_set: float | None = Field(
-        default=None, gt=0, description="size the pool to this multiple of the servers' KV capacity"
-    )
-    doc_tokens_median: int = Field(default=160, ge=16, description="lognormal median document length")
-    doc_tokens_sigma: float = Field(default=0.4, ge=0)
-    docs_per_query: int = Field(default=3, ge=1, description="k documents per query")
-    zipf_s: float = Field(default=1.0, ge=0, description="Zipf exponent of document popularity")
-    order: Literal["canonical", "relevance"] = Field(
-        default="canonical", description="canonical: sorted ids (prefix-friendly); relevance: shuffled"
-    )
-    num_queries: int = Field(default=24, ge=1, description="queries, or sessions for multiturn")
-    turns: int = Field(default=3, ge=1, description="turns per multiturn session")
-    tenants: int = Field(default=1, ge=1, description="distinct shared system prompts")
-    system_prompt_tokens: int = Field(default=96, ge=0)
-    repeats: int = Field(default=2, ge=1, description="repeat: how often the seed request is sent in a row")
-    max_tokens: int = Field(default=16, ge=1)
-    prime: Literal["none", "replay"] = Field(default="none", description="replay: send every request once first")
-    # kind trace: a Mooncake-format trace (one JSON object a line: timestamp ms, input_length, output_length,
-    # hash_ids of trace_block_tokens-token prefix blocks), replayed open loop at its own arrival times
-    trace: str | None = Field(default=None, description="trace file; relative paths from the scenarios file")
-    trace_block_tokens: int = Field(default=512, ge=1, description="tokens per hash id in the trace")
-    block_tokens: int = Field(default=64, ge=1, description="tokens per hash id replayed (the length scale)")
-    time_scale: float = Field(default=1.0, gt=0, description="multiplies the trace's arrival times")
-    max_requests: int = Field(default=200, ge=1, description="the trace's first requests replayed")
-    duration_s: float = Field(default=300.0, gt=0, description="requests arriving later are not replayed")
-    users: int | None = Field(default=None, ge=1, description="Locust users for this scenario, over --users (a "
-                              "trace's arrivals wait for a free user: give it its peak concurrency)")
-    # kind reuse: a controlled hit rate, each prompt a shared prefix of `reuse` of its tokens and a unique rest
-    reuse: float = Field(default=0.5, ge=0, le=1, description="share of every prompt that a shared prefix reuses")
-    prompt_tokens: int = Field(default=512, ge=1, description="tokens per prompt (kind reuse)")
-    prefixes: int = Field(default=4, ge=1, description="distinct shared prefixes, taken in turn (kind reuse)")
-    shared: bool = Field(default=False, description="a config with a writer (matrix) gets its prime phase sent to "
-                         "the writer's server and its measure phase to its own: it loads what another server stored")
-    restart: bool = Field(default=False, description="restart each candidate's server between the prime phase "
-                          "(which stores) and the measure phase (which loads): a persistent tier must still serve")
-
-    @model_validator(mode="after")
-    def _trace_has_a_file(self) -> Scenario:
-        if (self.kind == "trace") != (self.trace is not None):
-            raise ValueError("a trace scenario names its trace file (field 'trace'), and only a trace scenario does")
-        if (self.restart or self.shared) and self.prime != "replay":
-            raise ValueError("a restart or shared scenario needs prime: replay (the phase that stores the blocks)")
-        return self
 
 
 @dataclass
