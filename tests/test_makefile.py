@@ -48,7 +48,7 @@ def user_variables() -> set[str]:
 
 def test_make_help_names_every_variable_a_user_sets_on_a_line_of_its_own():
     # RESUME, OUT, IMAGE, ROLLOUT_ID and ROLLOUT_ARGS were only mentioned inside another variable's line
-    out = subprocess.run(["make", "help"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(["make", "--no-print-directory", "help"], cwd=REPO, capture_output=True, text=True, timeout=60).stdout
     lines = out.split("Variables", 1)[1].splitlines()[1:]
     named = {v for line in lines for v in re.match(r"([A-Z0-9_, ]*?) {2,}", line).group(1).split(", ")}
     assert {"CONFIGS", "MATRIX", "RUN_ID", "RESUME", "SLO", "EXACT", "DRY_RUN", "ROLLOUT_ARGS"} <= user_variables()
