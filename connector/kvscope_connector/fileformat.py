@@ -53,28 +53,36 @@ _DECODER = json.JSONDecoder()
 
 
 @functools.lru_cache(maxsize=8)
-def _tensors_text(layout: Layout) -> str:
+def _tensors_text(layout: Layout) -> str | None:
     """What follows the metadata object in a header that encode() writes for layout (its padding stripped):
     the tensors' entries, the same bytes whatever the metadata (safetensors orders the metadata's keys
-    differently in every process, so only this part has one spelling)."""
+    differently in every process, so only this part has one spelling). None where that text does not parse
+    to the layout's entries (tensors of several dtypes, which safetensors orders by dtype first, or a dtype
+    this format does not name): the full parse then decides every file."""
     data = st_save(layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8)), metadata={"": ""})
     (n,) = struct.unpack_from("<Q", data, 0)
     text = data[8:8 + n].decode()
-    return text[_DECODER.raw_decode(text, len(_META))[1]:].rstrip(" ")
+    text = text[_DECODER.raw_decode(text, len(_META))[1]:].rstrip(" ")
+    try:
+        agrees = json.loads("{" + text[1:]) == _expected(layout)
+    except (ValueError, KeyError):
+        return None
+    return text if agrees and text.isascii() else None
 
 
 def _quick_meta(json_text: bytes, layout: Layout) -> object | None:
     """The metadata of a header's JSON that is encode()'s for layout, parsed alone: the tensors' entries are
     compared as text, not parsed (parsing them was most of a block load's Python time). None for any other
     spelling, which the full parse then decides: this path accepts only what the full parse would."""
-    if not json_text.startswith(_META) or not json_text.isascii():
+    tensors = _tensors_text(layout)
+    if tensors is None or not json_text.startswith(_META) or not json_text.isascii():
         return None
     text = json_text.decode("ascii")
     try:
         meta, end = _DECODER.raw_decode(text, len(_META))
     except (ValueError, RecursionError):
         return None
-    return meta if text[end:].rstrip(" ") == _tensors_text(layout) else None
+    return meta if text[end:].rstrip(" ") == tensors else None
 
 
 def _header(data: bytes) -> tuple[int, dict, dict]:

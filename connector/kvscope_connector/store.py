@@ -63,6 +63,20 @@ class Stats:
             log.warning("kvscope connector: " + msg + " (further %s events are counted, not logged)", *args, kind)
 
 
+def _read_fully(fd: int, buffers: list, offset: int) -> int:
+    """Fill the buffers from the file at offset, as many reads as it takes (a read may return less, on NFS or
+    FUSE); returns the bytes read, fewer only where the file ends first."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = 0
+    while views and (got := os.preadv(fd, views, offset + total)):
+        total += got
+        while views and got >= len(views[0]):
+            got -= len(views.pop(0))
+        if views:
+            views[0] = views[0][got:]
+    return total
+
+
 class Tier(Protocol):
     def contains(self, key: str) -> bool: ...
 
@@ -328,7 +342,7 @@ class FsTier:
             header = bytearray(n)
             block = self.pool.take() if self.pool is not None else torch.empty(layout.nbytes, dtype=torch.uint8)
             try:
-                if os.preadv(fd, [header, block.numpy()], 8) != n + layout.nbytes:
+                if _read_fully(fd, [header, block.numpy()], 8) != n + layout.nbytes:
                     raise CorruptBlock("the file shrank while it was read")
                 found = decode(head + header, block, self.fingerprint, key, layout, self.secret,
                                self.checksum if verify else None)

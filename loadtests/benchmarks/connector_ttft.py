@@ -217,7 +217,7 @@ def main() -> None:
                 print(f"{config} / {other} at {tokens} tokens: {ratio:.2f} (goal <= {most}: "
                       f"{'met' if ratio <= most else 'NOT met'})")
     miss = {name: float(np.median([t for t, _ in got])) for name, got in misses.items()}
-    for line in miss_verdicts(miss, base.config, [p.config for p in peers]):
+    for line in miss_verdicts(miss, base.config, load_peers):
         print(line)
 
 
