@@ -1,6 +1,7 @@
 """The storage-config matrix: the shipped file is valid, and each kind of mistake is named precisely."""
 
 import copy
+import json
 import shutil
 import subprocess
 import sys
@@ -171,6 +172,25 @@ def test_a_connector_of_your_own_comes_from_a_folder_beside_the_matrix_or_a_pack
     assert m.get("apc").python_path == [str(tmp_path / "my-connectors")]
     out = render(m, m.get("apc"), "cpu", tmp_path / "model", tmp_path / "stores", "127.0.0.1")
     assert out.env["PYTHONPATH"] == str(tmp_path / "my-connectors") and out.install == ["xxhash>=3"]
+
+
+def test_a_copy_of_the_matrix_resolves_its_folders_beside_the_original(tmp_path, doc, model_dir):
+    # a rollout deploys its own copy of the matrix (python -m kvscope.plumbing --matrix COPY --matrix-dir ...)
+    from kvscope.plumbing import build_parser
+
+    (tmp_path / "my-connectors").mkdir()
+    cfg(doc, "apc").update(python_path=["my-connectors"])
+    (tmp_path / "copy").mkdir()
+    copied = write(tmp_path / "copy", doc)
+    assert matrix.load(copied, base=tmp_path).get("apc").python_path == [str(tmp_path / "my-connectors")]
+    with pytest.raises(matrix.ConfigError, match="python_path"):
+        matrix.load(copied)
+    out = tmp_path / "rendered.json"
+    args = build_parser().parse_args(["--matrix", str(copied), "--matrix-dir", str(tmp_path), "render", "--configs",
+                                      "apc", "--platform", "cpu", "--model", str(model_dir), "--run-dir",
+                                      str(tmp_path / "run"), "--out", str(out)])
+    assert args.func(args) == 0
+    assert json.loads(out.read_text())["kvscope_servers"][0]["env"]["PYTHONPATH"] == str(tmp_path / "my-connectors")
 
 
 def test_a_folder_that_is_not_a_model_is_named_before_anything_starts(tmp_path, model_dir):

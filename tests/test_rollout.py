@@ -35,12 +35,15 @@ class FakeHosts:
     """Hosts h1..h3 serve baseline (h1) and tier v1; change() rolls the tier to `new`; restore() puts back what
     was recorded. `broken_restore`: a rollback that leaves nothing running; `crash`: the new version never starts."""
 
-    def __init__(self, new: str = "v2", broken_restore: bool = False, crash: bool = False, on_change=None):
+    def __init__(self, new: str = "v2", broken_restore: bool = False, crash: bool = False, on_change=None,
+                 on_teardown=None):
         self.new, self.broken_restore, self.crash, self.on_change = new, broken_restore, crash, on_change
+        self.on_teardown = on_teardown
         self.pid = 100
         self.serving = {h: {"tier": ("v1", self._pid())} for h in ("h1", "h2", "h3")}
         self.serving["h1"]["baseline"] = ("golden", self._pid())
         self.changes: list[str] = []
+        self.deployed: list[str] = []  # the sha256 of the matrix each change deployed
 
     def _pid(self) -> int:
         self.pid += 1
@@ -56,8 +59,11 @@ class FakeHosts:
         return {h: HostState(host=h, run_dir=f"/runs/{h}", servers={c: self._server(c, v, p) for c, (v, p)
                                                                      in self.serving[h].items()}) for h in hosts}
 
-    def change(self, hosts, log) -> int:
+    def change(self, hosts, matrix, log) -> int:
         self.changes += hosts
+        if self.on_teardown:
+            self.on_teardown(hosts)
+        self.deployed.append(sha256(matrix))  # deploy.yml reads it after the teardown
         for h in hosts:
             self.serving[h].pop("tier", None)
             if not self.crash:
@@ -353,3 +359,40 @@ def test_a_matrix_edited_mid_rollout_is_refused_before_the_next_change_and_a_rer
     matrix.write_text(recorded)
     assert engine(tmp_path, hosts, r=rollout_cli.resumed(r, r)).run() == 0
     assert hosts.changes == ["h1", "h2", "h3"] and load(tmp_path).interrupted is None
+
+
+def test_a_matrix_edited_during_a_changes_teardown_is_not_what_it_deploys(tmp_path):
+    # the change's teardown takes minutes before deploy.yml reads the matrix: each batch deploys a copy, in its
+    # own folder, of the content whose sha256 was just checked, never the file as it is by then
+    hosts = FakeHosts()
+    e = engine(tmp_path, hosts)
+    matrix = Path(e.r.matrix)
+    recorded = matrix.read_text()
+
+    def edit(hosts_):
+        matrix.write_text(recorded + "# edited during the teardown, reverted after it\n")
+
+    real_change = hosts.change
+
+    def change(hs, deployed, log):
+        rc = real_change(hs, deployed, log)
+        matrix.write_text(recorded)
+        return rc
+
+    hosts.on_teardown, hosts.change = edit, change  # type: ignore[method-assign]
+    assert e.run() == 0
+    assert hosts.deployed == [e.r.matrix_sha256] * 3
+    for n in (1, 2, 3):
+        copy = tmp_path / "batches" / f"{n:02d}" / "matrix.yaml"
+        assert copy.read_text() == recorded and copy.stat().st_mode & 0o222 == 0  # read-only
+
+
+def test_a_change_deploys_the_batchs_copy_with_relative_paths_resolved_beside_the_original(tmp_path, monkeypatch):
+    from kvscope.rollout.ansible import Ansible
+
+    calls = []
+    monkeypatch.setattr(Ansible, "playbook", lambda self, name, hosts, extra, log: calls.append((name, extra)) or 0)
+    ops = Ansible("inv", [], tmp_path / "team" / "m.yaml", ["tier"], None)
+    assert ops.change(["h1"], tmp_path / "batches" / "01" / "matrix.yaml", tmp_path / "log") == 0
+    assert calls[1] == ("deploy.yml", [f"kvscope_matrix={tmp_path / 'batches' / '01' / 'matrix.yaml'}",
+                                       f"kvscope_matrix_dir={tmp_path / 'team'}", "vllm_configs=tier"])

@@ -80,6 +80,36 @@ def test_a_flat_run_json_loads_each_treatment_with_its_servers_manifest_and_is_w
     assert read_json(tmp_path / "new.json", RunInfo) == new
 
 
+INVARIANT = REPO / "results" / "2026-12-01-h200-vllm0.26-qwen3-4b-bf16-invariant" / "run.json"
+
+
+def test_a_treatments_form_is_its_run_jsons_version_flat_before_2_nested_from_2(tmp_path):
+    flat = json.loads(INVARIANT.read_text())
+    write_json(tmp_path / "new.json", read_json(INVARIANT, RunInfo).model_copy(update={"schema_version": 2}))
+    nested = json.loads((tmp_path / "new.json").read_text())
+    for doc, version, words in ((flat, 2, "nests"), (nested, 1, "flat"), (nested, 0, "flat")):
+        (tmp_path / "x.json").write_text(json.dumps({**doc, "schema_version": version}))
+        with pytest.raises(ArtifactError, match=f"schema_version {version}: each treatment is {words}"):
+            read_json(tmp_path / "x.json", RunInfo)
+
+
+def test_a_flat_treatment_deployed_as_its_own_name_re_renders_byte_for_byte(tmp_path):
+    doc = json.loads(INVARIANT.read_text())
+    golden = doc["servers"][0]
+    assert golden["deployed_as"] is None
+    golden["deployed_as"] = golden["config"]
+    (tmp_path / "a.json").write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    write_json(tmp_path / "b.json", read_json(tmp_path / "a.json", RunInfo))
+    assert (tmp_path / "b.json").read_text() == (tmp_path / "a.json").read_text()
+
+
+def test_a_flat_treatment_without_schema_version_reads_as_version_1_as_the_flat_form_wrote_it(tmp_path):
+    doc = json.loads(INVARIANT.read_text())
+    del doc["servers"][0]["schema_version"]
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    assert read_json(tmp_path / "a.json", RunInfo).servers[0].manifest.schema_version == 1
+
+
 def test_run_json_keeps_the_scenario_settings_each_run_recorded_and_reads_each_columns_level_and_repeat(tmp_path):
     # three generations of published scenarios: without a load level, with one, with trace/reuse/restart settings
     old, swept = (read_json(REPO / "results" / name / "run.json", RunInfo)

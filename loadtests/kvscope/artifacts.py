@@ -33,6 +33,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationError,
     model_serializer,
@@ -398,25 +400,24 @@ class Treatment(BaseModel):
     run_dir: str | None = None  # the deployment folder its log is in
     fault: str | None = None
     scheme: Scheme = "http"  # https: an endpoint kvscope did not deploy
+    _flat_deployed_as_own_name = PrivateAttr(False)  # a flat file named deployed_as although it is `config`
 
-    @model_validator(mode="before")
-    @classmethod
-    def legacy(cls, data: Any) -> Any:
+    @staticmethod
+    def unflatten(data: dict[str, Any]) -> dict[str, Any]:
         """Versions 0 and 1 (runs recorded before 2026-12-04): a treatment is one flat object, its manifest's
-        fields beside its own, the server's config in `deployed_as` where the treatment is named otherwise."""
-        if isinstance(data, dict) and "manifest" not in data:
-            own = {k: data[k] for k in ("run_dir", "fault", "scheme") if k in data}
-            manifest = {k: v for k, v in data.items() if k not in (*own, "deployed_as")}
-            data = {**own, "config": data.get("config"),
-                    "manifest": {**manifest, "config": data.get("deployed_as") or data.get("config")}}
-        return data
+        fields beside its own (the flat form was a Manifest of version 1 where it names none), the server's
+        config in `deployed_as` where the treatment is named otherwise."""
+        own: dict[str, Any] = {k: data[k] for k in ("run_dir", "fault", "scheme") if k in data}
+        manifest = {k: v for k, v in data.items() if k not in (*own, "deployed_as")}
+        return {**own, "config": data.get("config"),
+                "manifest": {"schema_version": 1, **manifest, "config": data.get("deployed_as") or data.get("config")}}
 
     def flat(self) -> dict[str, Any]:
-        """The treatment as versions 0 and 1 wrote it (legacy())."""
+        """The treatment as versions 0 and 1 wrote it (unflatten())."""
         own = self.model_dump(include={"run_dir", "fault", "scheme"})
+        named = self.deployed_as != self.config or self._flat_deployed_as_own_name
         return {**self.manifest.model_dump(by_alias=True), "config": self.config, "run_dir": own["run_dir"],
-                "deployed_as": self.deployed_as if self.deployed_as != self.config else None,
-                "fault": own["fault"], "scheme": own["scheme"]}
+                "deployed_as": self.deployed_as if named else None, "fault": own["fault"], "scheme": own["scheme"]}
 
     @property
     def role(self) -> Role:
@@ -501,9 +502,29 @@ class RunInfo(Artifact):
     mode: Mode = "normal"
     interrupted: str | None = None  # why the bench stopped early; the treatments in status.jsonl are intact
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _flat_before_2(cls, data: Any, handler: ModelWrapValidatorHandler[RunInfo]) -> RunInfo:
+        """Versions 0 and 1 hold flat treatments (Treatment.unflatten), version 2 and later nested ones; a file
+        that mixes its version and form is refused."""
+        version = data.get("schema_version", SCHEMA_VERSION) if isinstance(data, dict) else None
+        servers = data.get("servers") if isinstance(data, dict) else None
+        if not isinstance(version, int) or not isinstance(servers, list):
+            return handler(data)
+        flat = version < 2
+        if any(isinstance(s, dict) and ("manifest" in s) == flat for s in servers):
+            form = "flat (its manifest's fields beside its own)" if flat else "nests its server's manifest"
+            raise ValueError(f"schema_version {version}: each treatment is {form}")
+        if not flat:
+            return handler(data)
+        run = handler({**data, "servers": [Treatment.unflatten(s) if isinstance(s, dict) else s for s in servers]})
+        for treatment, given in zip(run.servers, servers, strict=True):
+            treatment._flat_deployed_as_own_name = given.get("deployed_as") == treatment.config
+        return run
+
     @model_serializer(mode="wrap")
     def _as_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A run.json of version 0 or 1 is written back in its own form, each treatment flat (Treatment.legacy),
+        """A run.json of version 0 or 1 is written back in its own form, each treatment flat (Treatment.flat),
         so a published run re-renders byte for byte."""
         data = handler(self)
         if self.schema_version < 2:

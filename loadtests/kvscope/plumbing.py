@@ -18,7 +18,7 @@ from kvscope.deploy import servers
 
 
 def cmd_render(args) -> int:
-    m = matrix_mod.load(args.matrix)
+    m = matrix_mod.load(args.matrix, args.matrix_dir)
     chosen = matrix_mod.select(m, names(args.configs), args.platform)
     model = Path(args.model).resolve()
     if errors := model_errors(model):
@@ -100,6 +100,8 @@ def cmd_image_info(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvscope.plumbing", description=__doc__)
     p.add_argument("--matrix", type=Path, default=DEFAULT_MATRIX, help="storage-config matrix YAML")
+    p.add_argument("--matrix-dir", type=Path, default=None,
+                   help="the folder its relative paths are in (default: the matrix file's; a copy's: the original's)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("render", help="validate, then render selected configs into rendered.json")

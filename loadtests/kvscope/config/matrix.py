@@ -266,8 +266,9 @@ def _describe(err: ValidationError, where: str) -> str:
     return "\n".join(lines)
 
 
-def load(path: Path) -> Matrix:
-    """Read and validate the matrix, naming the config and field of every error."""
+def load(path: Path, base: Path | None = None) -> Matrix:
+    """Read and validate the matrix, naming the config and field of every error. Relative folders (python_path)
+    are resolved against `base`, by default the matrix file's folder (a copy's: its original's)."""
     try:
         raw = strict_yaml.load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -304,7 +305,7 @@ def load(path: Path) -> Matrix:
         errors.append(f"{path}: field '{key}': unknown key")
     errors.extend(_cross_config_errors(configs))
     for cfg in configs:  # python_path: relative to the matrix file, and there
-        cfg.python_path = [str((Path(path).parent / p).resolve()) for p in cfg.python_path]
+        cfg.python_path = [str((Path(base or Path(path).parent) / p).resolve()) for p in cfg.python_path]
         errors += [f"config '{cfg.name}': field 'python_path': {p} is not a folder" for p in cfg.python_path
                    if not Path(p).is_dir()]
     if errors or matrix is None:

@@ -2,7 +2,8 @@
 its own so that Ctrl-C reaches the rollout, which stops between steps, and not a playbook halfway through a task.
 
     state    ansible/rollout-state.yml: what each host serves (deployment, rendered definitions, health, images)
-    change   teardown.yml for the rolled configs only, then deploy.yml with the new matrix, configs or image
+    change   teardown.yml for the rolled configs only, then deploy.yml with the new matrix (the batch's copy of it),
+             configs or image
     restore  teardown.yml for the rolled configs, then deploy.yml with the definitions recorded before the change
 """
 
@@ -108,13 +109,15 @@ class Ansible:
                 out[host] = HostState(host=host, run_dir="?", error=f"{path}: {str(exc)[:300]}")
         return out
 
-    def change(self, hosts: list[str], log: Path) -> int:
-        """Stop the rolled configs' servers on `hosts`, then deploy the new version of them."""
+    def change(self, hosts: list[str], matrix: Path, log: Path) -> int:
+        """Stop the rolled configs' servers on `hosts`, then deploy the new version of them from `matrix`, a copy
+        of self.matrix whose relative paths stay those of self.matrix's folder."""
         configs = ",".join(self.configs)
         rc = self.playbook("teardown.yml", hosts, [f"teardown_configs={configs}"], log)
         if rc != 0:
             return rc
-        new = [f"kvscope_matrix={self.matrix.resolve()}", f"vllm_configs={configs}"]
+        new = [f"kvscope_matrix={matrix.resolve()}", f"kvscope_matrix_dir={self.matrix.resolve().parent}",
+               f"vllm_configs={configs}"]
         return self.playbook("deploy.yml", hosts, new + ([f"vllm_image={self.image}"] if self.image else []), log)
 
     def restore(self, before: HostState, folder: Path, log: Path) -> int:

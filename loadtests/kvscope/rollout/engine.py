@@ -5,13 +5,16 @@ A batch goes pending -> changing -> gating -> passed, or on a gate that fails (F
 verdict unless --inconclusive continue) -> rolling-back -> rolled-back (or rollback-failed, the worst outcome:
 reported, never hidden). A batch's hosts are recorded before anything changes, and a host whose servers cannot
 be restored exactly stops the rollout before it is touched; so does a matrix file whose content is no longer the
-sha256 recorded at the start (interrupted: re-running with the recorded content resumes). Ctrl-C (or SIGTERM)
-stops between steps; during a rollback it lets the rollback finish first; a second Ctrl-C aborts the step at
-once. Re-running resumes from the batch's recorded state: finished batches are not rolled again.
+sha256 recorded at the start (interrupted: re-running with the recorded content resumes). A change deploys a
+read-only copy, in its batch's folder, of the content just checked, not the file, which may change meanwhile;
+the folders the matrix names (python_path) are not checked. Ctrl-C (or SIGTERM) stops between steps; during a
+rollback it lets the rollback finish first; a second Ctrl-C aborts the step at once. Re-running resumes from the
+batch's recorded state: finished batches are not rolled again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import signal
 import sys
 import time
@@ -40,7 +43,6 @@ from kvscope.rollout.record import (
     now,
     same,
     save,
-    sha256,
 )
 
 
@@ -49,7 +51,7 @@ class Ops(Protocol):
 
     def state(self, hosts: list[str], dest: Path, log: Path) -> dict[str, HostState]: ...
 
-    def change(self, hosts: list[str], log: Path) -> int: ...
+    def change(self, hosts: list[str], matrix: Path, log: Path) -> int: ...
 
     def restore(self, before: HostState, folder: Path, log: Path) -> int: ...
 
@@ -213,9 +215,9 @@ class Engine:
             self.save()
             self.stop.check()
         if batch.state == "changing":
-            self._check_matrix(batch)  # again: the record step took a while, and the change deploys the file as it is
+            matrix = self._copy_matrix(batch)  # again: the record step took a while
             with self.step(batch, "change", f"stop the old {', '.join(self.r.configs)}, deploy the new") as step:
-                rc = self.ops.change(batch.hosts, self.log(step))
+                rc = self.ops.change(batch.hosts, matrix, self.log(step))
                 if rc != 0:
                     step.outcome = f"failed (exit {rc}; its log: {step.log})"
             batch.state = "gating"
@@ -242,18 +244,31 @@ class Engine:
             self.save()
         return self._rollback(batch)
 
-    def _check_matrix(self, batch: Batch) -> None:
-        """Each change deploys the matrix file as it is then: content other than the recorded sha256 is refused
-        before anything of the batch is touched."""
+    def _check_matrix(self, batch: Batch) -> bytes:
+        """The matrix file's content, refused (before anything of the batch is touched) unless its sha256 is the
+        one recorded at the start."""
         try:
-            found = sha256(Path(self.r.matrix))
+            content = Path(self.r.matrix).read_bytes()
+            found = hashlib.sha256(content).hexdigest()
             now = f"sha256 {found[:12]}"
         except OSError as exc:
-            found, now = "", f"unreadable: {exc.strerror}"
+            content, found, now = b"", "", f"unreadable: {exc.strerror}"
         if found != self.r.matrix_sha256:
             raise MatrixChanged(f"{self.r.matrix} changed since the rollout started ({now}, recorded sha256 "
                                 f"{self.r.matrix_sha256[:12]}); batch {batch.index} was not changed: put the recorded "
                                 "matrix back and re-run to resume, or roll the new one as a rollout of its own")
+        return content
+
+    def _copy_matrix(self, batch: Batch) -> Path:
+        """What the batch's change deploys: the checked content, written read-only into the batch's folder, so that
+        an edit of the matrix file during the change (its teardown takes minutes) is not deployed."""
+        content = self._check_matrix(batch)
+        copy = self.batch_dir(batch) / "matrix.yaml"
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.unlink(missing_ok=True)  # a resumed change's, read-only
+        copy.write_bytes(content)
+        copy.chmod(0o444)
+        return copy
 
     def _check_restorable(self, batch: Batch) -> None:
         problems = [f"{h}: {s.error}" for h, s in batch.before.items() if s.error]
