@@ -395,4 +395,4 @@ def test_a_change_deploys_the_batchs_copy_with_relative_paths_resolved_beside_th
     ops = Ansible("inv", [], tmp_path / "team" / "m.yaml", ["tier"], None)
     assert ops.change(["h1"], tmp_path / "batches" / "01" / "matrix.yaml", tmp_path / "log") == 0
     assert calls[1] == ("deploy.yml", [f"kvscope_matrix={tmp_path / 'batches' / '01' / 'matrix.yaml'}",
-                                       f"kvscope_matrix_dir={tmp_path / 'team'}", "vllm_configs=tier"])
+                                       f"vllm_matrix_dir={tmp_path / 'team'}", "vllm_configs=tier"])

@@ -116,7 +116,7 @@ class Ansible:
         rc = self.playbook("teardown.yml", hosts, [f"teardown_configs={configs}"], log)
         if rc != 0:
             return rc
-        new = [f"kvscope_matrix={matrix.resolve()}", f"kvscope_matrix_dir={self.matrix.resolve().parent}",
+        new = [f"kvscope_matrix={matrix.resolve()}", f"vllm_matrix_dir={self.matrix.resolve().parent}",
                f"vllm_configs={configs}"]
         return self.playbook("deploy.yml", hosts, new + ([f"vllm_image={self.image}"] if self.image else []), log)
 
