@@ -2,6 +2,7 @@
 report in results/ can never silently disagree with the code."""
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -10,7 +11,9 @@ from conftest import REPO
 
 from kvscope.analyze import plots, report
 
-RUNS = sorted(p.parent for p in (REPO / "results").glob("*/run.json"))
+# the runs the checkout publishes (tracked), not a run folder `make bench` just wrote beside them
+RUNS = sorted((REPO / p).parent for p in subprocess.run(["git", "ls-files", "results/*/run.json"], cwd=REPO,
+                                                        capture_output=True, text=True, check=True).stdout.split())
 SMALL = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"  # a small published run: fast to re-render
 
 
