@@ -1,14 +1,17 @@
 """The run folder's layout has one owner (kvscope.runfolder): the bench writes and the report reads through it."""
 
 import json
+import shutil
 import operator
 import re
 from functools import reduce
+from pathlib import Path
 
 import pytest
 from conftest import REPO
 
-from kvscope.artifacts import SCHEMA_VERSION, ArtifactError, RunInfo, StatusRow, read_json, read_jsonl, write_json
+from kvscope.artifacts import (SCHEMA_VERSION, ArtifactError, Record, RunInfo, StatusRow, read_json, read_jsonl,
+                               write_json)
 from kvscope.runfolder import TABLES, RunFolder
 
 # A run folder's files and folders, as a path expression would name them outside the module.
@@ -118,3 +121,50 @@ def test_run_json_keeps_the_scenario_settings_each_run_recorded_and_reads_each_c
     assert (first.users, first.repeat) == (None, 1) and "users" not in first.model_dump()
     restart = swept.scenarios["restart"]
     assert restart.restart and restart.prime == "replay" and restart.users and restart.repeat == 1
+
+
+def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_names_the_gzipped_records(
+        tmp_path, monkeypatch):
+    from kvscope.analyze import report
+    from kvscope.cli import main
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    plain, packed = (shutil.copytree(REPO / "results" / name, tmp_path / d / name) for d in ("plain", "packed"))
+    (packed / "records" / "empty__rag-zipf.jsonl").touch()  # a treatment that recorded nothing stays so
+    assert main(["compress", str(packed)]) == 0
+    assert sorted(p.name for p in (packed / "records").iterdir()) == sorted(
+        [p.name + ".gz" for p in (plain / "records").iterdir()] + ["empty__rag-zipf.jsonl"])
+    (packed / "records" / "empty__rag-zipf.jsonl").unlink()
+    rendered = {}
+    for folder in (plain, packed):
+        monkeypatch.chdir(folder.parent)
+        report.write(Path(name))
+        rendered[folder] = {f.name: f.read_text() for f in folder.iterdir() if f.suffix in (".csv", ".md")}
+    assert rendered[plain].keys() == rendered[packed].keys()
+    for f, text in rendered[plain].items():
+        expected = text.replace("(`records/*.jsonl`)", "(`records/*.jsonl.gz`)") if f == "report.md" else text
+        assert rendered[packed][f] == expected, f
+    assert "(`records/*.jsonl.gz`)" in rendered[packed]["report.md"]
+
+
+def test_a_truncated_gzip_of_records_is_an_error_naming_the_file(tmp_path):
+    rf = RunFolder(tmp_path)
+    (tmp_path / "records").mkdir()
+    rf.records("apc", "rag-zipf").write_text(
+        (REPO / "results" / "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user" / "records" /
+         "control__rag-zipf.jsonl").read_text())
+    [(packed, _)] = rf.compress()
+    assert rf.records("apc", "rag-zipf") == packed
+    packed.write_bytes(packed.read_bytes()[:-40])
+    with pytest.raises(ArtifactError, match=r"apc__rag-zipf\.jsonl\.gz: a truncated or broken gzip file"):
+        read_jsonl(packed, Record)
+    # a treatment run again starts its records afresh, in the plain form the bench appends to
+    assert rf.clear_records("apc", "rag-zipf") == tmp_path / "records" / "apc__rag-zipf.jsonl"
+    assert not any((tmp_path / "records").iterdir())
+
+
+def test_a_published_run_is_not_compressed(capsys):
+    from kvscope.cli import main
+
+    assert main(["compress", str(PUBLISHED.root)]) == 2
+    assert "a published run" in capsys.readouterr().err

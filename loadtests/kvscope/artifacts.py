@@ -24,7 +24,9 @@ stays out.
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -554,14 +556,18 @@ def write_json(path: Path, model: Artifact) -> None:
 
 
 def read_jsonl(path: Path, cls: type[A]) -> list[A]:
-    """Every row of a JSONL file; a truncated or foreign line is an error naming the file and line."""
+    """Every row of a JSONL file (gzipped where its name ends in .gz); a truncated or foreign line, or a broken
+    gzip stream, is an error naming the file (and line)."""
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                out.append(cls.model_validate(_versioned(json.loads(line))))
-            except (json.JSONDecodeError, ValidationError) as exc:
-                raise ArtifactError(f"{path}:{n}: truncated or not a kvscope {cls.__name__}: {exc}") from exc
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+        try:
+            for n, line in enumerate(f, 1):
+                try:
+                    out.append(cls.model_validate(_versioned(json.loads(line))))
+                except (json.JSONDecodeError, ValidationError) as exc:
+                    raise ArtifactError(f"{path}:{n}: truncated or not a kvscope {cls.__name__}: {exc}") from exc
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            raise ArtifactError(f"{path}: a truncated or broken gzip file: {exc}") from exc
     return out
 
 

@@ -190,6 +190,20 @@ def cmd_report(args) -> int:
     return _report(Path(args.run), args, Path(args.out) if args.out else None, args.rewrite)
 
 
+def cmd_compress(args) -> int:
+    rf = RunFolder(Path(args.run))
+    if not rf.run_json.exists():
+        raise matrix_mod.ConfigError(f"{args.run}: not a kvscope run folder (no run.json)")
+    if rf.published_as is not None:
+        raise matrix_mod.ConfigError(f"{args.run}: a published run (tracked as {rf.published_as}); its records "
+                                     "stay as committed")
+    done = rf.compress()
+    before, after = sum(size for _, size in done), sum(path.stat().st_size for path, _ in done)
+    print(f"{len(done)} records files gzipped: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB; the report names "
+          f"them once re-written: make report RUN={args.run}")
+    return 0
+
+
 def cmd_compare(args) -> int:
     from kvscope.analyze import comparison
 
@@ -298,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rewrite a published run's committed report even where this code renders it differently "
                         "(refused without it)")
     s.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("compress", help="gzip a run folder's records before publishing it (every reader takes "
+                                        "either form; a published run is refused)")
+    s.add_argument("run", help="a run folder (not yet committed)")
+    s.set_defaults(func=cmd_compress)
 
     s = sub.add_parser("compare", help="put runs side by side (they must share a workload)")
     s.add_argument("runs", help="comma-separated run folders")

@@ -3,7 +3,7 @@
     run.json                                   RunInfo: command, machine, servers, scenarios, mode
     status.jsonl                               a StatusRow per treatment (resets, phases, logs kept)
     workloads/<scenario>.<phase>.jsonl         the requests replayed
-    records/<config>__<scenario>.jsonl         a Record per answer
+    records/<config>__<scenario>.jsonl[.gz]    a Record per answer (gzipped by `kvscope compress` to publish)
     continuations/<config>__<scenario>.jsonl   golden's scoring of answers that split from its own
     faults/<config>__<scenario>.jsonl          a canary treatment's fault log
     loads/<config>__<scenario>.jsonl           the connector's load log of a treatment
@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -51,7 +53,38 @@ class RunFolder:
         return self.workloads / f"{scenario}.{phase}.jsonl"
 
     def records(self, config: str, scenario: str) -> Path:
-        return self._per_treatment("records", config, scenario)
+        """A treatment's records: the gzipped file once compress() made it, else the one the bench appends to."""
+        plain = self._per_treatment("records", config, scenario)
+        packed = plain.with_name(plain.name + ".gz")
+        return packed if packed.exists() else plain
+
+    def clear_records(self, config: str, scenario: str) -> Path:
+        """Remove a treatment's records (a treatment cut short is run again); the path to append to."""
+        plain = self._per_treatment("records", config, scenario)
+        for path in (plain, plain.with_name(plain.name + ".gz")):
+            path.unlink(missing_ok=True)
+        return plain
+
+    @property
+    def records_glob(self) -> str:
+        """How the folder holds its records, as a report names them."""
+        return "records/*.jsonl.gz" if any((self.root / "records").glob("*.jsonl.gz")) else "records/*.jsonl"
+
+    def compress(self) -> list[tuple[Path, int]]:
+        """Gzip every non-empty records file (the bulk of a published run; readers take either form); each
+        file written with the plain file's size. An empty file stays: it says the treatment recorded nothing."""
+        done = []
+        for plain in sorted((self.root / "records").glob("*.jsonl")):
+            if not plain.stat().st_size:
+                continue
+            packed = plain.with_name(plain.name + ".gz")
+            part = packed.with_name(packed.name + ".part")
+            with open(plain, "rb") as src, gzip.GzipFile(part, "wb", mtime=0) as dst:
+                shutil.copyfileobj(src, dst)
+            part.replace(packed)
+            done.append((packed, plain.stat().st_size))
+            plain.unlink()
+        return done
 
     def continuations(self, config: str, scenario: str) -> Path:
         return self._per_treatment("continuations", config, scenario)

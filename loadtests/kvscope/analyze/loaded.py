@@ -33,6 +33,7 @@ class LoadedRun:
     expected: dict[str, int]  # measure-phase requests per scenario, from the workload files
     workload_digest: str
     published_as: Path | None = None  # a published run's path in its checkout (RunFolder.published_as)
+    records_glob: str = "records/*.jsonl"  # how the folder holds its records (gzipped once compressed)
 
     @property
     def name(self) -> Path:
@@ -56,7 +57,8 @@ def load(folder: Path) -> LoadedRun:
         faults={t: read_jsonl(rf.faults(*t), FaultEvent) for t in treatments if rf.faults(*t).exists()},
         loads={t: read_jsonl(rf.loads(*t), LoadEvent) for t in treatments if rf.loads(*t).exists()},
         expected={s: _lines(rf.workload(s, "measure")) for s in run.scenarios},
-        workload_digest=_digest(rf), published_as=rf.published_as)
+        workload_digest=_digest(rf), published_as=rf.published_as,
+        records_glob=rf.records_glob)
 
 
 def _records(rf: RunFolder, run: RunInfo, status: list[StatusRow]) -> dict[ConfigScenario, list[Record]]:

@@ -427,7 +427,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
               "token after the first" + (f"; SLO: {_slo_words(a.slo)}, goodput = requests/s that met it"
                                          if a.slo else "; `--slo ttft=MS,tpot=MS` adds goodput") +
               " (`overview.csv`).", ""]
-    lines += ["Every figure here is computed from this folder's raw records (`records/*.jsonl`) by "
+    lines += [f"Every figure here is computed from this folder's raw records (`{a.loaded.records_glob}`) by "
               f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
               "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "
               "logprobs wherever the tokens agree; speed-up = golden TTFT p50 / config TTFT p50 on the same "

@@ -430,8 +430,7 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
                progress: str) -> None:
     """Reset one server, run a scenario's phases on it, and append its status row."""
     rf = RunFolder(folder)
-    records = rf.records(server.config, scenario)
-    records.unlink(missing_ok=True)  # a treatment cut short is run again
+    records = rf.clear_records(server.config, scenario)  # a treatment cut short is run again
     print(f"{progress}: warm-up, reset", end="", flush=True)
     warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
     cleared = reset(server)
