@@ -1,17 +1,25 @@
 """The run folder's layout has one owner (kvscope.runfolder): the bench writes and the report reads through it."""
 
 import json
-import shutil
 import operator
 import re
+import shutil
 from functools import reduce
 from pathlib import Path
 
 import pytest
 from conftest import REPO
 
-from kvscope.artifacts import (SCHEMA_VERSION, ArtifactError, Record, RunInfo, StatusRow, read_json, read_jsonl,
-                               write_json)
+from kvscope.artifacts import (
+    SCHEMA_VERSION,
+    ArtifactError,
+    Record,
+    RunInfo,
+    StatusRow,
+    read_json,
+    read_jsonl,
+    write_json,
+)
 from kvscope.runfolder import TABLES, RunFolder
 
 # A run folder's files and folders, as a path expression would name them outside the module.
@@ -145,6 +153,12 @@ def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_nam
         expected = text.replace("(`records/*.jsonl`)", "(`records/*.jsonl.gz`)") if f == "report.md" else text
         assert rendered[packed][f] == expected, f
     assert "(`records/*.jsonl.gz`)" in rendered[packed]["report.md"]
+    # the gzip header names the plain file (what `gunzip -N` restores)
+    assert b"control__rag-zipf.jsonl\0" in (packed / "records" / "control__rag-zipf.jsonl.gz").read_bytes()[:64]
+    # a treatment re-run after compress (--resume) leaves both forms in the folder: the report names both
+    (packed / "records" / "baseline__rag-zipf.jsonl.gz").unlink()
+    shutil.copy(plain / "records" / "baseline__rag-zipf.jsonl", packed / "records")
+    assert RunFolder(packed).records_glob == "records/*.jsonl and records/*.jsonl.gz"
 
 
 def test_a_truncated_gzip_of_records_is_an_error_naming_the_file(tmp_path):
@@ -158,6 +172,10 @@ def test_a_truncated_gzip_of_records_is_an_error_naming_the_file(tmp_path):
     packed.write_bytes(packed.read_bytes()[:-40])
     with pytest.raises(ArtifactError, match=r"apc__rag-zipf\.jsonl\.gz: a truncated or broken gzip file"):
         read_jsonl(packed, Record)
+    # records appended after compress: neither form holds them all, and the reader says so
+    rf.records("apc", "rag-zipf").with_suffix("").with_suffix(".jsonl").write_text("{}\n")
+    with pytest.raises(ArtifactError, match="written after the folder was compressed"):
+        rf.records("apc", "rag-zipf")
     # a treatment run again starts its records afresh, in the plain form the bench appends to
     assert rf.clear_records("apc", "rag-zipf") == tmp_path / "records" / "apc__rag-zipf.jsonl"
     assert not any((tmp_path / "records").iterdir())

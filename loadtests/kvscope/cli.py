@@ -194,9 +194,11 @@ def cmd_compress(args) -> int:
     rf = RunFolder(Path(args.run))
     if not rf.run_json.exists():
         raise matrix_mod.ConfigError(f"{args.run}: not a kvscope run folder (no run.json)")
-    if rf.published_as is not None:
-        raise matrix_mod.ConfigError(f"{args.run}: a published run (tracked as {rf.published_as}); its records "
-                                     "stay as committed")
+    tracked = rf.tracked()
+    if tracked is None or tracked:
+        raise matrix_mod.ConfigError(f"{args.run}: " + ("git cannot tell whether it is a published run" if tracked
+                                     is None else f"a published run (its checkout tracks {len(tracked)} of its "
+                                     "files); its records stay as committed"))
     done = rf.compress()
     before, after = sum(size for _, size in done), sum(path.stat().st_size for path, _ in done)
     print(f"{len(done)} records files gzipped: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB; the report names "

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvscope.artifacts import ArtifactError
+
 TABLES = ("scores", "summary", "verdicts", "overview", "power", "tiers", "sweep")
 PLOTS = ("fidelity_matrix", "hit_rates", "ttft_cdf", "ttft_vs_cached", "load_sweep")
 
@@ -53,10 +55,16 @@ class RunFolder:
         return self.workloads / f"{scenario}.{phase}.jsonl"
 
     def records(self, config: str, scenario: str) -> Path:
-        """A treatment's records: the gzipped file once compress() made it, else the one the bench appends to."""
+        """A treatment's records: the gzipped file once compress() made it, else the one the bench appends to.
+        Both at once (records appended after compress) is an error: neither holds them all."""
         plain = self._per_treatment("records", config, scenario)
         packed = plain.with_name(plain.name + ".gz")
-        return packed if packed.exists() else plain
+        if not packed.exists():
+            return plain
+        if plain.exists() and plain.stat().st_size:
+            raise ArtifactError(f"{plain}: records beside {packed.name}, written after the folder was compressed: "
+                                "run `kvscope compress` on it again")
+        return packed
 
     def clear_records(self, config: str, scenario: str) -> Path:
         """Remove a treatment's records (a treatment cut short is run again); the path to append to."""
@@ -68,22 +76,29 @@ class RunFolder:
     @property
     def records_glob(self) -> str:
         """How the folder holds its records, as a report names them."""
-        return "records/*.jsonl.gz" if any((self.root / "records").glob("*.jsonl.gz")) else "records/*.jsonl"
+        forms = {p.name.endswith(".gz") for p in (self.root / "records").glob("*.jsonl*") if p.stat().st_size}
+        return " and ".join(f"records/*.jsonl{'.gz' if gz else ''}" for gz in sorted(forms)) or "records/*.jsonl"
 
     def compress(self) -> list[tuple[Path, int]]:
         """Gzip every non-empty records file (the bulk of a published run; readers take either form); each
-        file written with the plain file's size. An empty file stays: it says the treatment recorded nothing."""
+        file written with the plain file's size. An empty file stays: it says the treatment recorded nothing.
+        The gzipped file is on disk (fsync) before the plain one goes; a crash leaves the plain one whole."""
         done = []
         for plain in sorted((self.root / "records").glob("*.jsonl")):
-            if not plain.stat().st_size:
+            size = plain.stat().st_size
+            if not size:
                 continue
             packed = plain.with_name(plain.name + ".gz")
             part = packed.with_name(packed.name + ".part")
-            with open(plain, "rb") as src, gzip.GzipFile(part, "wb", mtime=0) as dst:
-                shutil.copyfileobj(src, dst)
+            with open(plain, "rb") as src, open(part, "wb") as out:
+                with gzip.GzipFile(plain.name, "wb", fileobj=out, mtime=0) as dst:
+                    shutil.copyfileobj(src, dst)
+                out.flush()
+                os.fsync(out.fileno())
             part.replace(packed)
-            done.append((packed, plain.stat().st_size))
+            _fsync_dir(packed.parent)
             plain.unlink()
+            done.append((packed, size))
         return done
 
     def continuations(self, config: str, scenario: str) -> Path:
@@ -149,5 +164,27 @@ class RunFolder:
     def _unsure(self, why: str) -> None:
         print(f"kvscope: cannot tell whether {self.root} is a published run: {why}", file=sys.stderr)
 
+    def tracked(self) -> list[str] | None:
+        """The folder's files its git checkout tracks ([] outside one, or without git); None where git cannot
+        tell (a refusal or a timeout)."""
+        try:
+            out = subprocess.run(["git", "-C", str(self.root), "ls-files", "."], capture_output=True, text=True,
+                                 timeout=30, env={**os.environ, "LC_ALL": "C"})
+        except FileNotFoundError:
+            return []
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode:
+            return [] if "not a git repository" in out.stderr else None
+        return out.stdout.split()
+
     def _per_treatment(self, kind: str, config: str, scenario: str) -> Path:
         return self.root / kind / f"{config}__{scenario}.jsonl"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
