@@ -35,3 +35,18 @@ def test_a_peer_not_loaded_is_said_not_passed():
 
 def test_no_load_phase_judges_nothing():
     assert verdicts({}, "baseline", ["offload-cpu-tier"]) == []
+
+
+def test_a_hit_ratio_on_a_partial_hit_says_how_much_was_cached():
+    # 2026-12-03 on the H200: kvscope-fs's 32k "hit" held 16,384 of 32,768 tokens (saves skipped), and the
+    # goal line compared it with offload's whole hit without a word
+    goals = [("kvscope-fs", "offload-cpu-tier", 8000, None, 1.3), ("kvscope-fs", connector_ttft.COLD, 16000, None, 0.5)]
+    medians = {32768: {"kvscope-fs": 0.93, "offload-cpu-tier": 0.24, connector_ttft.COLD: 1.05}}
+    cached = {32768: {"kvscope-fs": 16384, "offload-cpu-tier": 32768, connector_ttft.COLD: 0}}
+    assert connector_ttft.goal_lines(goals, medians, cached) == [
+        "kvscope-fs / offload-cpu-tier at 32768 tokens: 3.88 (goal <= 1.3: NOT met; a partial hit: 16384 of 32768 "
+        "tokens cached)",
+        "kvscope-fs / cold baseline at 32768 tokens: 0.89 (goal <= 0.5: NOT met; a partial hit: 16384 of 32768 "
+        "tokens cached)"]
+    cached[32768]["kvscope-fs"] = 32736  # all but the last, partial block: a whole hit
+    assert [line.endswith("NOT met)") for line in connector_ttft.goal_lines(goals, medians, cached)] == [True, True]
