@@ -10,7 +10,7 @@ time is the median of ROUNDS, after one round of warm-up:
   load threads, its way before);
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on) and the whole save
   (the blocks stored in RAM).
-Prints ms and GB/s per step and each load's throughput against the copy's (goal >= 0.7), and checks that
+Prints ms and GB/s per step and each load's throughput against the copy's (goal >= 0.8, issue 33), and checks that
 every load wrote the saved blocks' bytes.
 
     python loadtests/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
@@ -112,7 +112,7 @@ def main() -> None:
         check(w, n, name)
     print()
     for name in hits:
-        print(f"{name + ': throughput / the copy':<72} = {took[limit] / took[name]:.2f}  (goal >= 0.7)")
+        print(f"{name + ': throughput / the copy':<72} = {took[limit] / took[name]:.2f}  (goal >= 0.8)")
     tmp.cleanup()
 
 
