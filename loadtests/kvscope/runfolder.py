@@ -57,8 +57,7 @@ class RunFolder:
     def records(self, config: str, scenario: str) -> Path:
         """A treatment's records: the gzipped file once compress() made it, else the one the bench appends to.
         Both at once (records appended after compress) is an error: neither holds them all."""
-        plain = self._per_treatment("records", config, scenario)
-        packed = plain.with_name(plain.name + ".gz")
+        plain, packed = self._records_forms(config, scenario)
         if not packed.exists():
             return plain
         if plain.exists() and plain.stat().st_size:
@@ -68,8 +67,8 @@ class RunFolder:
 
     def clear_records(self, config: str, scenario: str) -> Path:
         """Remove a treatment's records (a treatment cut short is run again); the path to append to."""
-        plain = self._per_treatment("records", config, scenario)
-        for path in (plain, plain.with_name(plain.name + ".gz")):
+        plain, packed = self._records_forms(config, scenario)
+        for path in (plain, packed):
             path.unlink(missing_ok=True)
         return plain
 
@@ -88,7 +87,7 @@ class RunFolder:
             size = plain.stat().st_size
             if not size:
                 continue
-            packed = plain.with_name(plain.name + ".gz")
+            packed = _gzipped(plain)
             part = packed.with_name(packed.name + ".part")
             with open(plain, "rb") as src, open(part, "wb") as out:
                 with gzip.GzipFile(plain.name, "wb", fileobj=out, mtime=0) as dst:
@@ -142,18 +141,15 @@ class RunFolder:
         ownership' refusal, or a timeout) it says so on stderr and the folder counts as unpublished."""
         if not self.root.is_dir():
             return None
-        env = {**os.environ, "LC_ALL": "C"}  # git's messages in English, to tell 'not a checkout' from a refusal
         try:
-            top = subprocess.run(["git", "-C", str(self.root), "rev-parse", "--show-toplevel"],
-                                 capture_output=True, text=True, timeout=30, env=env)
+            top = _git("-C", str(self.root), "rev-parse", "--show-toplevel")
             if top.returncode:
-                if "not a git repository" not in top.stderr:
+                if NOT_A_CHECKOUT not in top.stderr:
                     self._unsure(top.stderr.strip())
                 return None
             inside = Path(os.path.relpath(self.root.resolve(), Path(top.stdout.strip()).resolve()))
-            tracked = subprocess.run(["git", "--literal-pathspecs", "-C", top.stdout.strip(), "ls-files",
-                                      "--error-unmatch", str(inside / "report.md")],
-                                     capture_output=True, timeout=30, env=env)
+            tracked = _git("--literal-pathspecs", "-C", top.stdout.strip(), "ls-files", "--error-unmatch",
+                           str(inside / "report.md"))
         except FileNotFoundError:  # no git
             return None
         except (OSError, subprocess.SubprocessError) as exc:
@@ -168,18 +164,35 @@ class RunFolder:
         """The folder's files its git checkout tracks ([] outside one, or without git); None where git cannot
         tell (a refusal or a timeout)."""
         try:
-            out = subprocess.run(["git", "-C", str(self.root), "ls-files", "."], capture_output=True, text=True,
-                                 timeout=30, env={**os.environ, "LC_ALL": "C"})
-        except FileNotFoundError:
+            out = _git("-C", str(self.root), "ls-files", ".")
+        except FileNotFoundError:  # no git
             return []
         except (OSError, subprocess.SubprocessError):
             return None
         if out.returncode:
-            return [] if "not a git repository" in out.stderr else None
+            return [] if NOT_A_CHECKOUT in out.stderr else None
         return out.stdout.split()
 
     def _per_treatment(self, kind: str, config: str, scenario: str) -> Path:
         return self.root / kind / f"{config}__{scenario}.jsonl"
+
+    def _records_forms(self, config: str, scenario: str) -> tuple[Path, Path]:
+        """A treatment's records file as the bench appends to it, and as compress() gzips it."""
+        plain = self._per_treatment("records", config, scenario)
+        return plain, _gzipped(plain)
+
+
+NOT_A_CHECKOUT = "not a git repository"  # git's message outside a checkout (in English under LC_ALL=C)
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    """git's answer, its messages in English (to tell 'not a checkout' from a refusal)."""
+    return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "LC_ALL": "C"})
+
+
+def _gzipped(plain: Path) -> Path:
+    return plain.with_name(plain.name + ".gz")
 
 
 def _fsync_dir(path: Path) -> None:
