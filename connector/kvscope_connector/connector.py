@@ -14,6 +14,8 @@ kv_connector_extra_config keys:
 - fs_path (str, optional): filesystem tier directory (local, or NFS shared by several servers).
 - fs_bytes (int, optional): filesystem tier capacity; unbounded when absent.
 - fsync (bool, default false): fsync each block before its atomic rename.
+- save_backlog_bytes (int, optional): host copies of saved blocks that may wait for the save thread (1 GiB on
+  the CPU, 4 GiB beside a GPU); beyond it, file-only saves are skipped and RAM saves waited for.
 - model_id (str, optional): weights identity to use instead of hashing the model's files.
 - load_log (str, optional): a JSONL file; each step appends, per request that loaded, the blocks each tier
   served ({"request": vLLM's request id, "ram": n, "disk": n, "missed": n}): kvscope's per-tier verdict.
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 COUNTERS = ("ram_hits", "fs_hits", "misses", "corrupt", "io_errors", "saves", "save_errors", "saves_skipped",
-            "load_bytes", "save_bytes", "load_seconds", "save_seconds", "evictions")
+            "load_bytes", "save_bytes", "load_seconds", "save_seconds", "save_wait_seconds", "evictions")
 
 
 @dataclass
@@ -156,7 +158,9 @@ class KVScopeConnector(KVConnectorBase_V1):
         else:
             # the scheduler decides evictions; the slack covers blocks still in flight
             ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
-            self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs, checksum)
+            backlog = extra("save_backlog_bytes", None)
+            self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs, checksum,
+                                               backlog=None if backlog is None else int(backlog))
             self.worker_side.load_log = extra("load_log", None)
             self.worker_side.may_skip_files = vllm_config.parallel_config.tensor_parallel_size == 1
 

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from itertools import zip_longest
 
 import torch
-from safetensors.torch import save as st_save
 
 from .blocks import Block, CorruptBlock, Entry, Layout
 
@@ -40,12 +39,23 @@ def mac(secret: bytes, fingerprint: str, key: str, block: Block) -> str:
     return h.hexdigest()
 
 
-def encode(block: Block, layout: Layout, fingerprint: str, key: str, digest: str,
+def header(block: Block, layout: Layout, fingerprint: str, key: str, digest: str,
            secret: bytes | None = None) -> bytes:
+    """What a block's file holds before the block's bytes: safetensors' 8-byte length and JSON header, one
+    tensor per layer over the block as it lies, in the layout's order. The file is this and then the block,
+    written without a copy (safetensors' own writer would copy it, and order tensors of several dtypes by
+    dtype, away from the block's bytes)."""
     meta = {"kvscope_format": FORMAT_VERSION, "fingerprint": fingerprint, "key": key, "checksum": digest}
     if secret is not None:
         meta["mac"] = mac(secret, fingerprint, key, block)
-    return st_save(layout.views(block), metadata=meta)
+    text = _META.decode() + json.dumps(meta, separators=(",", ":")) + _tensors_text(layout)
+    text += " " * (-len(text) % 8)  # as safetensors pads it: the data begins 8-byte aligned
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def writable(layout: Layout) -> None:
+    """Raise ValueError where layout's blocks cannot be files (a dtype the format does not name)."""
+    _tensors_text(layout)
 
 
 _META = b'{"__metadata__":'  # how safetensors begins a header that has metadata
@@ -53,29 +63,18 @@ _DECODER = json.JSONDecoder()
 
 
 @functools.lru_cache(maxsize=8)
-def _tensors_text(layout: Layout) -> str | None:
-    """What follows the metadata object in a header that encode() writes for layout (its padding stripped):
-    the tensors' entries, the same bytes whatever the metadata (safetensors orders the metadata's keys
-    differently in every process, so only this part has one spelling). None where that text does not parse
-    to the layout's entries (tensors of several dtypes, which safetensors orders by dtype first, or a dtype
-    this format does not name): the full parse then decides every file."""
-    data = st_save(layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8)), metadata={"": ""})
-    (n,) = struct.unpack_from("<Q", data, 0)
-    text = data[8:8 + n].decode()
-    text = text[_DECODER.raw_decode(text, len(_META))[1]:].rstrip(" ")
-    try:
-        agrees = json.loads("{" + text[1:]) == _expected(layout)
-    except (ValueError, KeyError):
-        return None
-    return text if agrees and text.isascii() else None
+def _tensors_text(layout: Layout) -> str:
+    """What follows the metadata object in a header that header() writes for layout: the tensors' entries,
+    the same bytes whatever the metadata. Raises ValueError for a dtype the format does not name."""
+    return "," + json.dumps(_expected(layout), separators=(",", ":"))[1:]
 
 
 def _quick_meta(json_text: bytes, layout: Layout) -> object | None:
-    """The metadata of a header's JSON that is encode()'s for layout, parsed alone: the tensors' entries are
+    """The metadata of a header's JSON that is header()'s for layout, parsed alone: the tensors' entries are
     compared as text, not parsed (parsing them was most of a block load's Python time). None for any other
     spelling, which the full parse then decides: this path accepts only what the full parse would."""
     tensors = _tensors_text(layout)
-    if tensors is None or not json_text.startswith(_META) or not json_text.isascii():
+    if not json_text.startswith(_META) or not json_text.isascii():
         return None
     text = json_text.decode("ascii")
     try:
@@ -107,6 +106,8 @@ def _expected(layout: Layout) -> dict:
     """The tensors' entries of a header written for layout, as the JSON gives them: a header equal to it
     needs no entry-by-entry check (the fast path of every load)."""
     names = {dtype: name for name, dtype in _DTYPES.items()}
+    if unnamed := sorted({str(e.dtype) for e in layout.entries if e.dtype not in names}):
+        raise ValueError(f"kvscope connector: no block format for KV caches of {', '.join(unnamed)}")
     return {e.name: {"dtype": names[e.dtype], "shape": list(e.shape), "data_offsets": [e.start, e.end]}
             for e in layout.entries}
 

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from .blocks import Block, CorruptBlock, Layout, checksum
-from .fileformat import MAX_HEADER, decode, encode
+from .fileformat import MAX_HEADER, decode, header
 from .transfer import SlotPool
 
 log = logging.getLogger("kvscope_connector")
@@ -49,6 +49,7 @@ class Stats:
     save_bytes: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
+    save_wait_seconds: float = 0.0  # the forward thread waiting for the save thread (its backlog full)
     evictions: int = 0
     logged: set = field(default_factory=set)
 
@@ -265,7 +266,7 @@ class FsTier:
 
     def put(self, key: str, block: Block, digest: str) -> int:
         """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
-        data = encode(block, self._layout(), self.fingerprint, key, digest, self.secret)
+        head = header(block, self._layout(), self.fingerprint, key, digest, self.secret)
         name = f"{key}.safetensors"
         tmp = f".{name}.{secrets.token_hex(8)}.tmp"  # unique across hosts sharing a store
         folder = self._folder(key, create=True)
@@ -273,7 +274,8 @@ class FsTier:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
             try:
                 with open(fd, "wb") as f:
-                    f.write(data)
+                    f.write(head)
+                    f.write(block.numpy())  # the block's own buffer (a pinned slot beside a GPU): no copy
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
@@ -284,7 +286,7 @@ class FsTier:
                 raise
         finally:
             os.close(folder)
-        self._note(key, len(data))
+        self._note(key, len(head) + block.numel())
         return self._evict()
 
     def _remove(self, key: str, aside: bool = False) -> None:
@@ -333,18 +335,20 @@ class FsTier:
         if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
             os.close(fd)
             raise CorruptBlock(f"not a regular file (mode {st.st_mode:o})")
-        try:  # two reads: the header's length, then the header and the block in one call (no lock held)
-            head = os.pread(fd, 8, 0)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        try:  # one read: the header's length follows from the file's size, and the file must then say it
             size = st.st_size
-            if not 0 <= n <= MAX_HEADER or size != 8 + n + layout.nbytes:
-                raise CorruptBlock(f"{size} bytes, expected {8 + max(n, 0) + layout.nbytes} (truncated or padded)")
-            header = bytearray(n)
+            n = size - 8 - layout.nbytes
+            if not 0 <= n <= MAX_HEADER:
+                raise CorruptBlock(f"{size} bytes, not 8 + a header of at most {MAX_HEADER} + {layout.nbytes} "
+                                   "(truncated or padded)")
+            head = bytearray(8 + n)
             block = self.pool.take() if self.pool is not None else torch.empty(layout.nbytes, dtype=torch.uint8)
             try:
-                if _read_fully(fd, [header, block.numpy()], 8) != n + layout.nbytes:
+                if _read_fully(fd, [head, block.numpy()], 0) != size:
                     raise CorruptBlock("the file shrank while it was read")
-                found = decode(head + header, block, self.fingerprint, key, layout, self.secret,
+                if (said := struct.unpack_from("<Q", head)[0]) != n:
+                    raise CorruptBlock(f"{size} bytes, expected {8 + said + layout.nbytes} (truncated or padded)")
+                found = decode(bytes(head), block, self.fingerprint, key, layout, self.secret,
                                self.checksum if verify else None)
             except BaseException:
                 if self.pool is not None:

@@ -33,11 +33,15 @@ import numpy as np
 import torch
 
 from .blocks import CHECKSUMS, Block, CorruptBlock, Layout, digest_hex, mix_digests
+from .fileformat import writable
 from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
 from .store import FsTier, RamTier, Stats, Tier
 from .transfer import Side, SlotPool
 
-MAX_PENDING_BYTES = 1 << 30  # host copies waiting for the save thread; beyond this, files are skipped
+SAVE_BACKLOG_BYTES = {"cpu": 1 << 30, "cuda": 1 << 32}  # host copies waiting for the save thread: beyond this,
+# files are skipped and RAM saves waited for. Beside a GPU a step of 8k new tokens of a 4B model is 1.2 GB: the
+# backlog holds a few steps, so the forward does not wait for each step's copies (the extra config overrides it)
+SAVE_THREADS = {"cpu": 1, "cuda": 4}  # files written at once per step's save (the write releases the GIL)
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
 LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk; beside a GPU, page-cache
 # reads into pinned memory scale further (the host's cores are otherwise idle)
@@ -84,9 +88,11 @@ class WorkerSide:
     device_checks = True  # beside a GPU, checksum on the GPU; the canary, which rewrites blocks on the host, says no
 
     def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None,
-                 checksum: str = "xxh3-128", on_device: bool | None = None):
+                 checksum: str = "xxh3-128", on_device: bool | None = None, backlog: int | None = None,
+                 load_threads: int | None = None):
         """`checksum` is the platform's (CHECKSUMS); `on_device` forces where blocks are checked (None: on
-        the GPU beside one, else on the host)."""
+        the GPU beside one, else on the host); `backlog` the bytes of saves that may wait and `load_threads`
+        the file reads in flight (None: the platform's SAVE_BACKLOG_BYTES, LOAD_THREADS)."""
         self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
         self.checksum_name, self.checksum = checksum, CHECKSUMS[checksum]
         self.forced = on_device
@@ -105,6 +111,9 @@ class WorkerSide:
         self.load_log: str | None = None  # JSONL: per request and step, the blocks each tier served (extra config)
         self.served: dict[str, dict[str, int]] = {}  # this step's request -> tier -> blocks
         self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
+        self.writers: ThreadPoolExecutor | None = None  # a save's file writes, with a filesystem tier; by register()
+        self.wanted_backlog, self.load_threads = backlog, load_threads
+        self.backlog = SAVE_BACKLOG_BYTES["cpu"]  # the platform's, or the one wanted; by register()
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
         self.saving: list[tuple[Future, set[str], int]] = []  # (job, keys it stores, bytes it holds), oldest first
@@ -121,8 +130,12 @@ class WorkerSide:
         self.on_device = (gpu and self.device_checks) if self.forced is None else self.forced
         if self.on_device and self.checksum_name != "mix128":
             raise ValueError(f"kvscope connector: {self.checksum_name} cannot be computed on the GPU (mix128 can)")
-        self.loaders = ThreadPoolExecutor(max_workers=LOAD_THREADS["cuda" if gpu else "cpu"],
+        platform = "cuda" if gpu else "cpu"
+        self.loaders = ThreadPoolExecutor(max_workers=self.load_threads or LOAD_THREADS[platform],
                                           thread_name_prefix="kvscope-load")
+        if self.fs is not None:
+            self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
+        self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]
         self.side = Side(self.device)
         self.pool = SlotPool(self.layout.nbytes, self.side, pinned=gpu) if self.on_device else None
         self.chunk = max(1, CHUNK_BYTES // self.layout.nbytes)
@@ -132,6 +145,7 @@ class WorkerSide:
         if self.ram is not None:
             self.ram.pin = gpu and not self.on_device  # host-checked blocks go to the GPU from pinned memory
         if self.fs is not None:
+            writable(self.layout)  # refused at start, not at every save
             self.fs.layout = self.layout
         if self.device.type == "cpu":
             bad = [name for name, t in self.layers.items() if not t.is_contiguous()]
@@ -460,8 +474,10 @@ class WorkerSide:
         started = time.perf_counter()
         saved = self.copy_out([spec.block_id for spec in meta.stores])
         held = self.block_bytes() * len(saved.blocks)
-        while 0 < (pending := self._pending()) and pending + held > MAX_PENDING_BYTES:
+        waited = time.perf_counter()
+        while 0 < (pending := self._pending()) and pending + held > self.backlog:
             self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
+        self.stats.save_wait_seconds += time.perf_counter() - waited
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
@@ -476,7 +492,7 @@ class WorkerSide:
         pending = self._pending()
         if not pending or not self.may_skip_files:
             return stores
-        room, kept = MAX_PENDING_BYTES - pending, []
+        room, kept = self.backlog - pending, []
         for spec in stores:
             if spec.to_ram or room >= self.block_bytes():
                 kept.append(spec)
@@ -500,12 +516,14 @@ class WorkerSide:
         for key in evict:
             if self.ram is not None and self.ram.drop(key):
                 stats.evictions += 1
-        for i, (spec, block) in enumerate(zip(stores, saved.blocks)):
-            digest = self.checksum(block) if digests is None else digests[i]
+        if digests is None:
+            digests = [self.checksum(block) for block in saved.blocks]
+        files = self._write_files(stores, saved.blocks, digests)
+        for spec, block, digest, written in zip(stores, saved.blocks, digests, files):
             stored = True
-            if spec.to_fs and self.fs is not None:
+            if written is not None:
                 try:
-                    stats.evictions += self.fs.put(spec.key, block, digest)
+                    stats.evictions += written.result()
                 except OSError as exc:
                     stored = False
                     stats.save_errors += 1
@@ -519,6 +537,20 @@ class WorkerSide:
                 stats.save_bytes += block.numel()
         stats.save_seconds = seconds + time.perf_counter() - started
         return stats
+
+    def _write_files(self, stores: list[StoreSpec], blocks: list[Block], digests: list[str]
+                     ) -> list[Future[int] | None]:
+        """Start each block's file on the writer threads (None where it has none); the caller waits for each
+        before its slot is used again."""
+        fs = self.fs
+        files: list[Future[int] | None] = []
+        for spec, block, digest in zip(stores, blocks, digests):
+            if not spec.to_fs or fs is None:
+                files.append(None)
+            else:
+                assert self.writers is not None, "register() first"
+                files.append(self.writers.submit(fs.put, spec.key, block, digest))
+        return files
 
     def _collect(self, wait_upto: int = -1, timeout: float | None = None) -> None:
         """Count the finished save jobs, first waiting (at most `timeout` seconds) for the jobs up to index

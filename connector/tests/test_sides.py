@@ -109,14 +109,13 @@ def in_background(fn) -> threading.Event:
     return done
 
 
-def test_a_save_thread_behind_skips_file_only_saves_instead_of_stalling_the_forward(tmp_path, checks, monkeypatch):
+def test_a_save_thread_behind_skips_file_only_saves_instead_of_stalling_the_forward(tmp_path, checks):
     # The H200 trace run (2026-12-02): prompts up to 32k tokens saved to disk while every save beyond 1 GiB
     # pending waited for the save thread on the forward path; kvscope-fs's hits took 30 s, golden's 1.5 s.
     # A file the scheduler finds on disk or not at all may be skipped (a later miss). A RAM save may not
     # (the scheduler's index counts on it), nor its file (a block the RAM tier evicts is read from it).
-    import kvscope_connector.worker as worker_module
     w = worker(tmp_path, checks=checks)
-    monkeypatch.setattr(worker_module, "MAX_PENDING_BYTES", w.block_bytes())
+    w.backlog = w.block_bytes()
     gates = [threading.Event() for _ in range(4)]
     try:
         w.saver.submit(gates[0].wait)  # the save thread is busy
@@ -130,6 +129,7 @@ def test_a_save_thread_behind_skips_file_only_saves_instead_of_stalling_the_forw
         w.flush()
         assert w.fs.contains("k1") and not w.fs.contains("k2") and w.fs.contains("k3") and w.ram.contains("k3")
         assert (w.stats.saves, w.stats.saves_skipped) == (2, 1)
+        assert w.stats.save_wait_seconds >= 0.3  # what the forward waited for the backlog: counted
 
         w.saver.submit(gates[1].wait)
         w.save(KVScopeMetadata(stores=[StoreSpec(4, "k4", False, True)]))

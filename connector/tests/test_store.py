@@ -127,6 +127,36 @@ def test_fs_tier_round_trip_and_verification(tmp_path):
     assert fs.get("ffff") is None
 
 
+@pytest.mark.parametrize("like", [layers(), {"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.arange(4.0)}],
+                         ids=["layout", "mixed-dtypes"])
+def test_a_block_file_is_a_safetensors_file_of_its_layers(tmp_path, like):
+    # the header is written beside the block's own buffer (no copy); safetensors' own reader must agree
+    from safetensors.torch import load
+    layout = Layout(like)
+    b = layout.pack(like)
+    fs = FsTier(str(tmp_path), FP, None, layout=layout, secret=b"s" * 32)
+    fs.put("ab12", b, checksum(b))
+    data = fs.path("ab12").read_bytes()
+    assert int.from_bytes(data[:8], "little") % 8 == 0  # the data begins 8-byte aligned, as safetensors writes
+    assert {name: t.tolist() for name, t in load(data).items()} == {name: t.tolist() for name, t in like.items()}
+    assert torch.equal(fs.get("ab12")[0], b)
+
+
+def test_the_header_names_the_tensors_as_safetensors_writes_them_and_refuses_a_dtype_it_cannot_name(tmp_path):
+    # files written by safetensors' own writer (earlier versions, on a shared store) keep the quick check
+    from safetensors.torch import save
+
+    from kvscope_connector import fileformat
+    from kvscope_connector.worker import WorkerSide
+    theirs = save(LAYOUT.views(block()), metadata={"kvscope_format": "3"})
+    ours = fileformat.header(block(), LAYOUT, FP, "ab12", "0" * 32)
+    after_meta = [data[8:8 + int.from_bytes(data[:8], "little")].split(b"}", 1)[1].rstrip() for data in (theirs, ours)]
+    assert after_meta[0] == after_meta[1] and theirs.startswith(b'{"__metadata__":', 8)
+    w = WorkerSide(FP, 2, None, tier(tmp_path))
+    with pytest.raises(ValueError, match="no block format for KV caches of torch.uint16"):
+        w.register({"layer": torch.zeros(4, 2, dtype=torch.uint16)})
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: d[:-7], "truncated"),
     (lambda d: d + b"\0", "padded"),

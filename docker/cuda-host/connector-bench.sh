@@ -3,7 +3,8 @@
 # recomputing, on the Qwen3-4B shape in bf16 served with CUDA graphs (no --enforce-eager), in one run:
 # connector_ttft.py (the prompt-length sweep; misses under load on kvscope-ram, kvscope-fs and offload-cpu-tier),
 # the connector's GPU tests, load_throughput.py (file loads into the GPU's KV cache, hot and cold, on the host's
-# disk under runs/), copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
+# disk under runs/; then hot at the Qwen3-4B shape's 2.25 MiB blocks on 4, 8 and 16 load threads), copy_paths.py
+# (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
 # (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR, the
 # bench's run folder too (OUT_DIR/RUN_ID: a lent host that re-syncs the checkout removes what lies in results/).
 #   docker/cuda-host/connector-bench.sh OUT_DIR [TOKENS=2048,8192,16384,32768] [RUN_ID]
@@ -39,6 +40,12 @@ for mode in hot cold; do
   } > "$out/load_throughput-$mode.txt" 2>&1
   echo "load_throughput $mode exit $?"
 done
+for threads in 4 8 16; do  # the Qwen3-4B shape's 2.25 MiB blocks: what a block's load costs, by load threads
+  rm -rf "$files" && mkdir -p "$files"
+  python3 loadtests/benchmarks/load_throughput.py --device cuda --dir "$files" --layers 36 --block 16 --blocks 512 \
+    --threads "$threads"
+done > "$out/load_threads.txt" 2>&1
+echo "load_throughput by threads exit $?"
 rm -rf "$files"
 for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
 python3 -m kvscope.cli bench --deployment "$run_dir/deployment.json" --configs "$configs" \

@@ -93,10 +93,12 @@ class Prompts:
 
 
 def tier_hits(server: Manifest, before: dict[str, float]) -> str:
-    """Blocks each tier served, and file saves skipped while the save thread was behind (later misses)."""
+    """Blocks each tier served, file saves skipped while the save thread was behind (later misses), and the
+    seconds the forward waited for it (its backlog full)."""
     d = delta(before, scrape(f"http://{server.host}:{server.port}"))
     return ", ".join(f"{t} {int(d.get(f'kvscope:connector_{t}_hits_total', 0))}" for t in ("ram", "fs")) + \
-        f"; saves skipped {int(d.get('kvscope:connector_saves_skipped_total', 0))}"
+        f"; saves skipped {int(d.get('kvscope:connector_saves_skipped_total', 0))}" + \
+        f", forward waited {d.get('kvscope:connector_save_wait_seconds_total', 0):.2f} s for saves"
 
 
 def spread(xs) -> str:
@@ -221,12 +223,16 @@ def main() -> None:
     if args.load_users:
         print(f"\n== misses under load: {args.load_users} streams x {args.load_requests} fresh prompts of "
               f"{args.load_tokens} tokens, {args.load_rounds} rounds, servers in turn (each round starting one later)")
-        loaded = [base] + [deployed[name] for name in (args.load_configs or args.configs).split(",") + load_peers]
+        names = (args.load_configs or args.configs).split(",")
+        loaded = [base] + [deployed[name] for name in names + load_peers]
+        before = {name: scrape(f"http://{deployed[name].host}:{deployed[name].port}") for name in names}
         for r in range(args.load_rounds):
             for server in loaded[r % len(loaded):] + loaded[:r % len(loaded)]:
                 misses.setdefault(server.config, []).extend(under_load(args, server, prompts, f"round {r}"))
         for name, got in misses.items():
-            print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}")
+            hits = f"; connector: {tier_hits(deployed[name], before[name])}" if name in before else ""
+            print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}"
+                  f"{hits}")
     print("\n== goals (measured in this run)")
     for line in goal_lines(GOALS.get(base.platform, []), medians, cached):
         print(line)

@@ -27,7 +27,7 @@ import torch
 
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.store import FsTier
-from kvscope_connector.worker import WorkerSide
+from kvscope_connector.worker import LOAD_THREADS, WorkerSide
 
 
 def drop(files: list[Path], cold: bool) -> None:
@@ -48,17 +48,20 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="directory on the filesystem to measure (default: a temp dir)")
     ap.add_argument("--blocks", type=int, default=48)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--block", type=int, default=64, help="tokens per block (16 with --layers 36: the 2.25 MiB "
+                    "blocks of the Qwen3-4B shape in bf16)")
+    ap.add_argument("--threads", type=int, default=None, help="load threads (default: the connector's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="drop each file from the page cache before reading")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the KV caches are")
     args = ap.parse_args()
     device = torch.device(args.device)
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvscope-bench-"))
-    fp, block = "b" * 32, 64
+    fp, block = "b" * 32, args.block
     caches = {f"model.layers.{i}.self_attn.attn": torch.randn(args.blocks * 2, 8, block, 256, device=device).half()
               for i in range(args.layers)}
     checksum = "mix128" if device.type == "cuda" else "xxh3-128"  # the connector's choice (connector._checksum)
-    worker = WorkerSide(fp, block, None, FsTier(str(root), fp, None), checksum=checksum)
+    worker = WorkerSide(fp, block, None, FsTier(str(root), fp, None), checksum=checksum, load_threads=args.threads)
     worker.register(caches)
     keys = [f"{i:04x}" + "0" * 36 for i in range(args.blocks)]
     worker.save(KVScopeMetadata(stores=[StoreSpec(i, k, False, True) for i, k in enumerate(keys)]))
@@ -83,8 +86,9 @@ def main() -> None:
     assert all(torch.equal(t[args.blocks], t[0]) for t in caches.values())
     mib = 2**20
     cache = "cold: dropped from the page cache" if args.cold else "hot: in the page cache"
-    print(f"{args.blocks} blocks x {total / args.blocks / mib:.1f} MiB under {root}, {args.repeats} rounds, {cache}, "
-          f"KV caches on {device}")
+    threads, per_block = args.threads or LOAD_THREADS[device.type], total / args.blocks / np.median(conn)
+    print(f"{args.blocks} blocks x {total / args.blocks / mib:.2f} MiB under {root}, {args.repeats} rounds, {cache}, "
+          f"KV caches on {device}, {threads} load threads; a block's load {per_block * 1e6:.0f} µs (median)")
     for name, rates in (("raw sequential read", raw), ("connector load", conn)):
         print(f"{name:<20} median {np.median(rates) / mib:8.0f} MiB/s "
               f"(min {min(rates) / mib:.0f}, max {max(rates) / mib:.0f})")
