@@ -15,7 +15,8 @@ kv_connector_extra_config keys:
 - fs_bytes (int, optional): filesystem tier capacity; unbounded when absent.
 - fsync (bool, default false): fsync each block before its atomic rename.
 - save_backlog_bytes (int, optional): host copies of saved blocks that may wait for the save thread (1 GiB on
-  the CPU, 4 GiB beside a GPU); beyond it, file-only saves are skipped and RAM saves waited for.
+  the CPU, 4 GiB beside a GPU); beyond it, file-only saves are skipped and RAM saves waited for (with
+  several tensor-parallel ranks nothing is skipped: every save waits).
 - model_id (str, optional): weights identity to use instead of hashing the model's files.
 - load_log (str, optional): a JSONL file; each step appends, per request that loaded, the blocks each tier
   served ({"request": vLLM's request id, "ram": n, "disk": n, "missed": n}): kvscope's per-tier verdict.
@@ -158,9 +159,8 @@ class KVScopeConnector(KVConnectorBase_V1):
         else:
             # the scheduler decides evictions; the slack covers blocks still in flight
             ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
-            backlog = extra("save_backlog_bytes", None)
             self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs, checksum,
-                                               backlog=None if backlog is None else int(backlog))
+                                               backlog=extra("save_backlog_bytes", None))
             self.worker_side.load_log = extra("load_log", None)
             self.worker_side.may_skip_files = vllm_config.parallel_config.tensor_parallel_size == 1
 

@@ -196,7 +196,8 @@ class FsTier:
         self.checksum: Callable[[Block], str] = checksum
         self.sizes: OrderedDict[str, int] = OrderedDict()  # what this process knows is on disk, LRU order
         self.used = 0
-        self.lock = threading.Lock()  # the accounting is shared by the load threads and the save thread
+        self.lock = threading.Lock()  # the accounting is shared by the load threads and the writer threads
+        self.writing: set[str] = set()  # keys a writer is storing: not evicted under it
         for _, key, size in sorted(self._on_disk()):
             self._note(key, size)
 
@@ -267,8 +268,18 @@ class FsTier:
     def put(self, key: str, block: Block, digest: str) -> int:
         """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
         head = header(block, self._layout(), self.fingerprint, key, digest, self.secret)
-        name = f"{key}.safetensors"
-        tmp = f".{name}.{secrets.token_hex(8)}.tmp"  # unique across hosts sharing a store
+        with self.lock:
+            self.writing.add(key)
+        try:
+            self._write(key, head, block)
+        finally:
+            with self.lock:
+                self.writing.discard(key)
+        return self._evict()
+
+    def _write(self, key: str, head: bytes, block: Block) -> None:
+        """The file's bytes under a temp name created exclusively, then renamed into place."""
+        name, tmp = f"{key}.safetensors", f".{key}.safetensors.{secrets.token_hex(8)}.tmp"  # unique across hosts
         folder = self._folder(key, create=True)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
@@ -287,7 +298,6 @@ class FsTier:
         finally:
             os.close(folder)
         self._note(key, len(head) + block.numel())
-        return self._evict()
 
     def _remove(self, key: str, aside: bool = False) -> None:
         """Delete a key's file, or move it aside (`.corrupt`), inside its own folder only; a file already gone,
@@ -311,8 +321,10 @@ class FsTier:
         evicted = 0
         with self.lock:
             while self.capacity is not None and self.used > self.capacity and len(self.sizes) > 1:
-                key, size = self.sizes.popitem(last=False)
-                self.used -= size
+                key = next((k for k in self.sizes if k not in self.writing), None)
+                if key is None:
+                    break
+                self.used -= self.sizes.pop(key)
                 self._remove(key)
                 evicted += 1
         return evicted

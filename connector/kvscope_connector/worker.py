@@ -112,6 +112,9 @@ class WorkerSide:
         self.served: dict[str, dict[str, int]] = {}  # this step's request -> tier -> blocks
         self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
         self.writers: ThreadPoolExecutor | None = None  # a save's file writes, with a filesystem tier; by register()
+        if backlog is not None and (type(backlog) is not int or backlog < 0):
+            raise ValueError(f"kvscope connector: save_backlog_bytes {backlog!r} is not a number of bytes (an "
+                             "integer such as 4294967296; absent: the platform's)")
         self.wanted_backlog, self.load_threads = backlog, load_threads
         self.backlog = SAVE_BACKLOG_BYTES["cpu"]  # the platform's, or the one wanted; by register()
         # one save thread keeps stores in order
@@ -474,10 +477,11 @@ class WorkerSide:
         started = time.perf_counter()
         saved = self.copy_out([spec.block_id for spec in meta.stores])
         held = self.block_bytes() * len(saved.blocks)
-        waited = time.perf_counter()
-        while 0 < (pending := self._pending()) and pending + held > self.backlog:
-            self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
-        self.stats.save_wait_seconds += time.perf_counter() - waited
+        if 0 < (pending := self._pending()) and pending + held > self.backlog:
+            waited = time.perf_counter()
+            while 0 < (pending := self._pending()) and pending + held > self.backlog:
+                self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
+            self.stats.save_wait_seconds += time.perf_counter() - waited
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
@@ -548,9 +552,22 @@ class WorkerSide:
             if not spec.to_fs or fs is None:
                 files.append(None)
             else:
-                assert self.writers is not None, "register() first"
-                files.append(self.writers.submit(fs.put, spec.key, block, digest))
+                files.append(self._submit_write(fs, spec.key, block, digest))
         return files
+
+    def _submit_write(self, fs: FsTier, key: str, block: Block, digest: str) -> Future[int]:
+        """One file on a writer thread; here, once the pool takes no more work (an interpreter exiting
+        without shutdown())."""
+        assert self.writers is not None, "register() first"
+        try:
+            return self.writers.submit(fs.put, key, block, digest)
+        except RuntimeError:
+            done: Future[int] = Future()
+            try:
+                done.set_result(fs.put(key, block, digest))
+            except OSError as exc:
+                done.set_exception(exc)
+            return done
 
     def _collect(self, wait_upto: int = -1, timeout: float | None = None) -> None:
         """Count the finished save jobs, first waiting (at most `timeout` seconds) for the jobs up to index

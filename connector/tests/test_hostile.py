@@ -276,3 +276,42 @@ def test_a_folder_at_a_blocks_name_is_a_quarantined_miss(tmp_path):
 def test_a_capacity_that_is_not_a_number_of_bytes_is_refused_when_the_tier_is_made(tmp_path, capacity):
     with pytest.raises(ValueError, match="fs_bytes"):
         FsTier(str(tmp_path), FP, capacity)
+
+
+@pytest.mark.parametrize("backlog", ["4G", 1.5, -1, True])
+def test_a_save_backlog_that_is_not_a_number_of_bytes_is_refused(tmp_path, backlog):
+    with pytest.raises(ValueError, match="save_backlog_bytes"):
+        worker_mod.WorkerSide(FP, 4, None, FsTier(str(tmp_path), FP, None), backlog=backlog)
+
+
+def test_a_file_being_written_again_is_not_evicted_under_its_writer(tmp_path, monkeypatch):
+    # several writer threads: one re-writes a key at the LRU's head while another's put evicts; the index must
+    # not keep a key whose file the eviction removed
+    fs = tier(tmp_path)
+    for key in ("aa01", "aa02"):
+        write(fs, key, block())
+    fs.capacity = fs.used  # room for two
+    replace, inside = os.replace, threading.Event()
+
+    def slow_replace(src, dst, **kw):  # the new file in place, its writer not yet done
+        replace(src, dst, **kw)
+        if dst == "aa01.safetensors":
+            inside.set()
+            time.sleep(0.3)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    again = threading.Thread(target=write, args=(fs, "aa01", block()))
+    again.start()
+    assert inside.wait(5)
+    write(fs, "aa03", block())  # over capacity: evicts the oldest key not being written
+    again.join()
+    assert all(fs.path(key).exists() for key in fs.sizes) and "aa01" in fs.sizes and "aa02" not in fs.sizes
+
+
+def test_a_save_queued_when_the_writers_are_gone_is_still_written(tmp_path):
+    # an interpreter that exits without shutdown(): the writer pool takes no more work; the save thread writes
+    w = worker(tmp_path, ram=False)
+    w.writers.shutdown()
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
+    assert w.fs.contains("k1") and w.stats.saves == 1

@@ -40,12 +40,13 @@ for mode in hot cold; do
   } > "$out/load_throughput-$mode.txt" 2>&1
   echo "load_throughput $mode exit $?"
 done
+rc=0
 for threads in 4 8 16; do  # the Qwen3-4B shape's 2.25 MiB blocks: what a block's load costs, by load threads
   rm -rf "$files" && mkdir -p "$files"
   python3 loadtests/benchmarks/load_throughput.py --device cuda --dir "$files" --layers 36 --block 16 --blocks 512 \
-    --threads "$threads"
+    --threads "$threads" || rc=$?
 done > "$out/load_threads.txt" 2>&1
-echo "load_throughput by threads exit $?"
+echo "load_throughput by threads exit $rc"
 rm -rf "$files"
 for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
 python3 -m kvscope.cli bench --deployment "$run_dir/deployment.json" --configs "$configs" \

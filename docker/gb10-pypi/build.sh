@@ -28,7 +28,7 @@ echo "== install for linux/arm64, CPython 3.13, on this host (pip's cross-platfo
   --target "$ctx/site" --only-binary=:all: --python-version 3.13 --implementation cp --abi cp313 \
   "${platforms[@]}" --ignore-requires-python --no-compile \
   "torch==$(pin TORCH_VERSION)" "vllm==$(pin VLLM_VERSION)" "lmcache==$(pin LMCACHE_VERSION)" \
-  "nvidia-cuda-cuobjdump==$(pin CUOBJDUMP_VERSION)" six safetensors xxhash  # the last two: the connector's
+  "nvidia-cuda-cuobjdump==$(pin CUOBJDUMP_VERSION)" six safetensors xxhash  # safetensors: vLLM's loader; xxhash: the connector's
 cp -r "$repo/connector" "$ctx/connector-src"  # pip builds in the source folder: a copy keeps the checkout clean
 "${PYTHON_HOST:-python3}" -m pip --isolated install --quiet --no-index --find-links "$here/wheels" --no-deps \
   --target "$ctx/connector" "$ctx/connector-src"

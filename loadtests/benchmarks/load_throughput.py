@@ -88,7 +88,7 @@ def main() -> None:
     cache = "cold: dropped from the page cache" if args.cold else "hot: in the page cache"
     threads, per_block = args.threads or LOAD_THREADS[device.type], total / args.blocks / np.median(conn)
     print(f"{args.blocks} blocks x {total / args.blocks / mib:.2f} MiB under {root}, {args.repeats} rounds, {cache}, "
-          f"KV caches on {device}, {threads} load threads; a block's load {per_block * 1e6:.0f} µs (median)")
+          f"KV caches on {device}, {threads} load threads; {per_block * 1e6:.0f} µs a block (median load / blocks)")
     for name, rates in (("raw sequential read", raw), ("connector load", conn)):
         print(f"{name:<20} median {np.median(rates) / mib:8.0f} MiB/s "
               f"(min {min(rates) / mib:.0f}, max {max(rates) / mib:.0f})")
