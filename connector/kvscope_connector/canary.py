@@ -96,7 +96,7 @@ class _FaultWorker(WorkerSide):
         return super()._store(evict, stores, saved, seconds)
 
     def load(self, meta: KVScopeMetadata) -> None:
-        super().load(meta)  # to_write() notes what each request loaded, inject() writes it
+        super().load(meta)  # to_write() notes what each request loaded, the transfer path writes it
         lines = []
         for request_id, fault, loaded in self.pending:
             ids = [spec.block_id for spec, _ in loaded]

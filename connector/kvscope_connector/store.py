@@ -102,12 +102,17 @@ class RamTier:
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
-        self.pool: SlotPool | None = None  # set by the worker beside a GPU
+        self.pool: SlotPool | None = None  # beside a GPU, with on-device checks (attach)
         self.pin = False  # without a pool beside a GPU (host checks): copies in pinned memory of their own
         self.checksum: Callable[[Block], str] = checksum  # the platform's (keys.fingerprint names it)
         self.used = 0
         self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
         self.lock = threading.Lock()
+
+    def attach(self, pool: SlotPool | None, checksum: Callable[[Block], str], pin: bool) -> None:
+        """What the worker knows once vLLM registers its KV caches (vLLM builds the connector before them):
+        the pool whose slots hold blocks, the platform's checksum, and whether copies are pinned."""
+        self.pool, self.checksum, self.pin = pool, checksum, pin
 
     def contains(self, key: str) -> bool:
         with self.lock:
@@ -191,8 +196,8 @@ class FsTier:
         self.secret = secret  # signs and verifies every file (fileformat.mac) when set
         self.capacity = capacity_bytes
         self.fsync = fsync
-        self.layout = layout  # set by the worker when vLLM registers its KV caches
-        self.pool: SlotPool | None = None  # beside a GPU: blocks are read into its pinned slots (set by the worker)
+        self.layout = layout  # the worker's, once vLLM registers its KV caches (attach)
+        self.pool: SlotPool | None = None  # beside a GPU: blocks are read into its pinned slots (attach)
         self.checksum: Callable[[Block], str] = checksum
         self.sizes: OrderedDict[str, int] = OrderedDict()  # what this process knows is on disk, LRU order
         self.used = 0
@@ -200,6 +205,12 @@ class FsTier:
         self.writing: set[str] = set()  # keys a writer is storing: not evicted under it
         for _, key, size in sorted(self._on_disk()):
             self._note(key, size)
+
+    def attach(self, pool: SlotPool | None, checksum: Callable[[Block], str], layout: Layout) -> None:
+        """What the worker knows once vLLM registers its KV caches (vLLM builds the connector before them, and
+        the scheduler side, which only looks keys up, never learns it): the pool blocks are read into, the
+        platform's checksum and the blocks' layout."""
+        self.pool, self.checksum, self.layout = pool, checksum, layout
 
     def _on_disk(self) -> list[tuple[float, str, int]]:
         """(mtime, key, size) of the block files already stored; links and other files are not blocks."""

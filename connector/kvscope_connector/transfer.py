@@ -8,6 +8,7 @@ allocator: a 4.7 MB block would take 8 MB), reused as blocks come and go.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 from collections import deque
@@ -27,12 +28,14 @@ class Side:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @contextlib.contextmanager
-    def after_current(self) -> Iterator[None]:
-        """Run the enclosed work on the side stream, after everything queued so far on the current one."""
+    def after_current(self, wait: bool = True) -> Iterator[None]:
+        """Run the enclosed work on the side stream, after everything queued so far on the current one (with
+        wait; without, after what the side stream was told to wait for before)."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        if wait:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             yield
 
@@ -65,17 +68,45 @@ class SlotPool:
         self.block_bytes, self.side, self.pinned = block_bytes, side, pinned
         self.per_segment = max(1, SEGMENT_BYTES // block_bytes)
         self.segments: list[torch.Tensor] = []
+        self.rows: list[torch.Tensor] = []  # each segment as [per_segment, block_bytes]
+        self.bases: list[int] = []  # each segment's address, ascending (bisect finds a slot's segment)
         self.free: list[Block] = []
         self.returned: deque[tuple[Block, torch.cuda.Event | None]] = deque()
         self.lock = threading.Lock()
 
     def take(self) -> Block:
+        return self.take_many(1)[0]
+
+    def take_many(self, n: int) -> list[Block]:
+        """n slots, in address order: slots that lie side by side in a segment can be filled by one copy
+        (spans). The free slots are kept sorted, so a run of free neighbours is taken whole."""
         with self.lock:
+            reclaimed = False
             while self.returned and (self.returned[0][1] is None or self.returned[0][1].query()):
                 self.free.append(self.returned.popleft()[0])
-            if not self.free:
+                reclaimed = True
+            if reclaimed:
+                self.free.sort(key=torch.Tensor.data_ptr)
+            while len(self.free) < n:
                 self._grow()
-            return self.free.pop()
+            taken = self.free[len(self.free) - n:]
+            del self.free[len(self.free) - n:]
+        return taken
+
+    def spans(self, slots: list[Block]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Runs of consecutive slots of the list that lie side by side in one segment, as (first index,
+        count, one [count, block_bytes] tensor over them): one copy fills a run."""
+        i = 0
+        while i < len(slots):
+            start = slots[i].data_ptr()
+            s = bisect.bisect_right(self.bases, start) - 1
+            row = (start - self.bases[s]) // self.block_bytes
+            j = i + 1
+            while (j < len(slots) and row + j - i < self.per_segment
+                   and slots[j].data_ptr() == start + (j - i) * self.block_bytes):
+                j += 1
+            yield i, j - i, self.rows[s][row:row + j - i]
+            i = j
 
     def give_back(self, slot: Block) -> None:
         event = self.side.mark()
@@ -85,5 +116,9 @@ class SlotPool:
     def _grow(self) -> None:
         size = self.per_segment * self.block_bytes
         segment = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
-        self.segments.append(segment)
-        self.free += list(segment.view(self.per_segment, self.block_bytes))
+        rows = segment.view(self.per_segment, self.block_bytes)
+        at = bisect.bisect(self.bases, segment.data_ptr())
+        self.segments.insert(at, segment)
+        self.rows.insert(at, rows)
+        self.bases.insert(at, segment.data_ptr())
+        self.free = sorted(self.free + list(rows), key=torch.Tensor.data_ptr)

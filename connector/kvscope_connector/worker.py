@@ -27,14 +27,14 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import islice
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from .blocks import CHECKSUMS, Block, CorruptBlock, Layout, digest_hex, mix_digests
 from .fileformat import writable
 from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
+from .paths import DeviceCopies, HostRows, Saved
 from .store import FsTier, RamTier, Stats, Tier
 from .transfer import Side, SlotPool
 
@@ -43,10 +43,10 @@ SAVE_BACKLOG_BYTES = {"cpu": 1 << 30, "cuda": 1 << 32}  # host copies waiting fo
 # backlog holds a few steps, so the forward does not wait for each step's copies (the extra config overrides it)
 SAVE_THREADS = {"cpu": 1, "cuda": 4}  # files written at once per step's save (the write releases the GIL)
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
-LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk; beside a GPU, page-cache
-# reads into pinned memory scale further (the host's cores are otherwise idle)
+LOAD_THREADS = {"cpu": 4, "cuda": 4}  # file reads in flight: four beat two from disk; beside a GPU four beat eight
+# and sixteen (the H200, 2.25 MiB blocks from the page cache: 9.9, 7.9 and 5.3 GB/s): each block's Python on
+# a load thread waits for the interpreter's lock, and more threads wait longer
 LOAD_WAIT_S = 30.0  # the longest a load waits for a block (a read that hangs: a dead NFS server); then a miss
-T = TypeVar("T")
 
 
 class Fetched(NamedTuple):
@@ -58,25 +58,6 @@ class Fetched(NamedTuple):
     digest: str = ""
     why: str = ""
     owned: bool = False  # a pool slot the fetcher filled: given back or handed to the RAM tier once used
-
-
-class Saved(NamedTuple):
-    """One step's blocks on their way to the save thread."""
-
-    blocks: list[Block]
-    digests: torch.Tensor | None = None  # checksums computed on the GPU ([n, 2] int64 on the host); else None
-    ready: torch.cuda.Event | None = None  # the copies to the host are done once it has happened
-
-
-def _chunks(items: Iterable[T], n: int) -> Iterator[list[T]]:
-    batch: list[T] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _past_failure(spec: LoadSpec, first_bad: dict[str, int]) -> bool:
@@ -102,8 +83,7 @@ class WorkerSide:
         self.device = torch.device("cpu")
         self.side = Side(self.device)
         self.pool: SlotPool | None = None  # host slots of the blocks, with on-device checks
-        self.chunk = 1  # blocks per staged chunk
-        self.rows: dict[str, np.ndarray] = {}  # CPU caches as [num_blocks, bytes] arrays
+        self.path: HostRows | DeviceCopies | None = None  # how blocks cross; by register()
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
@@ -123,9 +103,10 @@ class WorkerSide:
         self.may_skip_files = True  # with the save thread behind (False with several tensor-parallel ranks)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer KV caches, each [num_blocks, ...]. On the CPU, loads copy with numpy into
-        byte rows of the caches (a torch op per layer and block costs more than its bytes), which needs
-        contiguous caches; vLLM's CPU backend allocates them so."""
+        """Take vLLM's per-layer KV caches, each [num_blocks, ...], and choose the transfer path once: rows
+        copied with numpy beside a CPU cache (checked on the host), copies on the cache's device beside a GPU
+        or wherever blocks are checked on the device (paths.py). The tiers get the layout, the pool and the
+        checksum here, the one place they are known."""
         self.layers = dict(sorted(kv_caches.items()))
         self._layout = Layout({name: t[0] for name, t in self.layers.items()})
         self.device = next(iter(self.layers.values())).device
@@ -134,27 +115,21 @@ class WorkerSide:
         if self.on_device and self.checksum_name != "mix128":
             raise ValueError(f"kvscope connector: {self.checksum_name} cannot be computed on the GPU (mix128 can)")
         platform = "cuda" if gpu else "cpu"
+        self.side = Side(self.device)
+        self.pool = SlotPool(self.layout.nbytes, self.side, pinned=gpu) if self.on_device else None
+        chunk = max(1, CHUNK_BYTES // self.layout.nbytes)  # blocks per staged chunk
+        self.path = (DeviceCopies(self.layers, self.layout, self.side, self.pool, chunk)
+                     if gpu or self.on_device else HostRows(self.layers, self.layout))
         self.loaders = ThreadPoolExecutor(max_workers=self.load_threads or LOAD_THREADS[platform],
                                           thread_name_prefix="kvscope-load")
         if self.fs is not None:
             self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
         self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]
-        self.side = Side(self.device)
-        self.pool = SlotPool(self.layout.nbytes, self.side, pinned=gpu) if self.on_device else None
-        self.chunk = max(1, CHUNK_BYTES // self.layout.nbytes)
-        for tier in (self.ram, self.fs):
-            if tier is not None:
-                tier.pool, tier.checksum = self.pool, self.checksum
         if self.ram is not None:
-            self.ram.pin = gpu and not self.on_device  # host-checked blocks go to the GPU from pinned memory
+            self.ram.attach(self.pool, self.checksum, pin=gpu and not self.on_device)
         if self.fs is not None:
             writable(self.layout)  # refused at start, not at every save
-            self.fs.layout = self.layout
-        if self.device.type == "cpu":
-            bad = [name for name, t in self.layers.items() if not t.is_contiguous()]
-            if bad:
-                raise ValueError(f"kvscope connector: the CPU KV caches of {bad} are not contiguous")
-            self.rows = {name: t.view(t.shape[0], -1).view(torch.uint8).numpy() for name, t in self.layers.items()}
+            self.fs.attach(self.pool, self.checksum, self.layout)
 
     @property
     def layout(self) -> Layout:
@@ -162,88 +137,23 @@ class WorkerSide:
             raise RuntimeError("kvscope connector: no block layout before vLLM registers its KV caches")
         return self._layout
 
+    @property
+    def transfer(self) -> HostRows | DeviceCopies:
+        if self.path is None:
+            raise RuntimeError("kvscope connector: no transfer path before vLLM registers its KV caches")
+        return self.path
+
+    @property
+    def device_copies(self) -> DeviceCopies:
+        assert isinstance(self.path, DeviceCopies), "checks on the device take the device path"
+        return self.path
+
     def block_bytes(self) -> int:
         return self.layout.nbytes
 
-    def _index(self, block_ids: list[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
-
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """The blocks packed on the KV cache's device, [blocks, bytes]: one gather per layer."""
-        idx, n = self._index(block_ids), len(block_ids)
-        packed = torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device)
-        for e in self.layout.entries:
-            packed[:, e.start:e.end] = self.layers[e.name].index_select(0, idx).view(n, -1).view(torch.uint8)
-        return packed
-
     def extract(self, block_ids: list[int]) -> list[Block]:
-        """The blocks' host copies, now. On the CPU numpy copies each layer's row into a buffer per block; on
-        a GPU one gather per layer, then one copy into pinned memory (block by block, a GPU model's 36 layers
-        x 60 blocks would be 2160 synchronous copies per prompt)."""
-        if not block_ids:
-            return []
-        if self.device.type == "cpu":
-            blocks = [torch.empty(self.layout.nbytes, dtype=torch.uint8) for _ in block_ids]
-            for block, block_id in zip(blocks, block_ids):
-                row = block.numpy()
-                for e in self.layout.entries:
-                    row[e.start:e.end] = self.rows[e.name][block_id]
-            return blocks
-        packed = self._gather(block_ids)
-        host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(packed)
-        return list(host)
-
-    def copy_out(self, block_ids: list[int]) -> Saved:
-        """The blocks on their way to the host. With on-device checks, a chunk at a time: gathered on the GPU,
-        checksummed there and copied into pool slots, both on the side stream; nothing here waits for them."""
-        if not self.on_device:
-            return Saved(self.extract(block_ids))
-        assert self.pool is not None
-        slots, sums = [], []
-        for chunk in _chunks(block_ids, self.chunk):
-            packed = self._gather(chunk)
-            taken = [self.pool.take() for _ in chunk]
-            with self.side.after_current():
-                sums.append(mix_digests(packed))
-                for row, slot in zip(packed, taken):
-                    slot.copy_(row, non_blocking=True)
-            self.side.keep(packed)
-            slots += taken
-        if not slots:
-            return Saved([])
-        with self.side.after_current():
-            found = torch.cat(sums)
-            digests = torch.empty(found.shape, dtype=torch.int64, pin_memory=self.pool.pinned)
-            digests.copy_(found, non_blocking=True)
-        return Saved(slots, digests, self.side.mark())
-
-    def inject(self, items: Iterable[tuple[int, Block]]) -> int:
-        """Write host-verified blocks into the KV cache as they come; returns how many. On the CPU numpy
-        copies each layer's bytes straight into its row. On a GPU each block is copied to the device as it
-        comes (from pinned memory), then one index_copy_ per layer, on the same stream."""
-        if self.device.type == "cpu":
-            count = 0
-            for block_id, block in items:
-                src = block.numpy()
-                for e in self.layout.entries:
-                    self.rows[e.name][block_id] = src[e.start:e.end]
-                count += 1
-            return count
-        ids, on_device = [], []
-        for block_id, block in items:
-            src = block if block.is_pinned() else block.pin_memory()
-            on_device.append(src.to(self.device, non_blocking=True))
-            ids.append(block_id)
-        if ids:
-            self._write(torch.stack(on_device), ids)
-        return len(ids)
-
-    def _write(self, rows: torch.Tensor, block_ids: list[int]) -> None:
-        """Blocks staged on the KV cache's device ([blocks, bytes]) into their slots: one index_copy_ per layer."""
-        idx, n = self._index(block_ids), len(block_ids)
-        for e in self.layout.entries:
-            self.layers[e.name].index_copy_(0, idx, rows[:, e.start:e.end].view(e.dtype).view(n, *e.shape))
+        """The blocks' host copies, now (what the KV cache holds: the canary reads its writes back)."""
+        return self.transfer.extract(block_ids) if block_ids else []
 
     # Loads
 
@@ -316,8 +226,8 @@ class WorkerSide:
         ram, fs, loaders = self.ram, self.fs, self.loaders
         assert loaders is not None, "register() first"
         in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
-        threaded_ram = verify and self.device.type != "cpu"
-        ahead = 2 * self.chunk if self.on_device else len(loads)
+        threaded_ram = verify and self.transfer.ram_checks_on_load_threads
+        ahead = 2 * self.device_copies.chunk if self.on_device else len(loads)
         queued: deque[tuple[LoadSpec, Future | None]] = deque()
 
         def queue(spec: LoadSpec) -> None:
@@ -366,7 +276,7 @@ class WorkerSide:
         if self.on_device:
             written = self._load_on_device(meta.loads)
         else:
-            written = self.inject(self.to_write(meta, self._verified(meta.loads)))
+            written = self.transfer.inject(self.to_write(meta, self._verified(meta.loads)))
         self.stats.load_bytes += self.block_bytes() * written
         self.stats.load_seconds += time.perf_counter() - started
         if self.load_log and self.served:
@@ -402,7 +312,7 @@ class WorkerSide:
         checked (and its good blocks written) while the next one fills. Returns how many were written."""
         if not loads:
             return 0
-        n = min(self.chunk, len(loads))
+        n = min(self.device_copies.chunk, len(loads))
         chunks = [torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device) for _ in range(2)]
         first_bad: dict[str, int] = {}  # request -> index of its first block that failed: none from there on
         written, filling = 0, 0
@@ -421,7 +331,8 @@ class WorkerSide:
                 if previous is not None:
                     written += self._check_and_write(*previous, first_bad)
                 previous, filling, staged = (chunks[filling], staged, arrived), 1 - filling, []
-            with self.side.after_current():  # after the writes that read this chunk's buffer last time
+            # a chunk's first copy waits for the writes that read its buffer last time; the rest need not
+            with self.side.after_current(wait=not staged):
                 chunks[filling][len(staged)].copy_(got.block, non_blocking=True)
             staged.append((spec, got))
         arrived = self.side.mark()
@@ -459,7 +370,7 @@ class WorkerSide:
                 keep.append(row)
                 ids.append(spec.block_id)
         if ids:
-            self._write(rows if len(keep) == len(staged) else rows[keep], ids)
+            self.device_copies.write(rows if len(keep) == len(staged) else rows[keep], ids)
         return len(ids)
 
     def take_load_errors(self) -> set[int]:
@@ -475,7 +386,7 @@ class WorkerSide:
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()
-        saved = self.copy_out([spec.block_id for spec in meta.stores])
+        saved = self.transfer.copy_out([spec.block_id for spec in meta.stores])
         held = self.block_bytes() * len(saved.blocks)
         if 0 < (pending := self._pending()) and pending + held > self.backlog:
             waited = time.perf_counter()

@@ -20,7 +20,7 @@ def worker(tmp_path, ram=True):
     w = WorkerSide(FP, 32, RamTier(1 << 30) if ram else None, None if ram else FsTier(str(tmp_path), FP, None),
                    checksum="mix128")
     w.register(caches)
-    w.chunk = 3  # eight loads span three staged chunks
+    w.device_copies.chunk = 3  # eight loads span three staged chunks
     return w
 
 

@@ -58,7 +58,8 @@ def test_a_ram_block_evicted_during_its_step_is_read_from_its_file(tmp_path, che
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True),
                                    StoreSpec(2, "k2", to_ram=False, to_fs=True)]))
     w.flush()
-    w.chunk = 1
+    if checks == "device":
+        w.device_copies.chunk = 1  # one block staged at a time: k2's promotion evicts k1 before k1's read
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k2", "fs", promote=True, request_id="r", index=0),
                                   LoadSpec(6, "k1", "ram", request_id="r", index=1)]))
     assert w.take_load_errors() == set() and w.stats.misses == 0
@@ -379,7 +380,7 @@ def slots_out(w):
 
 def test_checked_on_the_gpu_a_request_keeps_its_blocks_before_a_failure_in_a_later_chunk(tmp_path):
     w = worker(tmp_path, fs=False, checks="device")
-    w.chunk = 2  # five loads span three staged chunks
+    w.device_copies.chunk = 2  # five loads span three staged chunks
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1, 2, 4)]))  # no k3
     w.flush()
     before = {i: w.layers["layer0"][i].clone() for i in (6, 7)}
@@ -392,7 +393,7 @@ def test_checked_on_the_gpu_a_request_keeps_its_blocks_before_a_failure_in_a_lat
 
 def test_checked_on_the_gpu_a_corrupt_block_stops_its_request_and_no_other(tmp_path):
     w = worker(tmp_path, ram=False, checks="device")
-    w.chunk = 2
+    w.device_copies.chunk = 2
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
     w.flush()
     path = w.fs.path("k1")

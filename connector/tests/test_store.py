@@ -303,8 +303,27 @@ def test_slot_pool_hands_out_distinct_slots_in_power_of_two_segments_and_reuses_
     assert len(pool.segments) == 2 and {s.numel() for s in pool.segments} <= {SEGMENT_BYTES} | {
         pool.per_segment * 4_718_592}
     assert len({s.data_ptr() for s in slots}) == len(slots) and all(s.numel() == 4_718_592 for s in slots)
+    rest = pool.take_many(len(pool.free))
     pool.give_back(slots[0])
-    assert pool.take().data_ptr() == slots[0].data_ptr() and len(pool.segments) == 2
+    assert pool.take().data_ptr() == slots[0].data_ptr() and len(pool.segments) == 2 and rest
+
+
+def test_slot_pool_hands_out_neighbours_that_one_copy_fills_and_spans_find_them():
+    pool = SlotPool(1 << 20, Side(torch.device("cpu")), pinned=False)
+    first = pool.take_many(pool.per_segment)
+    assert [(i, n) for i, n, _ in pool.spans(first)] == [(0, pool.per_segment)]  # a new segment: one run
+    for i in (7, 2, 3):
+        pool.give_back(first[i])
+    again = pool.take_many(3)  # the three given back, in address order
+    assert [s.data_ptr() for s in again] == [first[i].data_ptr() for i in (2, 3, 7)]
+    runs = list(pool.spans(again))
+    assert [(i, n) for i, n, _ in runs] == [(0, 2), (2, 1)]  # 2 and 3 lie side by side, 7 apart
+    for i, n, host in runs:  # each run's tensor is those slots' own memory
+        host.fill_(i + 1)
+        assert all(int(again[k][0]) == i + 1 and host[k - i].data_ptr() == again[k].data_ptr()
+                   for k in range(i, i + n))
+    across = pool.take_many(pool.per_segment + 1)  # more than a segment: never one run across segments
+    assert all(n <= pool.per_segment for _, n, _ in pool.spans(across)) and len(pool.segments) >= 2
 
 
 def test_ram_tier_in_pool_slots_keeps_owned_blocks_and_gives_back_what_it_drops():

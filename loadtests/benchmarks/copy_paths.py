@@ -85,7 +85,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="kvscope-copy-paths-")
     from_file = worker(args, dev, on_device=True, fs_root=tmp.name)
     total = on_gpu.block_bytes() * n
-    packed = on_gpu._gather(list(range(n)))
+    packed = on_gpu.device_copies.gather(list(range(n)))
     host = torch.empty(total, dtype=torch.uint8, pin_memory=gpu)
     device_copy = torch.empty(total, dtype=torch.uint8, device=dev)
     one_block = on_host.extract([0])[0]
