@@ -8,8 +8,9 @@ time is the median of ROUNDS, after one round of warm-up:
 - a RAM hit and a file hit (from the page cache) through WorkerSide.load, into the KV cache: checked on the
   GPU (the connector's way beside a GPU), and the RAM hit also checked on the host (XXH3-128 on the four
   load threads, its way before);
-- a save: the forward thread's part (WorkerSide.save returning; the copies run on) and the whole save
-  (the blocks stored in RAM).
+- a save: the forward thread's part (WorkerSide.save returning; the copies run on), split into the gather
+  alone and copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save thread's
+  hand-off), each as host time, and the whole save (the blocks stored in RAM).
 Prints ms and GB/s per step and each load's throughput against the copy's (goal >= 0.8, issue 33), and checks that
 every load wrote the saved blocks' bytes.
 
@@ -42,6 +43,20 @@ def timed(fn, rounds: int, sync) -> float:
         fn()
         sync()
         out.append(time.perf_counter() - t)
+    return float(np.median(out))
+
+
+def host_time(fn, rounds: int, sync, after=lambda _: None) -> float:
+    """The median time fn holds this thread, the device idle before each round (after(result) tidies up)."""
+    after(fn())
+    out = []
+    for _ in range(rounds):
+        sync()
+        t = time.perf_counter()
+        result = fn()
+        out.append(time.perf_counter() - t)
+        sync()
+        after(result)
     return float(np.median(out))
 
 
@@ -106,6 +121,10 @@ def main() -> None:
           + (f" ({torch.cuda.get_device_name(dev)})" if gpu else "") + f"; median of {args.rounds} rounds")
     took = {name: timed(fn, args.rounds, sync) for name, fn in steps.items()}
     took["save: the forward thread's part"] = forward_part(on_gpu, stores, args.rounds)
+    paths, ids = on_gpu.device_copies, list(range(n))
+    took["save, forward thread: the gather alone"] = host_time(lambda: paths.gather(ids), args.rounds, sync)
+    took["save, forward thread: copy_out (gather, checksum, copies)"] = host_time(
+        lambda: paths.copy_out(ids), args.rounds, sync, lambda saved: [paths.pool.give_back(b) for b in saved.blocks])
     for name, seconds in took.items():
         print(f"{name:<56} {seconds * 1e3:8.1f} ms  {total / seconds / 1e9:6.1f} GB/s")
     for name, (w, _) in hits.items():
