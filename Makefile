@@ -27,19 +27,24 @@ RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 q          = '$(subst ','\'',$(1))'
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(call q,$(INVENTORY))
 USER_ARGS  = -e $(call q,kvscope_matrix=$(abspath $(MATRIX))) $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(MODEL)))) \
-  $(if $(EXACT),-e vllm_exact=true) \
+  $(if $(EXACT),-e vllm_exact=true) $(if $(OVERRIDES),-e $(call q,{"vllm_flag_overrides": $(OVERRIDES)})) \
+  $(if $(RUN_DIR),-e $(call q,kvscope_run_dir=$(abspath $(RUN_DIR)))) $(if $(PORT_OFFSET),-e $(call q,vllm_port_offset=$(PORT_OFFSET))) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
 # What a rollout hands every playbook besides the new matrix and image (`make rollout`; ROLLOUT_ARGS adds options).
 SERIAL    ?= 1
 ROLLOUT_VARS = $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(MODEL)))) $(if $(EXACT),-e vllm_exact=true) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
+# What a target needs before it runs: the harness's environment, and both environments before a deploy
+# (ansible/bench/cuda-host.mk: nothing, the host's Python holds everything).
+HARNESS   := $(VENV)/.installed
+SETUP     := setup
 
-# How deploy and bench use the inventory; ansible/bench/<inventory>.mk may override these (netns.mk: hosts
-# in network namespaces, Locust workers on them; gb10.mk: the example cluster).
+# How deploy and bench use the inventory: its hosts, addresses and Locust workers are the inventory's own
+# variables, read by every path (loadtests/kvscope/deploy/inventory.py); ansible/bench/<inventory>.mk may
+# add steps around them (netns.mk: make the namespace hosts first; gb10.mk: collect each node's files).
 PRE_DEPLOY  :=
 DEPLOY_ARGS  = -e $(call q,vllm_configs=$(CONFIGS))
-DEPLOYMENTS := runs/local/deployment.json
 BENCH_ARGS   = --configs $(call q,$(CONFIGS))
 PRE_BENCH   :=
 # restart scenarios: how the bench restarts one config's server between its phases ({config} is filled in)
@@ -71,27 +76,27 @@ $(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
 
 model: $(MODEL_DIR)/model.safetensors ## build the tiny offline Qwen3 model (deterministic)
 
-$(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(VENV)/.installed
+$(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(HARNESS)
 	$(KVSCOPE) build-model --out $(MODEL_DIR)
 
 ##@ Deployment
 # The default CONFIGS are a selection of the default matrix: a matrix of your own is checked whole, or CONFIGS=.
 VALIDATE_CONFIGS = $(if $(and $(filter file,$(origin CONFIGS)),$(filter-out file,$(origin MATRIX))),,$(CONFIGS))
-validate: $(VENV)/.installed ## validate the storage-config matrix (MATRIX=..., and a selection: CONFIGS=...)
+validate: $(HARNESS) ## validate the storage-config matrix (MATRIX=..., and a selection: CONFIGS=...)
 	$(KVSCOPE) --matrix $(call q,$(MATRIX)) validate $(if $(VALIDATE_CONFIGS),--configs $(call q,$(VALIDATE_CONFIGS)))
 
 # DRY_RUN=1: Ansible's --check; the selection is rendered (into runs/dry-run/, apart from a live deployment's
 # files) and checked, each server's command printed, and nothing started.
 DRY_RUN_ARGS = $(if $(DRY_RUN),--check -e $(call q,vllm_rendered=$(abspath runs/dry-run)/rendered-{{ inventory_hostname }}.json))
-deploy: setup $(if $(strip $(MODEL)),,model) $(if $(and $(filter container,$(RUNTIME)),$(if $(DRY_RUN),,1)),images-cpu) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=, RUNTIME=; DRY_RUN=1 starts nothing)
+deploy: $(SETUP) $(if $(strip $(MODEL)),,model) $(if $(and $(filter container,$(RUNTIME)),$(if $(DRY_RUN),,1)),images-cpu) ## start one vLLM server per config in CONFIGS on INVENTORY's hosts (MATRIX=, MODEL=, RUNTIME=; DRY_RUN=1 starts nothing)
 	$(PRE_DEPLOY)
 	$(if $(DRY_RUN),mkdir -p runs/dry-run)
 	$(PLAYBOOK) ansible/deploy.yml $(DEPLOY_ARGS) $(USER_ARGS) $(ON_CRASH) $(DRY_RUN_ARGS)
 
-status: $(VENV)/.installed ## list the deployed servers on INVENTORY's hosts and whether they are healthy
+status: $(HARNESS) ## list the deployed servers on INVENTORY's hosts and whether they are healthy
 	$(PLAYBOOK) ansible/status.yml $(USER_ARGS)
 
-teardown: $(VENV)/.installed ## stop exactly the servers deploy started
+teardown: $(HARNESS) ## stop exactly the servers deploy started
 	$(PLAYBOOK) ansible/teardown.yml $(USER_ARGS)
 
 ##@ Images (on a build host with Docker: buildx where it has it, the daemon's classic builder where not)
@@ -116,21 +121,22 @@ bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up 
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
 	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) KVSCOPE_RESTART_CMD=$(call q,$(RESTART_CMD)) $(KVSCOPE) bench \
-	  --deployment $(call q,$(DEPLOYMENTS)) $(BENCH_ARGS) \
+	  --inventory $(call q,$(INVENTORY)) $(BENCH_ARGS) $(if $(RUN_DIR),--deployment $(call q,$(RUN_DIR)/deployment.json)) \
 	  --scenarios $(call q,$(SCENARIOS)) --users $(call q,$(USERS)) --report --run-id $(call q,$(RUN_ID)) $(if $(RESUME),--resume) \
-	  $(if $(EXACT),--exact) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(REPEATS),--repeats $(call q,$(REPEATS))); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
+	  $(if $(EXACT),--exact) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(REPEATS),--repeats $(call q,$(REPEATS))) \
+	  $(if $(QUERIES),--queries $(call q,$(QUERIES))) $(if $(RESULTS),--results $(call q,$(RESULTS))); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
-rollout: $(VENV)/.installed $(if $(strip $(MODEL)),,model) ## roll CONFIGS to INVENTORY's hosts a batch at a time (SERIAL=1 or 25%), each batch gated on the verdict; stop and roll back on a wrong answer (MATRIX=, IMAGE=, ROLLOUT_ID=)
+rollout: $(HARNESS) $(if $(strip $(MODEL)),,model) ## roll CONFIGS to INVENTORY's hosts a batch at a time (SERIAL=1 or 25%), each batch gated on the verdict; stop and roll back on a wrong answer (MATRIX=, IMAGE=, ROLLOUT_ID=)
 	$(if $(filter command line environment,$(origin CONFIGS)),,$(error make rollout: name the configs to roll, e.g. CONFIGS=kvscope-fs; their new definitions come from MATRIX=, a new image from IMAGE=))
 	$(PRE_ROLLOUT)
 	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) $(KVSCOPE) --matrix $(call q,$(MATRIX)) rollout \
 	  --inventory $(call q,$(INVENTORY)) --configs $(call q,$(CONFIGS)) --serial $(call q,$(SERIAL)) \
 	  $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(ROLLOUT_ID),--id $(call q,$(ROLLOUT_ID))) $(ROLLOUT_VARS) $(ROLLOUT_ARGS)
 
-report: $(VENV)/.installed ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50] [OUT=dir] [REWRITE=1]
+report: $(HARNESS) ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50] [OUT=dir] [REWRITE=1]
 	$(KVSCOPE) report $(call q,$(RUN)) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(OUT),--out $(call q,$(OUT))) $(if $(REWRITE),--rewrite)
 
-compare: $(VENV)/.installed ## runs side by side, with changes and a plot: make compare RUNS=results/a,results/b [OUT=dir]
+compare: $(HARNESS) ## runs side by side, with changes and a plot: make compare RUNS=results/a,results/b [OUT=dir]
 	$(KVSCOPE) compare $(call q,$(RUNS)) $(if $(OUT),--out $(call q,$(OUT)))
 
 bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and filesystem load throughput
@@ -169,6 +175,12 @@ help: ## list the targets and the variables they read
 #> INVENTORY     the Ansible inventory whose hosts serve (default ansible/inventories/local)
 #> RUNTIME       process (default) or container (the CPU image, make images-cpu)
 #> EXACT         1: serve batch-invariant and judge bitwise (GPU; refused on the CPU)
+#> OVERRIDES     server flags over every config's, as JSON: OVERRIDES='{"dtype": "bfloat16"}'
+#> RUN_DIR       deploy, bench, teardown: the deployment's folder on a one-host inventory (a second one beside the first)
+#> PORT_OFFSET   deploy: added to every config's port (a second deployment beside the first)
+#> QUERIES       make bench: queries per scenario, over each scenario's own
+#> RESULTS       make bench: the folder run folders go to (default results)
+#> KVSCOPE_PYTHON  INVENTORY=ansible/inventories/cuda-host: the host's Python holding vLLM and the harness (python3)
 #> DRY_RUN       make deploy DRY_RUN=1: render and check the selection, print each server's command, start nothing
 #> RUN_ID        the run folder's name under results/ (default: the time, UTC)
 #> RESUME        make bench RESUME=1 RUN_ID=<id>: continue that run folder, keeping its finished treatments

@@ -79,7 +79,7 @@ def test_deploy_bench_with_distributed_locust_collect_and_teardown_across_hosts(
             [sys.executable, "-m", "kvscope.cli", "bench", "--deployment", ",".join(map(str, deployments)),
              "--results", str(tmp_path / "results"), "--scenarios-file", str(tmp_path / "small.yaml"),
              "--scenarios", "rag-small", "--users", "2", "--run-id", "cluster", "--report", "--min-hits", "3",
-             "--worker-hosts", "kvh1,kvh2", "--ssh-config", str(SSH_CONFIG), "--master-host", "10.77.0.1"],
+             "--inventory", str(NETNS)],  # its Locust workers, ssh config and master address, as make bench's
             cwd=REPO, capture_output=True, text=True, timeout=1200)
         assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
         folder = tmp_path / "results" / "cluster"

@@ -64,6 +64,23 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _deployment_and_workers(args) -> tuple[list[Path], dict | None]:
+    """The deployment.json of each host and the Locust workers (None: all local): the flags given, else the
+    inventory's bench variables (deploy/inventory.py), else the embedded default's deployment."""
+    from kvscope.deploy import inventory
+
+    bench = inventory.bench_hosts(args.inventory) if args.inventory else inventory.BenchHosts([])
+    deployments = ([Path(d) for d in names(args.deployment)] if args.deployment
+                   else bench.deployments(args.run_id) or [Path("runs/local/deployment.json")])
+    workers = names(args.worker_hosts) if args.worker_hosts else bench.workers
+    master = args.master_host or bench.master
+    if not workers:
+        return deployments, None
+    if not master:
+        raise matrix_mod.ConfigError("--worker-hosts needs --master-host: the address workers reach this host at")
+    return deployments, {"hosts": workers, "ssh_config": args.ssh_config or bench.ssh_config, "master_host": master}
+
+
 def cmd_bench(args) -> int:
     from kvscope.analyze.overview import parse_slo
     from kvscope.run import treatments
@@ -84,11 +101,7 @@ def cmd_bench(args) -> int:
         raise matrix_mod.ConfigError(f"--users {args.users!r}: expected a number, or numbers separated by commas "
                                      "(a load sweep)") from exc
 
-    remote = None
-    if args.worker_hosts:
-        if not args.master_host:
-            raise matrix_mod.ConfigError("--worker-hosts needs --master-host: the address workers reach this host at")
-        remote = {"hosts": names(args.worker_hosts), "ssh_config": args.ssh_config, "master_host": args.master_host}
+    deployments, remote = _deployment_and_workers(args)
     signal.signal(signal.SIGTERM, _terminated)  # a stopped bench says so in its run folder, as after Ctrl-C
     endpoints = None
     if args.endpoint or args.golden:
@@ -106,7 +119,7 @@ def cmd_bench(args) -> int:
     progress = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with progress:
-            folder = treatments.run([Path(d) for d in names(args.deployment)], Path(args.results), Path(args.scenarios),
+            folder = treatments.run(deployments, Path(args.results), Path(args.scenarios),
                                     names(args.configs), names(args.scenarios_list), users=levels, repeats=args.repeats,
                                     processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
                                     command=redact_command(os.environ.get("KVSCOPE_COMMAND")
@@ -255,8 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")
-    s.add_argument("--deployment", default="runs/local/deployment.json",
-                   help="deployment.json of each host, comma-separated")
+    s.add_argument("--deployment", default=None,
+                   help="deployment.json of each host, comma-separated (default: the inventory's "
+                        "kvscope_bench_deployment, else runs/local/deployment.json)")
+    s.add_argument("--inventory", default=None,
+                   help="the Ansible inventory deployed: where its hosts' deployment.json lie and its Locust "
+                        "workers (kvscope_bench_deployment, group locust_workers, kvscope_ssh_config, "
+                        "kvscope_locust_master); the flags below win")
     s.add_argument("--endpoint", default="", metavar="[NAME=]URL,...",
                    help="bench OpenAI-compatible servers kvscope did not deploy (instead of --deployment)")
     s.add_argument("--golden", default="", metavar="[NAME=]URL", help="with --endpoint: the cache-off reference")
@@ -280,9 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queries", type=int, default=None,
                    help="queries per scenario (sessions for multiturn), over each scenario's num_queries")
     s.add_argument("--processes", type=int, default=1, help="Locust worker processes (distributed mode)")
-    s.add_argument("--worker-hosts", default="", help="Locust workers on these ssh hosts, one each (a cluster)")
-    s.add_argument("--ssh-config", default="/var/lib/kvscope/netns/config", help="ssh config naming the worker hosts")
-    s.add_argument("--master-host", default="", help="address the workers reach this (master) host at")
+    s.add_argument("--worker-hosts", default="",
+                   help="Locust workers on these ssh hosts, one each (a cluster; default: the inventory's "
+                        "locust_workers)")
+    s.add_argument("--ssh-config", default=None,
+                   help="ssh config naming the worker hosts (default: the inventory's kvscope_ssh_config, else "
+                        "ssh's own)")
+    s.add_argument("--master-host", default="",
+                   help="address the workers reach this (master) host at (default: the inventory's "
+                        "kvscope_locust_master)")
     s.add_argument("--rate", type=float, default=0.0, help="open loop: sessions per second (Poisson)")
     s.add_argument("--timeout-s", type=float, default=1800, help="the most each Locust phase of a treatment may run")
     s.add_argument("--run-id", default=None, help="the run folder's name (default: the time, UTC)")

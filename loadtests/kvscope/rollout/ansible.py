@@ -54,24 +54,6 @@ def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
             raise
 
 
-def inventory_hosts(inventory: str, group: str = "vllm_servers") -> list[str]:
-    """The hosts of `group` (its children's too), in the inventory's order."""
-    out = subprocess.run([str(BIN / "ansible-inventory"), "-i", inventory, "--list"], capture_output=True, text=True,
-                         env=_env(), timeout=120)
-    if out.returncode != 0:
-        raise RolloutError(f"inventory {inventory}: {out.stderr.strip()[-500:]}")
-    doc = json.loads(out.stdout)
-
-    def walk(name: str) -> list[str]:
-        node = doc.get(name, {})
-        return node.get("hosts", []) + [h for child in node.get("children", []) for h in walk(child)]
-
-    hosts = list(dict.fromkeys(walk(group)))
-    if not hosts:
-        raise RolloutError(f"inventory {inventory}: no hosts in group {group}")
-    return hosts
-
-
 def _env() -> dict[str, str]:
     """kvscope's ansible.cfg; pipelining (fewer ssh round trips per task: a rollout runs many short playbooks)."""
     return {"ANSIBLE_PIPELINING": "True", **os.environ, "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),

@@ -10,7 +10,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kvscope.config import matrix as matrix_mod
-from kvscope.rollout.ansible import Ansible, RolloutError, inventory_hosts
+from kvscope.deploy import inventory
+from kvscope.rollout.ansible import Ansible, RolloutError
 from kvscope.rollout.record import EXIT_BAD_INPUT, EXIT_CODES, Batch, Rollout, load, save, sha256
 
 UNFINISHED = ("running", "interrupted", "rollback-failed")
@@ -113,7 +114,7 @@ def cmd_rollout(args) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     try:
         _check_configs(Path(args.matrix), configs)
-        hosts = inventory_hosts(args.inventory)
+        hosts = inventory.servers(args.inventory)
         candidate = _new(args, configs, hosts, args.rollout_id or datetime.now(UTC).strftime("rollout-%Y%m%dT%H%M%SZ"))
         folder = results / candidate.rollout_id
         if args.rollout_id is None and (open_ := _unfinished(results, args.inventory)):

@@ -162,7 +162,7 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
     """One headless Locust run of a workload file against one server; returns its status. With `stats`,
     Locust's own CSV tables are kept under that prefix.
 
-    remote = {"hosts": [...], "ssh_config": path, "master_host": address}: Locust's distributed mode across
+    remote = {"hosts": [...], "ssh_config": path or None, "master_host": address}: Locust's distributed mode across
     hosts: this process is the master, one worker per host started over ssh with the same options (the
     repository and venvs at the same paths there); workers send their records to the master."""
     kvscope_args = ["-f", str(LOCUSTFILE), "--host", server.url,
@@ -190,7 +190,8 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
         files = [f"{k}={os.environ[k]}" for k in (auth.KEY_FILE_ENV, "SSL_CERT_FILE") if os.environ.get(k)]
         if files:  # the key file (never the key) and a CA file, at the same paths on every host
             worker = ["env", *files, *worker]
-        workers = [subprocess.Popen(["ssh", "-F", str(remote["ssh_config"]), host, shlex.join(worker)],
+        ssh = ["ssh", "-F", str(remote["ssh_config"])] if remote.get("ssh_config") else ["ssh"]
+        workers = [subprocess.Popen([*ssh, host, shlex.join(worker)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for host in hosts]
     elif processes > 1:
         cmd += ["--processes", str(processes), "--kvscope-workers", str(processes)]

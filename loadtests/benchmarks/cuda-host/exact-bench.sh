@@ -16,7 +16,7 @@
 # run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default);
 # ATTENTION serves the 4B parts on another attention backend than the matrix's (their run ids then name it);
 # CONFIGS replaces the exact part's configs (e.g. only the correct caches, for a run at one user).
-#   [PARTS=tiny,exact,lmcache-repro,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] docker/cuda-host/exact-bench.sh \
+#   [PARTS=tiny,exact,lmcache-repro,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] loadtests/benchmarks/cuda-host/exact-bench.sh \
 #     OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}

@@ -7,7 +7,7 @@
 # (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
 # (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR, the
 # bench's run folder too (OUT_DIR/RUN_ID: a lent host that re-syncs the checkout removes what lies in results/).
-#   docker/cuda-host/connector-bench.sh OUT_DIR [TOKENS=2048,8192,16384,32768] [RUN_ID]
+#   loadtests/benchmarks/cuda-host/connector-bench.sh OUT_DIR [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}
 . "$(dirname "$0")/env.sh"

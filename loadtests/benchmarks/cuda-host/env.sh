@@ -1,19 +1,18 @@
-# Sourced by the CUDA-host scripts, from the repository root: the host's Python sees the harness and the
-# connector from the checkout, Ansible the repository's configuration and the cuda-host inventory.
+# Sourced by the CUDA-host benchmarks, from the repository root: they deploy, bench and tear down with the same
+# make targets as every other path (ansible/bench/cuda-host.mk: the host's Python, the checkout on its path),
+# and run the connector's own benchmarks with that Python.
 export PYTHONPATH="$PWD/loadtests:$PWD/connector${PYTHONPATH:+:$PYTHONPATH}" ANSIBLE_CONFIG=ansible/ansible.cfg
 export PYTHONUNBUFFERED=1
 inv=ansible/inventories/cuda-host
 # EXACT=1: serve batch-invariant (the matrix's exact mode). A second deployment beside the first: its own
 # RUN_DIR (default runs/cuda-host) and PORT_OFFSET (added to every config's port).
 run_dir=${RUN_DIR:-runs/cuda-host}
-where=(-e kvscope_run_dir="$PWD/$run_dir" -e vllm_port_offset="${PORT_OFFSET:-0}")
+where=(INVENTORY=$inv RUN_DIR="$run_dir" PORT_OFFSET="${PORT_OFFSET:-0}" ${EXACT:+EXACT=1})
 deploy() {  # deploy CONFIGS [OVERRIDES_JSON]: configs that do not start are reported as crashed
-  local overrides=${2:-"{}"}
-  python3 -m ansible playbook -i $inv ansible/deploy.yml -e vllm_configs="$1" -e "{\"vllm_flag_overrides\": $overrides}" \
-    "${where[@]}" ${EXACT:+-e vllm_exact=true}
+  make --no-print-directory deploy "${where[@]}" MODEL="$KVSCOPE_MODEL_DIR" CONFIGS="$1" OVERRIDES="${2:-"{}"}"
   echo "deploy exit $?"
 }
-teardown() { python3 -m ansible playbook -i $inv ansible/teardown.yml "${where[@]}"; }
+teardown() { make --no-print-directory teardown "${where[@]}"; }
 long_context() {  # long_context KV_BYTES: server flags (JSON) for 32k-token prompts on the Qwen3-4B shape: bf16;
   # CUDA graphs for up to 32 sequences (capture stays short); a context that holds a 32k-token prompt; KV_BYTES
   # of GPU KV cache; the servers' start-up memory checks within one GPU

@@ -1,0 +1,115 @@
+"""What kvscope reads from an Ansible inventory besides what its playbooks do: the hosts of a group, and how
+the bench reaches the deployment, as inventory variables of the inventory's own (one place for a cluster's
+hosts and addresses, read by deploy, bench, rollout and teardown alike).
+
+The bench's variables (group_vars or host_vars; literal values, since they are read without Ansible's
+templating):
+- kvscope_bench_deployment: where this machine finds each vLLM host's deployment.json, a path with `{host}`
+  (the inventory's name of the host) and `{run_id}` (the bench's run id) in it; absent: the embedded default's
+  runs/local/deployment.json. A cluster whose hosts keep their files elsewhere has them collected first
+  (ansible/collect.yml, e.g. into results/{run_id}/hosts/{host}/).
+- the group locust_workers: Locust workers, one on each of its hosts, reached over ssh, with
+  kvscope_ssh_config (the ssh config naming them; absent: ssh's own) and kvscope_locust_master (the address
+  they reach this machine, the master, at).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvscope import REPO
+from kvscope.config.matrix import ConfigError
+
+VARS = ("kvscope_bench_deployment", "kvscope_ssh_config", "kvscope_locust_master")
+
+
+class InventoryError(ConfigError):
+    """An inventory that cannot be read, or whose bench settings do not make sense (bad input: exit 2)."""
+
+
+def read(inventory: str) -> dict:
+    """The inventory as `ansible-inventory --list` gives it (hosts by group, _meta.hostvars unrendered)."""
+    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    try:
+        out = subprocess.run([sys.executable, "-m", "ansible", "inventory", "-i", inventory, "--list"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        raise InventoryError(f"inventory {inventory}: ansible-inventory gave no answer in 120 s") from exc
+    if out.returncode != 0:
+        raise InventoryError(f"inventory {inventory}: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def hosts(doc: dict, group: str) -> list[str]:
+    """The hosts of `group` (its children's too), in the inventory's order."""
+
+    def walk(name: str) -> list[str]:
+        node = doc.get(name, {})
+        return node.get("hosts", []) + [h for child in node.get("children", []) for h in walk(child)]
+
+    return list(dict.fromkeys(walk(group)))
+
+
+def servers(inventory: str) -> list[str]:
+    """The vLLM hosts of an inventory (group vllm_servers); an inventory without any is an error."""
+    found = hosts(read(inventory), "vllm_servers")
+    if not found:
+        raise InventoryError(f"inventory {inventory}: no hosts in group vllm_servers")
+    return found
+
+
+@dataclass
+class BenchHosts:
+    """Where the bench finds an inventory's deployment and runs its Locust workers."""
+
+    servers: list[str]
+    deployment: str | None = None  # kvscope_bench_deployment: a path with {host} and {run_id}
+    workers: list[str] = field(default_factory=list)
+    ssh_config: str | None = None
+    master: str | None = None
+
+    def deployments(self, run_id: str | None) -> list[Path] | None:
+        """Each vLLM host's deployment.json on this machine; None where the inventory does not say."""
+        if self.deployment is None:
+            return None
+        if "{run_id}" in self.deployment and run_id is None:
+            raise InventoryError(f"kvscope_bench_deployment {self.deployment!r} names the run id: give --run-id")
+        try:
+            return [Path(self.deployment.format(host=h, run_id=run_id)) for h in self.servers]
+        except (KeyError, IndexError, ValueError) as exc:
+            raise InventoryError(f"kvscope_bench_deployment {self.deployment!r}: only {{host}} and {{run_id}} "
+                                 f"may be filled in ({exc})") from exc
+
+
+def bench_hosts(inventory: str) -> BenchHosts:
+    """The bench's settings of an inventory. A setting must be one value for every host that has it, and
+    literal (a Jinja template would be read as its text)."""
+    doc = read(inventory)
+    found = hosts(doc, "vllm_servers")
+    if not found:
+        raise InventoryError(f"inventory {inventory}: no hosts in group vllm_servers")
+    workers = hosts(doc, "locust_workers")
+    hostvars = doc.get("_meta", {}).get("hostvars", {})
+    values: dict[str, str | None] = {}
+    for name in VARS:
+        seen = {str(v) for h in found + workers if (v := hostvars.get(h, {}).get(name)) is not None}
+        if len(seen) > 1:
+            raise InventoryError(f"inventory {inventory}: {name} differs between hosts ({', '.join(sorted(seen))}); "
+                                 "the bench takes one")
+        value = next(iter(seen), None)
+        if value is not None and "{{" in value:
+            raise InventoryError(f"inventory {inventory}: {name} is a template ({value!r}); the bench reads it "
+                                 "without Ansible's templating: give a literal value")
+        values[name] = value
+    ssh_config = values["kvscope_ssh_config"]
+    bench = BenchHosts(found, values["kvscope_bench_deployment"], workers,
+                       os.path.expanduser(ssh_config) if ssh_config else None, values["kvscope_locust_master"])
+    if workers and not bench.master:
+        raise InventoryError(f"inventory {inventory}: locust_workers {', '.join(workers)} need kvscope_locust_master, "
+                             "the address they reach this machine at")
+    return bench

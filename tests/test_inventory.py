@@ -1,0 +1,97 @@
+"""The bench reads a cluster's hosts, addresses and Locust workers from the inventory's own variables
+(deploy/inventory.py): the .mk files restated them, and a changed address had to be changed twice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from kvscope.deploy import inventory
+
+INVENTORIES = REPO / "ansible" / "inventories"
+
+
+def test_each_shipped_inventory_says_where_its_deployments_are_and_who_runs_locust_workers():
+    netns = inventory.bench_hosts(str(INVENTORIES / "netns"))
+    assert netns.deployments("r1") == [Path(f"runs/netns/kvh{i}/deployment.json") for i in (1, 2, 3)]
+    assert (netns.workers, netns.master, netns.ssh_config) == (["kvh1", "kvh2"], "10.77.0.1",
+                                                               "/var/lib/kvscope/netns/config")
+    gb10 = inventory.bench_hosts(str(INVENTORIES / "gb10"))
+    assert gb10.deployments("r1") == [Path(f"results/r1/hosts/spark-{i}/deployment.json") for i in (1, 2, 3)]
+    assert gb10.workers == ["loadgen", "spark-3"] and gb10.master == "192.168.50.20"
+    assert gb10.ssh_config == str(Path.home() / ".ssh" / "config")  # ~ expanded: ssh -F does not
+    for name, run_dir in (("local", "local"), ("cuda-host", "cuda-host")):
+        one = inventory.bench_hosts(str(INVENTORIES / name))
+        assert one.deployments(None) == [Path(f"runs/{run_dir}/deployment.json")] and one.workers == []
+
+
+def write(tmp_path: Path, hosts: str, group_vars: str) -> str:
+    (tmp_path / "group_vars").mkdir(exist_ok=True)
+    (tmp_path / "hosts.yml").write_text(hosts)
+    (tmp_path / "group_vars" / "all.yml").write_text(group_vars)
+    return str(tmp_path)
+
+
+TWO = ("all:\n  children:\n    vllm_servers:\n      hosts:\n        a:\n        b:\n"
+       "    locust_workers:\n      hosts:\n        a:\n")
+
+
+@pytest.mark.parametrize(("group_vars", "message"), [
+    ("kvscope_bench_deployment: '{{ kvscope_run_dir }}/deployment.json'\nkvscope_locust_master: 10.0.0.1\n",
+     "is a template"),
+    ("kvscope_bench_deployment: runs/{host}/deployment.json\n", "need kvscope_locust_master"),
+    ("kvscope_bench_deployment: runs/{node}/deployment.json\nkvscope_locust_master: 10.0.0.1\n",
+     "only {host} and {run_id}"),
+    ("kvscope_bench_deployment: results/{run_id}/{host}.json\nkvscope_locust_master: 10.0.0.1\n", "give --run-id"),
+])
+def test_bench_settings_that_cannot_work_are_refused_with_the_variable_named(tmp_path, group_vars, message):
+    with pytest.raises(inventory.InventoryError, match=message):
+        inventory.bench_hosts(write(tmp_path, TWO, group_vars)).deployments(None)
+
+
+def test_a_setting_that_differs_between_hosts_is_refused(tmp_path):
+    inv = write(tmp_path, TWO, "kvscope_locust_master: 10.0.0.1\n")
+    (tmp_path / "host_vars").mkdir()
+    (tmp_path / "host_vars" / "b.yml").write_text("kvscope_locust_master: 10.0.0.2\n")
+    with pytest.raises(inventory.InventoryError, match="kvscope_locust_master differs between hosts"):
+        inventory.bench_hosts(inv)
+
+
+def test_the_bench_refuses_a_broken_inventory_before_it_starts_anything(tmp_path):
+    inv = write(tmp_path, TWO, "kvscope_bench_deployment: runs/{host}/deployment.json\n")
+    out = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--inventory", inv, "--results",
+                          str(tmp_path / "results"), "--run-id", "r1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "need kvscope_locust_master" in out.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_make_bench_hands_the_inventory_to_the_bench():
+    out = subprocess.run(["make", "-n", "-B", "bench", "INVENTORY=ansible/inventories/netns"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60).stdout.replace("\\\n", " ")
+    line = next(x for x in out.splitlines() if "kvscope.cli bench" in x)
+    assert "--inventory 'ansible/inventories/netns'" in line and "--worker-hosts" not in line
+    assert "--configs" not in line  # every config the hosts deployed (their host_vars), not CONFIGS
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host would deploy for real")
+def test_the_cuda_host_bench_runs_the_make_targets_with_the_hosts_python_up_to_the_gpu_check(tmp_path):
+    # the CUDA-host scripts once had their own deploy and teardown; now make's, with ansible/bench/cuda-host.mk:
+    # no environment made, the host's Python (here the harness's, first on PATH) runs Ansible and kvscope
+    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "RESULTS": str(tmp_path / "res"),
+           "RUN_DIR": str(tmp_path / "run"), "PORT_OFFSET": "700"}
+    out = subprocess.run(["bash", "loadtests/benchmarks/cuda-host/bench.sh", "tiny", "r1", "baseline,kvscope-fs",
+                          '{"dtype": "float32"}', "2"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    text = out.stdout + out.stderr
+    assert "ansible playbook -i 'ansible/inventories/cuda-host' ansible/deploy.yml" in text
+    assert "-e '{\"vllm_flag_overrides\": {\"dtype\": \"float32\"}}'" in text and "vllm_port_offset=700" in text
+    assert "nvidia-smi" in text and "bench exit 2" in text  # the GPU preflight stopped it, nothing started
+    assert ".venv-vllm" not in text and "pip install" not in text  # nothing set up first
+    assert "ansible/teardown.yml" in text and not (tmp_path / "res" / "r1").exists()
