@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -95,3 +96,28 @@ def test_the_cuda_host_bench_runs_the_make_targets_with_the_hosts_python_up_to_t
     assert "nvidia-smi" in text and "bench exit 2" in text  # the GPU preflight stopped it, nothing started
     assert ".venv-vllm" not in text and "pip install" not in text  # nothing set up first
     assert "ansible/teardown.yml" in text and not (tmp_path / "res" / "r1").exists()
+
+
+@pytest.mark.server
+@pytest.mark.slow  # ~3 minutes on 2 cores: `make test-slow`
+def test_the_cuda_host_bench_deploys_benches_and_tears_down_through_make_on_a_cpu_copy_of_its_inventory(tmp_path):
+    # the whole CUDA-host flow, with the cuda-host inventory's settings but the CPU platform: the script runs
+    # make bench (deploy, bench, report) and make teardown with the host's Python, and sets nothing up
+    inv = tmp_path / "cuda-host"  # the folder's name picks ansible/bench/cuda-host.mk
+    shutil.copytree(INVENTORIES / "cuda-host", inv)
+    group_vars = (inv / "group_vars" / "all.yml").read_text().replace("kvscope_platform: cuda", "kvscope_platform: cpu")
+    (inv / "group_vars" / "all.yml").write_text(
+        group_vars.replace('vllm_process_python: "{{ kvscope_harness_python }}"',
+                           f"vllm_process_python: {REPO / '.venv-vllm' / 'bin' / 'python'}"))
+    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "INVENTORY": str(inv),
+           "RESULTS": str(tmp_path / "res"), "RUN_DIR": str(tmp_path / "run"), "PORT_OFFSET": "900",
+           "SCENARIOS": "repeat-867", "QUERIES": "4"}
+    out = subprocess.run(["bash", "loadtests/benchmarks/cuda-host/bench.sh", "tiny", "r1", "baseline,apc", "{}", "1"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    text = out.stdout + out.stderr
+    assert "gate: " in text and "bench exit" in text, text[-4000:]  # the gate's own exit: 2 hits are too few to verify
+    report = (tmp_path / "res" / "r1" / "report.md").read_text()
+    assert "apc" in report and "GOLDEN" in report and ".venv-vllm/.installed" not in text
+    command = json.loads((tmp_path / "res" / "r1" / "run.json").read_text())["command"]
+    assert command.startswith("make bench") and "INVENTORY=" in command  # the run records the make line
+    assert not list((tmp_path / "run").glob("*/server.pid"))  # torn down

@@ -3,7 +3,7 @@
 # and run the connector's own benchmarks with that Python.
 export PYTHONPATH="$PWD/loadtests:$PWD/connector${PYTHONPATH:+:$PYTHONPATH}" ANSIBLE_CONFIG=ansible/ansible.cfg
 export PYTHONUNBUFFERED=1
-inv=ansible/inventories/cuda-host
+inv=${INVENTORY:-ansible/inventories/cuda-host}  # another inventory of a CUDA host: INVENTORY
 # EXACT=1: serve batch-invariant (the matrix's exact mode). A second deployment beside the first: its own
 # RUN_DIR (default runs/cuda-host) and PORT_OFFSET (added to every config's port).
 run_dir=${RUN_DIR:-runs/cuda-host}
