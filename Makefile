@@ -52,7 +52,7 @@ RESTART_CMD  = $(PLAYBOOK) ansible/restart.yml $(DEPLOY_ARGS) $(USER_ARGS) -e re
 POST_BENCH  :=
 PRE_ROLLOUT :=
 comma       := ,
--include ansible/bench/$(notdir $(INVENTORY)).mk
+-include ansible/bench/$(notdir $(patsubst %/,%,$(INVENTORY))).mk
 
 ##@ Set-up
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (idempotent)

@@ -46,7 +46,6 @@ TWO = ("all:\n  children:\n    vllm_servers:\n      hosts:\n        a:\n        
 @pytest.mark.parametrize(("group_vars", "message"), [
     ("kvscope_bench_deployment: '{{ kvscope_run_dir }}/deployment.json'\nkvscope_locust_master: 10.0.0.1\n",
      "is a template"),
-    ("kvscope_bench_deployment: runs/{host}/deployment.json\n", "need kvscope_locust_master"),
     ("kvscope_bench_deployment: runs/{node}/deployment.json\nkvscope_locust_master: 10.0.0.1\n",
      "only {host} and {run_id}"),
     ("kvscope_bench_deployment: results/{run_id}/{host}.json\nkvscope_locust_master: 10.0.0.1\n", "give --run-id"),
@@ -56,12 +55,26 @@ def test_bench_settings_that_cannot_work_are_refused_with_the_variable_named(tmp
         inventory.bench_hosts(write(tmp_path, TWO, group_vars)).deployments(None)
 
 
+def test_a_flag_wins_over_the_inventorys_setting_even_one_that_would_be_refused(tmp_path):
+    from kvscope import cli
+    from kvscope.config.matrix import ConfigError
+
+    inv = write(tmp_path, TWO, "kvscope_bench_deployment: '{{ x }}/deployment.json'\n")  # and no master
+    args = cli.build_parser().parse_args(["bench", "--inventory", inv, "--deployment", "d.json",
+                                          "--master-host", "10.0.0.9"])
+    assert cli._deployment_and_workers(args) == ([Path("d.json")], {"hosts": ["a"], "ssh_config": None,
+                                                                     "master_host": "10.0.0.9"})
+    args = cli.build_parser().parse_args(["bench", "--inventory", inv, "--deployment", "d.json"])
+    with pytest.raises(ConfigError, match="need --master-host .or the inventory's kvscope_locust_master"):
+        cli._deployment_and_workers(args)
+
+
 def test_a_setting_that_differs_between_hosts_is_refused(tmp_path):
     inv = write(tmp_path, TWO, "kvscope_locust_master: 10.0.0.1\n")
     (tmp_path / "host_vars").mkdir()
     (tmp_path / "host_vars" / "b.yml").write_text("kvscope_locust_master: 10.0.0.2\n")
     with pytest.raises(inventory.InventoryError, match="kvscope_locust_master differs between hosts"):
-        inventory.bench_hosts(inv)
+        _ = inventory.bench_hosts(inv).master
 
 
 def test_the_bench_refuses_a_broken_inventory_before_it_starts_anything(tmp_path):
@@ -69,7 +82,7 @@ def test_the_bench_refuses_a_broken_inventory_before_it_starts_anything(tmp_path
     out = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--inventory", inv, "--results",
                           str(tmp_path / "results"), "--run-id", "r1"], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
-    assert out.returncode == 2 and "need kvscope_locust_master" in out.stderr
+    assert out.returncode == 2 and "kvscope_locust_master" in out.stderr
     assert not (tmp_path / "results").exists()
 
 
@@ -121,3 +134,17 @@ def test_the_cuda_host_bench_deploys_benches_and_tears_down_through_make_on_a_cp
     command = json.loads((tmp_path / "res" / "r1" / "run.json").read_text())["command"]
     assert command.startswith("make bench") and "INVENTORY=" in command  # the run records the make line
     assert not list((tmp_path / "run").glob("*/server.pid"))  # torn down
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host would deploy for real")
+def test_the_long_context_flags_reach_the_deploy_whole(tmp_path):
+    # long_context printed its JSON on two lines; make cut the deploy's recipe at the line break, and
+    # connector-bench.sh and trace-bench.sh deployed nothing
+    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "RUN_DIR": str(tmp_path / "run"),
+           "KVSCOPE_MODEL_DIR": str(REPO / "models" / "tiny-qwen3")}
+    out = subprocess.run(["bash", "-c", '. loadtests/benchmarks/cuda-host/env.sh && deploy baseline '
+                          '"$(long_context 6442450944)"'], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    text = out.stdout + out.stderr
+    assert '"kv-cache-memory-bytes": 6442450944, "gpu-memory-utilization": 0.15}}' in text, text[-3000:]
+    assert "unexpected EOF" not in text and "nvidia-smi" in text  # the whole command ran, to the GPU preflight

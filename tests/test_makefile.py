@@ -43,7 +43,7 @@ def user_variables() -> set[str]:
     internal = {name for name, op, value in re.findall(r"^(?:[a-z-]+: *)?([A-Z][A-Z0-9_]*) *([:?]?)= *(.*)$", text, re.M)
                 if op != "?" and f"$({name})" not in value}
     defaults = set(re.findall(r"^([A-Z][A-Z0-9_]*) *\?=", text, re.M))
-    return defaults | read - internal - {"CURDIR", "HOME", "MAKECMDGOALS", "MAKEFILE_LIST", "MAKEOVERRIDES"}
+    return defaults | read - internal - {"CURDIR", "HOME", "PYTHONPATH", "MAKECMDGOALS", "MAKEFILE_LIST", "MAKEOVERRIDES"}
 
 
 def test_make_help_names_every_variable_a_user_sets_on_a_line_of_its_own():

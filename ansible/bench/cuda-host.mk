@@ -8,5 +8,5 @@ PLAYBOOK  := $(PY) -m ansible playbook -i $(call q,$(INVENTORY))
 HARNESS   :=
 SETUP     :=
 export KVSCOPE_PYTHON := $(PY)
-export PYTHONPATH := $(CURDIR)/loadtests:$(CURDIR)/connector
+export PYTHONPATH := $(CURDIR)/loadtests:$(CURDIR)/connector$(if $(PYTHONPATH),:$(PYTHONPATH))
 export PYTHONUNBUFFERED := 1

@@ -150,7 +150,7 @@ class DeviceCopies:
         then one index_copy_ per layer, on the same stream."""
         ids, on_device = [], []
         for block_id, block in items:
-            src = block if block.is_pinned() or not self.pinned else block.pin_memory()
+            src = block if block.is_pinned() else block.pin_memory()
             on_device.append(src.to(self.device, non_blocking=True))
             ids.append(block_id)
         if ids:

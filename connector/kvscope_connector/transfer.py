@@ -81,12 +81,8 @@ class SlotPool:
         """n slots, in address order: slots that lie side by side in a segment can be filled by one copy
         (spans). The free slots are kept sorted, so a run of free neighbours is taken whole."""
         with self.lock:
-            reclaimed = False
             while self.returned and (self.returned[0][1] is None or self.returned[0][1].query()):
-                self.free.append(self.returned.popleft()[0])
-                reclaimed = True
-            if reclaimed:
-                self.free.sort(key=torch.Tensor.data_ptr)
+                bisect.insort(self.free, self.returned.popleft()[0], key=torch.Tensor.data_ptr)
             while len(self.free) < n:
                 self._grow()
             taken = self.free[len(self.free) - n:]

@@ -119,7 +119,7 @@ class WorkerSide:
         self.pool = SlotPool(self.layout.nbytes, self.side, pinned=gpu) if self.on_device else None
         chunk = max(1, CHUNK_BYTES // self.layout.nbytes)  # blocks per staged chunk
         self.path = (DeviceCopies(self.layers, self.layout, self.side, self.pool, chunk)
-                     if gpu or self.on_device else HostRows(self.layers, self.layout))
+                     if self.device.type != "cpu" or self.on_device else HostRows(self.layers, self.layout))
         self.loaders = ThreadPoolExecutor(max_workers=self.load_threads or LOAD_THREADS[platform],
                                           thread_name_prefix="kvscope-load")
         if self.fs is not None:

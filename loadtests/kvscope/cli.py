@@ -69,15 +69,16 @@ def _deployment_and_workers(args) -> tuple[list[Path], dict | None]:
     inventory's bench variables (deploy/inventory.py), else the embedded default's deployment."""
     from kvscope.deploy import inventory
 
-    bench = inventory.bench_hosts(args.inventory) if args.inventory else inventory.BenchHosts([])
+    bench = inventory.bench_hosts(args.inventory) if args.inventory else inventory.BenchHosts("", [])
     deployments = ([Path(d) for d in names(args.deployment)] if args.deployment
                    else bench.deployments(args.run_id) or [Path("runs/local/deployment.json")])
     workers = names(args.worker_hosts) if args.worker_hosts else bench.workers
-    master = args.master_host or bench.master
     if not workers:
         return deployments, None
+    master = args.master_host or bench.master
     if not master:
-        raise matrix_mod.ConfigError("--worker-hosts needs --master-host: the address workers reach this host at")
+        raise matrix_mod.ConfigError(f"Locust workers on {', '.join(workers)} need --master-host (or the inventory's "
+                                     "kvscope_locust_master): the address they reach this machine at")
     return deployments, {"hosts": workers, "ssh_config": args.ssh_config or bench.ssh_config, "master_host": master}
 
 

@@ -65,51 +65,58 @@ def servers(inventory: str) -> list[str]:
 
 @dataclass
 class BenchHosts:
-    """Where the bench finds an inventory's deployment and runs its Locust workers."""
+    """Where the bench finds an inventory's deployment and runs its Locust workers. Each setting is checked
+    when it is used, so a flag that replaces it is never refused for the inventory's value."""
 
+    inventory: str
     servers: list[str]
-    deployment: str | None = None  # kvscope_bench_deployment: a path with {host} and {run_id}
     workers: list[str] = field(default_factory=list)
-    ssh_config: str | None = None
-    master: str | None = None
+    found: dict[str, set[str]] = field(default_factory=dict)  # each variable's values over the hosts
+
+    def value(self, name: str) -> str | None:
+        """A bench variable's one literal value, None where no host has it."""
+        seen = self.found.get(name, set())
+        if len(seen) > 1:
+            raise InventoryError(f"inventory {self.inventory}: {name} differs between hosts "
+                                 f"({', '.join(sorted(seen))}); the bench takes one")
+        value = next(iter(seen), None)
+        if value is not None and ("{{" in value or "{%" in value):
+            raise InventoryError(f"inventory {self.inventory}: {name} is a template ({value!r}); the bench reads it "
+                                 "without Ansible's templating: give a literal value")
+        return value
+
+    @property
+    def ssh_config(self) -> str | None:
+        value = self.value("kvscope_ssh_config")
+        return os.path.expanduser(value) if value else None  # ssh -F does not expand ~
+
+    @property
+    def master(self) -> str | None:
+        return self.value("kvscope_locust_master")
 
     def deployments(self, run_id: str | None) -> list[Path] | None:
         """Each vLLM host's deployment.json on this machine; None where the inventory does not say."""
-        if self.deployment is None:
+        pattern = self.value("kvscope_bench_deployment")
+        if pattern is None:
             return None
-        if "{run_id}" in self.deployment and run_id is None:
-            raise InventoryError(f"kvscope_bench_deployment {self.deployment!r} names the run id: give --run-id")
+        if "{run_id}" in pattern and run_id is None:
+            raise InventoryError(f"kvscope_bench_deployment {pattern!r} names the run id: give --run-id")
         try:
-            return [Path(self.deployment.format(host=h, run_id=run_id)) for h in self.servers]
+            return [Path(pattern.format(host=h, run_id=run_id)) for h in self.servers]
         except (KeyError, IndexError, ValueError) as exc:
-            raise InventoryError(f"kvscope_bench_deployment {self.deployment!r}: only {{host}} and {{run_id}} "
-                                 f"may be filled in ({exc})") from exc
+            raise InventoryError(f"kvscope_bench_deployment {pattern!r}: only {{host}} and {{run_id}} may be "
+                                 f"filled in ({exc})") from exc
 
 
 def bench_hosts(inventory: str) -> BenchHosts:
-    """The bench's settings of an inventory. A setting must be one value for every host that has it, and
-    literal (a Jinja template would be read as its text)."""
+    """The bench's settings of an inventory: its vLLM hosts, its Locust workers, and the values its hosts
+    give each bench variable (one value for every host that has it, literal: checked where used)."""
     doc = read(inventory)
     found = hosts(doc, "vllm_servers")
     if not found:
         raise InventoryError(f"inventory {inventory}: no hosts in group vllm_servers")
     workers = hosts(doc, "locust_workers")
     hostvars = doc.get("_meta", {}).get("hostvars", {})
-    values: dict[str, str | None] = {}
-    for name in VARS:
-        seen = {str(v) for h in found + workers if (v := hostvars.get(h, {}).get(name)) is not None}
-        if len(seen) > 1:
-            raise InventoryError(f"inventory {inventory}: {name} differs between hosts ({', '.join(sorted(seen))}); "
-                                 "the bench takes one")
-        value = next(iter(seen), None)
-        if value is not None and "{{" in value:
-            raise InventoryError(f"inventory {inventory}: {name} is a template ({value!r}); the bench reads it "
-                                 "without Ansible's templating: give a literal value")
-        values[name] = value
-    ssh_config = values["kvscope_ssh_config"]
-    bench = BenchHosts(found, values["kvscope_bench_deployment"], workers,
-                       os.path.expanduser(ssh_config) if ssh_config else None, values["kvscope_locust_master"])
-    if workers and not bench.master:
-        raise InventoryError(f"inventory {inventory}: locust_workers {', '.join(workers)} need kvscope_locust_master, "
-                             "the address they reach this machine at")
-    return bench
+    values = {name: {str(v) for h in found + workers if (v := hostvars.get(h, {}).get(name)) is not None}
+              for name in VARS}
+    return BenchHosts(inventory, found, workers, values)
