@@ -25,9 +25,13 @@ USERS     ?= 2
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 # A user's value as one shell word, whatever it holds: recipes insert every variable a user sets through it.
 q          = '$(subst ','\'',$(1))'
+define nl
+
+
+endef
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(call q,$(INVENTORY))
 USER_ARGS  = -e $(call q,kvscope_matrix=$(abspath $(MATRIX))) $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(MODEL)))) \
-  $(if $(EXACT),-e vllm_exact=true) $(if $(OVERRIDES),-e $(call q,{"vllm_flag_overrides": $(OVERRIDES)})) \
+  $(if $(EXACT),-e vllm_exact=true) $(if $(OVERRIDES),-e $(call q,{"vllm_flag_overrides": $(subst $(nl), ,$(OVERRIDES))})) \
   $(if $(RUN_DIR),-e $(call q,kvscope_run_dir=$(abspath $(RUN_DIR)))) $(if $(PORT_OFFSET),-e $(call q,vllm_port_offset=$(PORT_OFFSET))) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
 # What a rollout hands every playbook besides the new matrix and image (`make rollout`; ROLLOUT_ARGS adds options).

@@ -86,6 +86,15 @@ def test_the_bench_refuses_a_broken_inventory_before_it_starts_anything(tmp_path
     assert not (tmp_path / "results").exists()
 
 
+def test_server_flags_over_several_lines_reach_the_deploy_as_one_command():
+    # make cut a recipe at the line break of a JSON value (long_context printed two lines): the deploy broke
+    out = subprocess.run(["make", "-n", "-B", "deploy", "INVENTORY=ansible/inventories/cuda-host", "MODEL=/tmp/m",
+                          'OVERRIDES={"dtype": "bfloat16",\n"max-num-seqs": 32}'], cwd=REPO, capture_output=True,
+                         text=True, timeout=60).stdout
+    line = next(x for x in out.splitlines() if "ansible/deploy.yml" in x)
+    assert """-e '{"vllm_flag_overrides": {"dtype": "bfloat16", "max-num-seqs": 32}}'""" in line
+
+
 def test_make_bench_hands_the_inventory_to_the_bench():
     out = subprocess.run(["make", "-n", "-B", "bench", "INVENTORY=ansible/inventories/netns"], cwd=REPO,
                          capture_output=True, text=True, timeout=60).stdout.replace("\\\n", " ")

@@ -153,7 +153,7 @@ class WorkerSide:
 
     def extract(self, block_ids: list[int]) -> list[Block]:
         """The blocks' host copies, now (what the KV cache holds: the canary reads its writes back)."""
-        return self.transfer.extract(block_ids) if block_ids else []
+        return self.transfer.extract(block_ids)
 
     # Loads
 

@@ -7,7 +7,7 @@ set -uo pipefail
 shape=$1; run_id=$2; configs=$3; overrides=${4:-"{}"}; users=${5:-4}
 . "$(dirname "$0")/env.sh"
 model "$shape"
-make --no-print-directory bench "${where[@]}" MODEL="$KVSCOPE_MODEL_DIR" CONFIGS="$configs" OVERRIDES="${overrides//$'\n'/ }" \
+make --no-print-directory bench "${where[@]}" MODEL="$KVSCOPE_MODEL_DIR" CONFIGS="$configs" OVERRIDES="$overrides" \
   SCENARIOS="${SCENARIOS:-rag-zipf,rag-relevance,multiturn,repeat-867}" USERS="$users" RUN_ID="$run_id" \
   RESULTS="${RESULTS:-results}" ${QUERIES:+QUERIES=$QUERIES}
 echo "bench exit $?"

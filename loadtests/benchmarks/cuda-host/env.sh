@@ -9,8 +9,7 @@ inv=${INVENTORY:-ansible/inventories/cuda-host}  # another CUDA host's inventory
 run_dir=${RUN_DIR:-runs/cuda-host}
 where=(INVENTORY="$inv" RUN_DIR="$run_dir" PORT_OFFSET="${PORT_OFFSET:-0}" ${EXACT:+EXACT=1})
 deploy() {  # deploy CONFIGS [OVERRIDES_JSON]: configs that do not start are reported as crashed
-  local overrides=${2:-"{}"}  # one line: make cuts a recipe at a line break
-  make --no-print-directory deploy "${where[@]}" MODEL="$KVSCOPE_MODEL_DIR" CONFIGS="$1" OVERRIDES="${overrides//$'\n'/ }"
+  make --no-print-directory deploy "${where[@]}" MODEL="$KVSCOPE_MODEL_DIR" CONFIGS="$1" OVERRIDES="${2:-"{}"}"
   echo "deploy exit $?"
 }
 teardown() { make --no-print-directory teardown "${where[@]}"; }

@@ -57,10 +57,7 @@ def hosts(doc: dict, group: str) -> list[str]:
 
 def servers(inventory: str) -> list[str]:
     """The vLLM hosts of an inventory (group vllm_servers); an inventory without any is an error."""
-    found = hosts(read(inventory), "vllm_servers")
-    if not found:
-        raise InventoryError(f"inventory {inventory}: no hosts in group vllm_servers")
-    return found
+    return bench_hosts(inventory).servers
 
 
 @dataclass
