@@ -340,11 +340,12 @@ class FsTier:
                 evicted += 1
         return evicted
 
-    def get(self, key: str, verify: bool = True) -> tuple[Block, str] | None:
+    def get(self, key: str, verify: bool = True, into: Block | None = None) -> tuple[Block, str] | None:
         """Read and check one file. Its size is checked against the layout before anything is allocated, a
         link is not followed, and the header is checked whole (a store secret's MAC included); the checksum
-        too, unless the caller checks it itself (on the GPU). The block is read into a pool slot where the
-        worker has one (the caller then owns it), else into a buffer of its own."""
+        too, unless the caller checks it itself (on the GPU). The block is read into `into` (a slot the
+        caller owns, whatever happens), else a pool slot where the worker has one (the caller then owns it),
+        else a buffer of its own."""
         layout = self._layout()
         try:  # never blocks: a FIFO planted here would otherwise wait for a writer
             fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -365,7 +366,9 @@ class FsTier:
                 raise CorruptBlock(f"{size} bytes, not 8 + a header of at most {MAX_HEADER} + {layout.nbytes} "
                                    "(truncated or padded)")
             head = bytearray(8 + n)
-            block = self.pool.take() if self.pool is not None else torch.empty(layout.nbytes, dtype=torch.uint8)
+            pool = self.pool if into is None else None  # a slot taken here: given back if the read fails
+            block = into if into is not None else pool.take() if pool is not None else torch.empty(
+                layout.nbytes, dtype=torch.uint8)
             try:
                 if _read_fully(fd, [head, block.numpy()], 0) != size:
                     raise CorruptBlock("the file shrank while it was read")
@@ -374,8 +377,8 @@ class FsTier:
                 found = decode(bytes(head), block, self.fingerprint, key, layout, self.secret,
                                self.checksum if verify else None)
             except BaseException:
-                if self.pool is not None:
-                    self.pool.give_back(block)
+                if pool is not None:
+                    pool.give_back(block)
                 raise
         finally:
             os.close(fd)

@@ -96,7 +96,11 @@ class SlotPool:
         while i < len(slots):
             start = slots[i].data_ptr()
             s = bisect.bisect_right(self.bases, start) - 1
-            row = (start - self.bases[s]) // self.block_bytes
+            row = (start - self.bases[s]) // self.block_bytes if s >= 0 else self.per_segment
+            if row >= self.per_segment:  # a block of its own, not a slot: a run of one
+                yield i, 1, slots[i].view(1, -1)
+                i += 1
+                continue
             j = i + 1
             while (j < len(slots) and row + j - i < self.per_segment
                    and slots[j].data_ptr() == start + (j - i) * self.block_bytes):

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 from itertools import islice
 from typing import NamedTuple
 
@@ -157,12 +158,13 @@ class WorkerSide:
 
     # Loads
 
-    def _fetch(self, tier: Tier, name: TierName, key: str, verify: bool) -> Fetched:
-        """Get one block from one tier (and check it, with verify); runs on a load thread or inline, so it
-        only returns what happened (whatever it raises, a block that cannot be loaded is a miss)."""
+    def _fetch(self, name: TierName, read: Callable[[], tuple[Block, str] | None]) -> Fetched:
+        """Get one block from one tier: `read` is its get (checking the block, with verify); runs on a load
+        thread or inline, so it only returns what happened (whatever it raises, a block that cannot be
+        loaded is a miss)."""
         hit = Outcome.RAM_HIT if name == TierName.RAM else Outcome.FS_HIT
         try:
-            found = tier.get(key, verify)
+            found = read()
         except OSError as exc:
             return Fetched(Outcome.IO, name, why=str(exc))
         except Exception as exc:  # CorruptBlock, or anything an unforeseen file makes the parser raise
@@ -172,13 +174,21 @@ class WorkerSide:
             return Fetched(Outcome.MISS, name)
         return Fetched(hit, name, *found, owned=name == TierName.FS and self.pool is not None)
 
+    def _fetch_file(self, fs: FsTier, key: str, verify: bool, slot: Block) -> Fetched:
+        """A file read into a pool slot the caller took (fetch_all, in load order); the slot goes back to
+        the pool unless it holds the block."""
+        got = self._fetch(TierName.FS, partial(fs.get, key, verify, into=slot))
+        if got.block is None:
+            self._release(Fetched(got.outcome, block=slot, owned=True))
+        return got
+
     def _fetch_ram(self, key: str, verify: bool) -> Fetched:
         """A block planned from RAM; its file when the RAM tier evicted it since the plan (promotions and saves
         fill it within a step): a miss would make vLLM recompute, which vLLM 0.26 on a GPU gets wrong."""
         assert self.ram is not None
-        got = self._fetch(self.ram, TierName.RAM, key, verify)
+        got = self._fetch(TierName.RAM, partial(self.ram.get, key, verify))
         if got.outcome == Outcome.MISS and self.fs is not None:
-            return self._fetch(self.fs, TierName.FS, key, verify)
+            return self._fetch(TierName.FS, partial(self.fs.get, key, verify))
         return got
 
     def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:
@@ -229,14 +239,22 @@ class WorkerSide:
         threaded_ram = verify and self.transfer.ram_checks_on_load_threads
         ahead = 2 * self.device_copies.chunk if self.on_device else len(loads)
         queued: deque[tuple[LoadSpec, Future | None]] = deque()
+        from_files = sum(spec.key not in in_ram for spec in loads) if fs is not None else 0
+        slots: list[Block] = []  # with a pool: slots for file reads, taken a chunk at a time, in load order
 
         def queue(spec: LoadSpec) -> None:
+            nonlocal from_files, slots
             job = None
             if ram is not None and spec.key in in_ram:
                 if threaded_ram:
                     job = loaders.submit(self._fetch_ram, spec.key, verify)
+            elif fs is not None and self.pool is not None:  # neighbouring slots: one copy moves a run (_stage)
+                if not slots:
+                    slots = self.pool.take_many(min(from_files, self.device_copies.chunk))[::-1]
+                from_files -= 1
+                job = loaders.submit(self._fetch_file, fs, spec.key, verify, slots.pop())
             elif fs is not None:
-                job = loaders.submit(self._fetch, fs, TierName.FS, spec.key, verify)
+                job = loaders.submit(self._fetch, TierName.FS, partial(fs.get, spec.key, verify))
             queued.append((spec, job))
 
         pending = iter(loads)
@@ -308,8 +326,9 @@ class WorkerSide:
         return ((spec.block_id, block) for spec, block in verified)
 
     def _load_on_device(self, loads: list[LoadSpec]) -> int:
-        """Loads checked on the GPU: each block is copied into a staging chunk as it comes; a full chunk is
-        checked (and its good blocks written) while the next one fills. Returns how many were written."""
+        """Loads checked on the GPU, a chunk at a time: once a chunk's blocks are here they go to the GPU
+        together, and the chunk before is checked (and its good blocks written) while they travel. Returns
+        how many were written."""
         if not loads:
             return 0
         n = min(self.device_copies.chunk, len(loads))
@@ -326,22 +345,28 @@ class WorkerSide:
             if _past_failure(spec, first_bad):
                 self._release(got)
                 continue
-            if len(staged) == n:  # this chunk is full: check the one before while it arrives
-                arrived = self.side.mark()
+            staged.append((spec, got))
+            if len(staged) == n:  # this chunk is full: on its way, check the one before
+                arrived = self._stage(chunks[filling], staged)
                 if previous is not None:
                     written += self._check_and_write(*previous, first_bad)
                 previous, filling, staged = (chunks[filling], staged, arrived), 1 - filling, []
-            # a chunk's first copy waits for the writes that read its buffer last time; the rest need not
-            with self.side.after_current(wait=not staged):
-                chunks[filling][len(staged)].copy_(got.block, non_blocking=True)
-            staged.append((spec, got))
-        arrived = self.side.mark()
+        arrived = self._stage(chunks[filling], staged)
         if previous is not None:
             written += self._check_and_write(*previous, first_bad)
         written += self._check_and_write(chunks[filling], staged, arrived, first_bad)
         for chunk in chunks:  # its copies are done (checked above); no reuse before the side stream's queue
             self.side.keep(chunk)
         return written
+
+    def _stage(self, chunk: torch.Tensor, staged: list[tuple[LoadSpec, Fetched]]) -> torch.cuda.Event | None:
+        """Copy a chunk's host blocks into its staging buffer on the side stream, once the writes that last
+        read the buffer are done: one copy per run of neighbouring pool slots. Returns the copies' event."""
+        assert self.pool is not None, "checks on the device hold blocks in pool slots"
+        with self.side.after_current():
+            for first, count, host in self.pool.spans([got.block for _, got in staged]):
+                chunk[first:first + count].copy_(host, non_blocking=True)
+        return self.side.mark()
 
     def _failed(self, spec: LoadSpec, first_bad: dict[str, int]) -> None:
         self.load_errors.add(spec.block_id)

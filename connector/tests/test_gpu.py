@@ -54,3 +54,17 @@ def test_a_changed_pinned_slot_is_caught_on_the_gpu_and_stops_its_request(tmp_pa
     assert w.take_load_errors() == {20} and w.stats.corrupt == 1 and not w.ram.contains("k4")
     assert all(torch.equal(t[16:20], t[:4]) for t in w.layers.values())
     assert torch.equal(w.layers["layer0"][20:24], before)
+
+
+@pytest.mark.parametrize("ids", [list(range(8)), list(range(40, 32, -1)), [9, 10, 11, 2, 3, 60, 61, 0],
+                                 [17, 3, 25, 9, 12, 4, 30, 1, 22, 6, 14, 27, 19, 11]])
+def test_blocks_cross_the_gpu_in_any_order_of_their_ids(tmp_path, ids):
+    w = worker(tmp_path)
+    paths = w.device_copies
+    packed = paths.gather(ids)
+    one_by_one = torch.stack([torch.cat([t[i].reshape(-1).view(torch.uint8) for _, t in sorted(w.layers.items())])
+                              for i in ids])
+    assert torch.equal(packed, one_by_one)
+    targets = [(i * 7 + 5) % 64 for i in range(len(ids))]
+    paths.write(packed.flip(0), targets)
+    assert torch.equal(paths.gather(targets), packed.flip(0))

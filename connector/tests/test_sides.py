@@ -9,6 +9,7 @@ import torch
 
 from kvscope_connector.keys import block_keys
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.paths import HostRows
 from kvscope_connector.scheduler import SchedulerSide
 from kvscope_connector.store import FsTier, RamTier
 from kvscope_connector.worker import WorkerSide
@@ -438,3 +439,52 @@ def test_a_key_stored_and_evicted_in_one_step_is_not_kept_by_the_worker(tmp_path
     w.save(s.build_meta(so))
     w.flush()
     assert set(w.ram.blocks) == set(s.ram_index) and len(s.ram_index) == 2
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [8, 9, 10, 2, 3, 30, 31, 0],
+                                 [17, 3, 25, 9, 12, 4, 30, 1, 22, 6, 14, 27, 19, 11],  # more runs than one op takes
+                                 [7]])
+def test_blocks_cross_the_device_path_in_any_order_of_their_ids(tmp_path, ids):
+    # vLLM hands out block ids ascending at first, in reverse once freed blocks come back, and scattered
+    # after churn: each order gathers each id's bytes into its row and writes each row into its id.
+    w = WorkerSide(FP, B, RamTier(1 << 20), None, checksum="mix128", on_device=True)
+    w.register(caches(num_blocks=32))
+    paths, host = w.device_copies, HostRows(w.layers, w.layout)
+    packed = paths.gather(ids)
+    assert [bytes(row.numpy()) for row in packed] == [bytes(b.numpy()) for b in host.extract(ids)]
+    targets = [(i * 7 + 5) % 32 for i in range(len(ids))]  # distinct, unordered
+    paths.write(packed.flip(0), targets)
+    assert [bytes(b.numpy()) for b in host.extract(targets)] == [bytes(row.numpy()) for row in packed.flip(0)]
+
+
+def test_checked_on_the_gpu_a_chunk_of_file_hits_lands_in_neighbouring_slots_one_copy_fills(tmp_path):
+    # Each file read took its own slot as its thread got to it, so a chunk's blocks lay scattered in the pool
+    # and each went to the device in a copy of its own: a chunk's slots are taken at once, in load order.
+    w = worker(tmp_path, ram=False, checks="device")
+    w.device_copies.chunk = 4
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
+    w.flush()
+    copies, spans = [], w.pool.spans
+    w.pool.spans = lambda slots: (copies.append(n) or (i, n, t) for i, n, t in spans(slots))
+    w.load(KVScopeMetadata(loads=[LoadSpec(4 + i, f"k{i}", "fs", request_id="r", index=i) for i in range(4)]))
+    assert copies == [4] and w.take_load_errors() == set()
+    assert all(torch.equal(t[4:8], t[:4]) for t in w.layers.values())
+
+
+def test_block_ids_outside_the_kv_cache_are_refused_not_clipped(tmp_path):
+    w = worker(tmp_path, checks="device")
+    for ids in ([6, 7, 8], [-1, 0]):
+        with pytest.raises(IndexError):
+            w.device_copies.gather(ids)
+        with pytest.raises(IndexError):
+            w.device_copies.write(torch.zeros(len(ids), w.block_bytes(), dtype=torch.uint8), ids)
+
+
+def test_checked_on_the_gpu_a_file_read_that_fails_gives_its_slot_back(tmp_path):
+    w = worker(tmp_path, ram=False, checks="device")
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(3)]))
+    w.flush()
+    w.fs.path("k1").write_bytes(b"short")
+    w.load(KVScopeMetadata(loads=[LoadSpec(4 + i, f"k{i}", "fs", request_id=f"r{i}", index=0) for i in range(4)]))
+    assert w.take_load_errors() == {5, 7} and (w.stats.fs_hits, w.stats.corrupt, w.stats.misses) == (2, 1, 1)
+    assert slots_out(w) == 0

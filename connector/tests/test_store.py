@@ -324,6 +324,9 @@ def test_slot_pool_hands_out_neighbours_that_one_copy_fills_and_spans_find_them(
                    for k in range(i, i + n))
     across = pool.take_many(pool.per_segment + 1)  # more than a segment: never one run across segments
     assert all(n <= pool.per_segment for _, n, _ in pool.spans(across)) and len(pool.segments) >= 2
+    own = torch.zeros(1 << 20, dtype=torch.uint8)  # a buffer that is no slot: a run of its own
+    assert [(i, n, t.data_ptr()) for i, n, t in pool.spans([own, across[0]])] == [
+        (0, 1, own.data_ptr()), (1, 1, across[0].data_ptr())]
 
 
 def test_ram_tier_in_pool_slots_keeps_owned_blocks_and_gives_back_what_it_drops():
