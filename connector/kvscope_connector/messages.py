@@ -32,6 +32,13 @@ class LoadSpec:
     promote: bool = False  # a filesystem hit that also enters the RAM tier
     request_id: str = ""
     index: int = 0  # the block's position in its request
+    file: str = ""  # the file holding the block, named by its last block's key ("": the block's own key)
+    offset: int = 0  # the block's position in that file
+    count: int = 1  # blocks in that file; 0: the block is in no file (a RAM hit has none to fall back on)
+
+    @property
+    def file_key(self) -> str:
+        return self.file or self.key
 
 
 @dataclass
@@ -42,6 +49,12 @@ class StoreSpec:
     to_fs: bool
     request_id: str = ""  # the request whose prefill computed the block
     index: int = 0  # the block's position in that request
+    file: str = ""  # with to_fs, the file it goes into, with the blocks before it of the same file in this
+    # step's stores ("": a file of its own, named by its key)
+
+    @property
+    def file_key(self) -> str:
+        return self.file or self.key
 
 
 @dataclass

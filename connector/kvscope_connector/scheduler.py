@@ -2,7 +2,10 @@
 
 The scheduler is authoritative for the RAM tier's contents: it mirrors the worker's LRU as an index of
 keys and tells the worker what to store, promote and evict. The filesystem tier is looked up on disk,
-because other servers may share it. Loads the worker cannot verify come back as invalid block ids and
+because other servers may share it. A file holds an aligned run of the tier's `per_file` blocks of a prompt (blocks
+[k * per_file, (k + 1) * per_file), or fewer at the prompt's end) and is named by its last block's key, so
+one lookup finds a run; it is stored once its last block is computed, all its blocks then still in vLLM's
+KV cache. Loads the worker cannot verify come back as invalid block ids and
 vLLM recomputes them (kv_load_failure_policy "recompute").
 """
 
@@ -21,22 +24,34 @@ except ImportError:  # older vLLM: every external hit is reported as unspecified
     CacheHitSource = None
 
 
+@dataclass(frozen=True)
+class Filed:
+    """Where a block lies in the filesystem tier: its file's key, its position there, the file's blocks."""
+
+    file: str
+    offset: int
+    count: int
+
+
 @dataclass
 class _Req:
     request_id: str
     keys: list[str]
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
-    stored_upto: int = 0  # blocks [0, stored_upto) are in the store or were handed to the worker
+    stored_upto: int = 0  # blocks [0, stored_upto) are in RAM or were handed to the worker for it
+    filed_upto: int = 0  # blocks [0, filed_upto) are in files or were handed to the worker for them
     loaded_upto: int = 0  # blocks [0, loaded_upto) come from vLLM's cache or from loads
 
 
 class SchedulerSide:
     def __init__(self, fingerprint: str, block_size: int, ram_blocks: int, fs: FsTier | None):
         self.fp, self.block_size, self.ram_blocks, self.fs = fingerprint, block_size, ram_blocks, fs
+        self.per_file = fs.per_file if fs is not None else 1
         self.ram_index: OrderedDict[str, None] = OrderedDict()
         self.reqs: dict[str, _Req] = {}
-        self.plans: dict[str, tuple[int, list[TierName]]] = {}  # request id -> (first block, tier per block)
+        self.plans: dict[str, tuple[int, list[TierName], list[Filed]]] = {}  # request id -> (first block, tier
+        # and file of each block)
         self.meta = KVScopeMetadata()
         self.ram_stores: dict[str, StoreSpec] = {}  # key -> this step's store of it into RAM
         self.inflight: dict[int, LoadSpec] = {}  # block id -> load of the last step
@@ -48,29 +63,41 @@ class SchedulerSide:
             self.reqs[request_id] = _Req(request_id, block_keys(self.fp, prompt, self.block_size, usable), len(prompt))
         return self.reqs[request_id]
 
-    def _tier(self, key: str) -> TierName | None:
-        if key in self.ram_index:
-            return TierName.RAM
-        if self.fs is not None and self.fs.contains(key):
-            return TierName.FS
-        return None
+    def _files(self, keys: list[str], start: int) -> list[Filed]:
+        """Where the leading blocks from `start` lie in files: one lookup per file, and at the first file not
+        found whole, one per block down to start (the file of a prompt that ended there)."""
+        found: list[Filed] = []
+        first, n = start - start % self.per_file, len(keys)
+        while self.fs is not None and first < n:
+            end, lo = min(first + self.per_file, n), max(first, start)
+            last = end - 1
+            while last >= lo and not self.fs.contains(keys[last]):
+                last -= 1
+            found += [Filed(keys[last], i - first, last - first + 1) for i in range(lo, last + 1)]
+            if last < end - 1:
+                break
+            first = end
+        return found
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens loadable beyond `num_computed_tokens`: the leading run of stored blocks after them."""
         state = self._req(request.request_id, list(request.prompt_token_ids or []))
         start = num_computed_tokens // self.block_size
+        files = self._files(state.keys, start)
         tiers: list[TierName] = []
-        for key in state.keys[start:]:
-            tier = self._tier(key)
-            if tier is None:
+        for i, key in enumerate(state.keys[start:]):
+            if key in self.ram_index:
+                tiers.append(TierName.RAM)
+            elif i < len(files):
+                tiers.append(TierName.FS)
+            else:
                 break
-            tiers.append(tier)
         # NOTE: remembering the plan is the only state this changes; the next call replaces it.
-        self.plans[request.request_id] = (start, tiers)
+        self.plans[request.request_id] = (start, tiers, files)
         return len(tiers) * self.block_size, False
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        start, tiers = self.plans.pop(request.request_id, (0, []))
+        start, tiers, files = self.plans.pop(request.request_id, (0, [], []))
         n = num_external_tokens // self.block_size
         if n == 0:
             return
@@ -79,11 +106,14 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         from_ram = sum(t == TierName.RAM for t in tiers[:n]) * self.block_size
         self.sources[request.request_id] = (from_ram, n * self.block_size - from_ram)
-        specs = [LoadSpec(block_ids[j], state.keys[j], tiers[j - start], request_id=request.request_id, index=j)
+        files += [Filed("", 0, 0)] * (n - len(files))  # RAM hits beyond the files: none to fall back on
+        specs = [LoadSpec(block_ids[j], state.keys[j], tiers[j - start], request_id=request.request_id, index=j,
+                          file=files[j - start].file, offset=files[j - start].offset, count=files[j - start].count)
                  for j in range(start, start + n)]
         # NOTE: touch the RAM hits before promoting the filesystem hits, so this request's own promotions
         # evict other keys first. A RAM key evicted anyway stays in the worker until this step's loads are
-        # done (evictions are applied after the forward), and a miss there is a recompute, never a crash.
+        # done (evictions are applied after the forward), and a miss there is read from its file where it
+        # has one, else recomputed, never a crash.
         for spec in specs:
             if spec.tier == TierName.RAM and spec.key in self.ram_index:
                 self.ram_index.move_to_end(spec.key)
@@ -140,18 +170,29 @@ class SchedulerSide:
         return meta
 
     def _plan_stores(self, state: _Req, done_tokens: int) -> None:
+        """Store the blocks the step completes that RAM lacks, and the files whose last block it completes
+        that the filesystem lacks (each with all of its blocks)."""
         full = min(done_tokens // self.block_size, len(state.keys), len(state.block_ids))
+        stores: dict[int, StoreSpec] = {}
         for j in range(state.stored_upto, full):
             key = state.keys[j]
-            to_ram = self.ram_blocks > 0 and key not in self.ram_index
-            to_fs = self.fs is not None and not self.fs.contains(key)
-            if to_ram or to_fs:
-                spec = StoreSpec(state.block_ids[j], key, to_ram, to_fs, state.request_id, j)
-                self.meta.stores.append(spec)
-                if to_ram:
-                    self.ram_stores[key] = spec
-                    self._ram_add(key)
+            if self.ram_blocks > 0 and key not in self.ram_index:
+                spec = stores[j] = StoreSpec(state.block_ids[j], key, True, False, state.request_id, j)
+                self.ram_stores[key] = spec
+                self._ram_add(key)
         state.stored_upto = max(state.stored_upto, full)
+        while self.fs is not None and state.filed_upto < full:
+            first = state.filed_upto - state.filed_upto % self.per_file
+            end = min(first + self.per_file, len(state.keys))
+            if end > full:  # its last block is not computed yet
+                break
+            if not self.fs.contains(file := state.keys[end - 1]):
+                for j in range(first, end):
+                    spec = stores.setdefault(j, StoreSpec(state.block_ids[j], state.keys[j], False, False,
+                                                          state.request_id, j))
+                    spec.to_fs, spec.file = True, file
+            state.filed_upto = end
+        self.meta.stores += [stores[j] for j in sorted(stores)]
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Blocks the worker could not verify: forget them in the RAM index, and store them again once vLLM
@@ -170,6 +211,7 @@ class SchedulerSide:
                     self._evict(key)
             if state is not None:
                 state.stored_upto = min(state.stored_upto, spec.index)
+                state.filed_upto = min(state.filed_upto, spec.index - spec.index % self.per_file)
 
     def finished(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)

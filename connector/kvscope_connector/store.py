@@ -31,6 +31,8 @@ from .fileformat import MAX_HEADER, decode, header
 from .transfer import SlotPool
 
 log = logging.getLogger("kvscope_connector")
+MAX_PER_FILE = 256  # blocks a file may hold: a file is read and written with one call (the system's limit on
+# buffers a call takes is 1024)
 
 
 @dataclass
@@ -62,6 +64,17 @@ class Stats:
         if kind not in self.logged:
             self.logged.add(kind)
             log.warning("kvscope connector: " + msg + " (further %s events are counted, not logged)", *args, kind)
+
+
+def _write_fully(fd: int, buffers: list) -> None:
+    """Write the buffers in order, as many writes as it takes (a write may take less)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        got = os.writev(fd, views)
+        while views and got >= len(views[0]):
+            got -= len(views.pop(0))
+        if views:
+            views[0] = views[0][got:]
 
 
 def _read_fully(fd: int, buffers: list, offset: int) -> int:
@@ -182,11 +195,15 @@ class RamTier:
 
 
 class FsTier:
-    """Blocks as files under root/<fingerprint>/<key[:2]>/<key>.safetensors; LRU by access within a byte cap.
-    The scheduler side only looks keys up; the worker side, which knows the Layout, reads and writes."""
+    """Blocks as files under root/<fingerprint>/<key[:2]>/<key>.safetensors, a file holding one or several
+    consecutive blocks of a prompt and named by its last block's key; LRU by access within a byte cap. The
+    scheduler side only looks files up; the worker side, which knows the Layout, reads and writes."""
 
     def __init__(self, root: str, fingerprint: str, capacity_bytes: int | None, fsync: bool = False,
-                 layout: Layout | None = None, secret: bytes | None = None):
+                 layout: Layout | None = None, secret: bytes | None = None, per_file: int = 1):
+        if type(per_file) is not int or not 1 <= per_file <= MAX_PER_FILE:
+            raise ValueError(f"kvscope connector: {per_file!r} blocks per file, not 1 to {MAX_PER_FILE} (file_tokens "
+                             "is a multiple of the block size)")
         if capacity_bytes is not None and (type(capacity_bytes) is not int or capacity_bytes < 0):
             raise ValueError(f"kvscope connector: fs_bytes {capacity_bytes!r} is not a number of bytes (an integer "
                              "such as 17179869184; absent: unbounded)")
@@ -196,6 +213,7 @@ class FsTier:
         self.secret = secret  # signs and verifies every file (fileformat.mac) when set
         self.capacity = capacity_bytes
         self.fsync = fsync
+        self.per_file = per_file  # blocks a file holds (scheduler.py: which ones)
         self.layout = layout  # the worker's, once vLLM registers its KV caches (attach)
         self.pool: SlotPool | None = None  # beside a GPU: blocks are read into its pinned slots (attach)
         self.checksum: Callable[[Block], str] = checksum
@@ -277,30 +295,37 @@ class FsTier:
         return self.layout
 
     def put(self, key: str, block: Block, digest: str) -> int:
-        """Atomically write one block; returns how many files were evicted. Raises OSError on I/O faults."""
-        head = header(block, self._layout(), self.fingerprint, key, digest, self.secret)
+        """Atomically write one block as a file of its own; returns how many files were evicted."""
+        return self.put_file(key, [(key, block, digest)])
+
+    def put_file(self, file: str, blocks: list[tuple[str, Block, str]]) -> int:
+        """Atomically write consecutive blocks of a prompt, (key, block, checksum) each, as one file named by
+        `file` (the last block's key); returns how many files were evicted. Raises OSError on I/O faults."""
+        keys, data, digests = zip(*blocks)
+        head = header(list(data), self._layout(), self.fingerprint, file, list(keys), list(digests), self.secret)
         with self.lock:
-            self.writing.add(key)
+            self.writing.add(file)
         try:
-            self._write(key, head, block)
+            self._write(file, head, list(data))
         finally:
             with self.lock:
-                self.writing.discard(key)
+                self.writing.discard(file)
         return self._evict()
 
-    def _write(self, key: str, head: bytes, block: Block) -> None:
-        """The file's bytes under a temp name created exclusively, then renamed into place."""
-        name, tmp = f"{key}.safetensors", f".{key}.safetensors.{secrets.token_hex(8)}.tmp"  # unique across hosts
-        folder = self._folder(key, create=True)
+    def _write(self, file: str, head: bytes, blocks: list[Block]) -> None:
+        """The file's bytes under a temp name created exclusively, then renamed into place: the header and
+        then each block's own buffer (a pinned slot beside a GPU), in one writev and no copy."""
+        name, tmp = f"{file}.safetensors", f".{file}.safetensors.{secrets.token_hex(8)}.tmp"  # unique across hosts
+        folder = self._folder(file, create=True)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
             try:
-                with open(fd, "wb") as f:
-                    f.write(head)
-                    f.write(block.numpy())  # the block's own buffer (a pinned slot beside a GPU): no copy
+                try:
+                    _write_fully(fd, [head, *(block.numpy() for block in blocks)])
                     if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
                 os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
             except OSError:
                 with contextlib.suppress(FileNotFoundError):
@@ -308,7 +333,7 @@ class FsTier:
                 raise
         finally:
             os.close(folder)
-        self._note(key, len(head) + block.numel())
+        self._note(file, len(head) + sum(block.numel() for block in blocks))
 
     def _remove(self, key: str, aside: bool = False) -> None:
         """Delete a key's file, or move it aside (`.corrupt`), inside its own folder only; a file already gone,
@@ -341,48 +366,64 @@ class FsTier:
         return evicted
 
     def get(self, key: str, verify: bool = True, into: Block | None = None) -> tuple[Block, str] | None:
-        """Read and check one file. Its size is checked against the layout before anything is allocated, a
-        link is not followed, and the header is checked whole (a store secret's MAC included); the checksum
-        too, unless the caller checks it itself (on the GPU). The block is read into `into` (a slot the
-        caller owns, whatever happens), else a pool slot where the worker has one (the caller then owns it),
-        else a buffer of its own."""
+        """A block stored in a file of its own (get_file of one block)."""
+        found = self.get_file(key, [key], 0, 1, verify, None if into is None else [into])
+        return None if found is None else found[0]
+
+    def get_file(self, file: str, keys: list[str], first: int, count: int, verify: bool = True,
+                 into: list[Block] | None = None) -> list[tuple[Block, str]] | None:
+        """Read and check blocks first, first + 1, ... (stored under `keys`) of the file of `count` blocks named
+        `file`, None when there is no such file. Its size is checked against the layout before anything is
+        allocated, a link is not followed, and the header is checked whole (a store secret's MACs included);
+        the checksums too, unless the caller checks them itself (on the GPU). The blocks are read into `into`
+        (slots the caller owns, whatever happens), else pool slots where the worker has a pool (the caller
+        then owns them), else buffers of their own: with the header in one read when they begin the file."""
         layout = self._layout()
         try:  # never blocks: a FIFO planted here would otherwise wait for a writer
-            fd = os.open(self._name(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            fd = os.open(self._name(file), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptBlock("a symbolic link, not a block file") from exc
             raise
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
-            os.close(fd)
-            raise CorruptBlock(f"not a regular file (mode {st.st_mode:o})")
-        try:  # one read: the header's length follows from the file's size, and the file must then say it
-            size = st.st_size
-            n = size - 8 - layout.nbytes
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
+                raise CorruptBlock(f"not a regular file (mode {st.st_mode:o})")
+            # the header's length follows from the file's size, and the file must then say it
+            size, data = st.st_size, count * layout.nbytes
+            n = size - 8 - data
             if not 0 <= n <= MAX_HEADER:
-                raise CorruptBlock(f"{size} bytes, not 8 + a header of at most {MAX_HEADER} + {layout.nbytes} "
-                                   "(truncated or padded)")
+                raise CorruptBlock(f"{size} bytes, not 8 + a header of at most {MAX_HEADER} + {count} blocks of "
+                                   f"{layout.nbytes} (truncated or padded)")
             head = bytearray(8 + n)
-            pool = self.pool if into is None else None  # a slot taken here: given back if the read fails
-            block = into if into is not None else pool.take() if pool is not None else torch.empty(
-                layout.nbytes, dtype=torch.uint8)
+            pool = self.pool if into is None else None  # slots taken here: given back if the read fails
+            blocks = into if into is not None else pool.take_many(len(keys)) if pool is not None else [
+                torch.empty(layout.nbytes, dtype=torch.uint8) for _ in keys]
             try:
-                if _read_fully(fd, [head, block.numpy()], 0) != size:
+                bufs = [block.numpy() for block in blocks]
+                want = len(keys) * layout.nbytes
+                if first == 0:
+                    got = _read_fully(fd, [head, *bufs], 0) - len(head)
+                elif _read_fully(fd, [head], 0) == len(head):
+                    got = _read_fully(fd, bufs, len(head) + first * layout.nbytes)
+                else:
+                    got = -1
+                if got != want:
                     raise CorruptBlock("the file shrank while it was read")
                 if (said := struct.unpack_from("<Q", head)[0]) != n:
-                    raise CorruptBlock(f"{size} bytes, expected {8 + said + layout.nbytes} (truncated or padded)")
-                found = decode(bytes(head), block, self.fingerprint, key, layout, self.secret,
+                    raise CorruptBlock(f"{size} bytes, expected {8 + said + data} (truncated or padded)")
+                found = decode(bytes(head), blocks, self.fingerprint, file, keys, first, count, layout, self.secret,
                                self.checksum if verify else None)
             except BaseException:
                 if pool is not None:
-                    pool.give_back(block)
+                    for block in blocks:
+                        pool.give_back(block)
                 raise
         finally:
             os.close(fd)
-        self._note(key, size)
+        self._note(file, size)
         return found
 
     def discard(self, key: str) -> None:

@@ -27,7 +27,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
-from itertools import islice
 from typing import NamedTuple
 
 import torch
@@ -59,6 +58,21 @@ class Fetched(NamedTuple):
     digest: str = ""
     why: str = ""
     owned: bool = False  # a pool slot the fetcher filled: given back or handed to the RAM tier once used
+
+
+def _files(stores: list[StoreSpec]) -> Iterator[list[StoreSpec]]:
+    """The stores in order, as files: the consecutive stores into one file together (a store without a file
+    alone)."""
+    group: list[StoreSpec] = []
+    for spec in stores:
+        if group and spec.to_fs and group[-1].to_fs and spec.file and spec.file == group[-1].file:
+            group.append(spec)
+            continue
+        if group:
+            yield group
+        group = [spec]
+    if group:
+        yield group
 
 
 def _past_failure(spec: LoadSpec, first_bad: dict[str, int]) -> bool:
@@ -129,7 +143,7 @@ class WorkerSide:
         if self.ram is not None:
             self.ram.attach(self.pool, self.checksum, pin=gpu and not self.on_device)
         if self.fs is not None:
-            writable(self.layout)  # refused at start, not at every save
+            writable(self.layout, self.fs.per_file)  # refused at start, not at every save
             self.fs.attach(self.pool, self.checksum, self.layout)
 
     @property
@@ -158,37 +172,43 @@ class WorkerSide:
 
     # Loads
 
-    def _fetch(self, name: TierName, read: Callable[[], tuple[Block, str] | None]) -> Fetched:
-        """Get one block from one tier: `read` is its get (checking the block, with verify); runs on a load
+    def _fetch(self, name: TierName, read: Callable[[], list[tuple[Block, str]] | None], n: int = 1,
+               owned: bool = False) -> list[Fetched]:
+        """Get n blocks from one tier: `read` is its get (checking the blocks, with verify); runs on a load
         thread or inline, so it only returns what happened (whatever it raises, a block that cannot be
-        loaded is a miss)."""
+        loaded is a miss, and so is every block read with it)."""
         hit = Outcome.RAM_HIT if name == TierName.RAM else Outcome.FS_HIT
         try:
             found = read()
         except OSError as exc:
-            return Fetched(Outcome.IO, name, why=str(exc))
+            return [Fetched(Outcome.IO, name, why=str(exc))] * n
         except Exception as exc:  # CorruptBlock, or anything an unforeseen file makes the parser raise
             why = str(exc) if isinstance(exc, CorruptBlock) else f"{type(exc).__name__}: {exc}"
-            return Fetched(Outcome.CORRUPT, name, why=why)
+            return [Fetched(Outcome.CORRUPT, name, why=why)] * n
         if found is None:
-            return Fetched(Outcome.MISS, name)
-        return Fetched(hit, name, *found, owned=name == TierName.FS and self.pool is not None)
+            return [Fetched(Outcome.MISS, name)] * n
+        return [Fetched(hit, name, block, digest, owned=owned) for block, digest in found]
 
-    def _fetch_file(self, fs: FsTier, key: str, verify: bool, slot: Block) -> Fetched:
-        """A file read into a pool slot the caller took (fetch_all, in load order); the slot goes back to
-        the pool unless it holds the block."""
-        got = self._fetch(TierName.FS, partial(fs.get, key, verify, into=slot))
-        if got.block is None:
-            self._release(Fetched(got.outcome, block=slot, owned=True))
+    def _fetch_file(self, fs: FsTier, specs: list[LoadSpec], verify: bool, slots: list[Block] | None) -> list[Fetched]:
+        """Consecutive blocks of one file in one read, into pool slots the caller took (fetch_all, in load
+        order; given back unless they hold a block) or, without a pool, buffers of their own."""
+        first = specs[0]
+        read = partial(fs.get_file, first.file_key, [spec.key for spec in specs], first.offset, first.count, verify,
+                       slots)
+        got = self._fetch(TierName.FS, read, len(specs), owned=self.pool is not None)
+        if slots is not None and got[0].block is None:
+            for slot in slots:
+                self._release(Fetched(got[0].outcome, block=slot, owned=True))
         return got
 
-    def _fetch_ram(self, key: str, verify: bool) -> Fetched:
-        """A block planned from RAM; its file when the RAM tier evicted it since the plan (promotions and saves
-        fill it within a step): a miss would make vLLM recompute, which vLLM 0.26 on a GPU gets wrong."""
+    def _fetch_ram(self, spec: LoadSpec, verify: bool) -> list[Fetched]:
+        """A block planned from RAM; from its file when the RAM tier evicted it since the plan (promotions and
+        saves fill it within a step): a miss would make vLLM recompute, which vLLM 0.26 on a GPU gets wrong."""
         assert self.ram is not None
-        got = self._fetch(TierName.RAM, partial(self.ram.get, key, verify))
-        if got.outcome == Outcome.MISS and self.fs is not None:
-            return self._fetch(TierName.FS, partial(self.fs.get, key, verify))
+        ram = self.ram
+        got = self._fetch(TierName.RAM, lambda: None if (found := ram.get(spec.key, verify)) is None else [found])
+        if got[0].outcome == Outcome.MISS and self.fs is not None and spec.count > 0:
+            return self._fetch_file(self.fs, [spec], verify, None)
         return got
 
     def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:
@@ -215,7 +235,7 @@ class WorkerSide:
         else:
             self.stats.corrupt += 1
             self.stats.warn_once("corrupt", "%s block %s rejected: %s", result.tier, spec.key, why)
-            self._tier(result.tier).discard(spec.key)
+            self._tier(result.tier).discard(spec.key if result.tier == TierName.RAM else spec.file_key)
         return result.block if outcome in (Outcome.RAM_HIT, Outcome.FS_HIT) else None
 
     def _release(self, result: Fetched) -> None:
@@ -227,53 +247,78 @@ class WorkerSide:
         assert tier is not None
         return tier
 
+    def _reads(self, loads: list[LoadSpec], in_ram: set[str]) -> Iterator[list[LoadSpec]]:
+        """The loads in order, as reads: a RAM hit alone, and the consecutive blocks of one file together."""
+        group: list[LoadSpec] = []
+        for spec in loads:
+            if (group and spec.key not in in_ram and spec.file_key == group[-1].file_key
+                    and spec.count == group[-1].count and spec.offset == group[-1].offset + 1):
+                group.append(spec)
+                continue
+            if group:
+                yield group
+            group = [spec]
+            if spec.key in in_ram:
+                yield group
+                group = []
+        if group:
+            yield group
+
     def fetch_all(self, loads: list[LoadSpec], verify: bool = True) -> Iterator[tuple[LoadSpec, Fetched]]:
         """What each load finds, in load order, checked on the host with verify. File reads run on the load
-        threads (reads, hashing and tensor copies release the GIL) while the caller uses earlier blocks; with
-        on-device checks at most two chunks ahead, as each holds a pool slot. Checked RAM hits beside a GPU
-        run on the load threads too; on the CPU here, as the model's threads want the cores (handing the
-        hashing over cost more than it saved); unchecked ones are a lookup, here."""
+        threads, a file's blocks in one read (reads, hashing and tensor copies release the GIL) while the
+        caller uses earlier blocks; with on-device checks at most two chunks ahead, as each holds a pool slot.
+        Checked RAM hits beside a GPU run on the load threads too; on the CPU here, as the model's threads want
+        the cores (handing the hashing over cost more than it saved); unchecked ones are a lookup, here."""
         ram, fs, loaders = self.ram, self.fs, self.loaders
         assert loaders is not None, "register() first"
         in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
         threaded_ram = verify and self.transfer.ram_checks_on_load_threads
         ahead = 2 * self.device_copies.chunk if self.on_device else len(loads)
-        queued: deque[tuple[LoadSpec, Future | None]] = deque()
-        from_files = sum(spec.key not in in_ram for spec in loads) if fs is not None else 0
+        queued: deque[tuple[list[LoadSpec], Future | None]] = deque()
+        from_files = sum(spec.key not in in_ram and spec.count > 0 for spec in loads) if fs is not None else 0
         slots: list[Block] = []  # with a pool: slots for file reads, taken a chunk at a time, in load order
+        in_flight = 0  # blocks queued
 
-        def queue(spec: LoadSpec) -> None:
-            nonlocal from_files, slots
+        def queue(group: list[LoadSpec]) -> None:
+            nonlocal from_files, slots, in_flight
             job = None
-            if ram is not None and spec.key in in_ram:
+            if ram is not None and group[0].key in in_ram:
                 if threaded_ram:
-                    job = loaders.submit(self._fetch_ram, spec.key, verify)
-            elif fs is not None and self.pool is not None:  # neighbouring slots: one copy moves a run (_stage)
-                if not slots:
-                    slots = self.pool.take_many(min(from_files, self.device_copies.chunk))[::-1]
-                from_files -= 1
-                job = loaders.submit(self._fetch_file, fs, spec.key, verify, slots.pop())
-            elif fs is not None:
-                job = loaders.submit(self._fetch, TierName.FS, partial(fs.get, spec.key, verify))
-            queued.append((spec, job))
+                    job = loaders.submit(self._fetch_ram, group[0], verify)
+            elif fs is None or group[0].count == 0:  # in no file: a miss
+                pass
+            elif self.pool is not None:  # neighbouring slots: one copy moves a run (_stage)
+                taken: list[Block] = []
+                while len(taken) < len(group):
+                    if not slots:
+                        slots = self.pool.take_many(min(from_files, self.device_copies.chunk))[::-1]
+                    taken.append(slots.pop())
+                    from_files -= 1
+                job = loaders.submit(self._fetch_file, fs, group, verify, taken)
+            else:
+                job = loaders.submit(self._fetch_file, fs, group, verify, None)
+            queued.append((group, job))
+            in_flight += len(group)
 
-        pending = iter(loads)
-        for spec in islice(pending, ahead):
-            queue(spec)
+        pending = self._reads(loads, in_ram)
+        while in_flight < ahead and (more := next(pending, None)) is not None:
+            queue(more)
         while queued:
-            spec, job = queued.popleft()
+            group, job = queued.popleft()
+            in_flight -= len(group)
             if job is not None:
                 try:
-                    result = job.result(timeout=LOAD_WAIT_S)
-                except TimeoutError:  # the read goes on in its thread; a slot it fills is not given back
-                    result = Fetched(Outcome.IO, why=f"no answer in {LOAD_WAIT_S:g} s")
-            elif ram is not None and spec.key in in_ram:
-                result = self._fetch_ram(spec.key, verify)
+                    results = job.result(timeout=LOAD_WAIT_S)
+                except TimeoutError:  # the read goes on in its thread; slots it fills are not given back
+                    results = [Fetched(Outcome.IO, why=f"no answer in {LOAD_WAIT_S:g} s")] * len(group)
+            elif ram is not None and group[0].key in in_ram:
+                results = self._fetch_ram(group[0], verify)
             else:
-                result = Fetched(Outcome.MISS)
-            if (more := next(pending, None)) is not None:
+                results = [Fetched(Outcome.MISS)] * len(group)
+            while in_flight < ahead and (more := next(pending, None)) is not None:
                 queue(more)
-            yield spec, result
+            yield from zip(group, results)
 
     def begin_step(self, meta: KVScopeMetadata) -> None:
         """Wait for the pending saves of the keys this step loads (all of them before a reset), then apply a
@@ -423,22 +468,23 @@ class WorkerSide:
         self._collect()
 
     def _shed_files(self, stores: list[StoreSpec]) -> list[StoreSpec]:
-        """With the save thread behind, the file-only saves beyond the backlog's room, skipped rather than
-        waited for (a later lookup misses them on disk). Saves to RAM are kept whole, files included: the
-        scheduler's index counts on them, and a block the RAM tier evicts within a step is read from its
-        file. Not with several tensor-parallel ranks: each would skip on its own timing, and the scheduler
-        looks up rank 0's files only."""
+        """With the save thread behind, the files of file-only saves beyond the backlog's room, skipped whole
+        rather than waited for (a later lookup misses them on disk). A file with a block saved to RAM is
+        kept whole: the scheduler's index counts on the RAM save, and a block the RAM tier evicts within a
+        step is read from its file. Not with several tensor-parallel ranks: each would skip on its own
+        timing, and the scheduler looks up rank 0's files only."""
         self._collect()
         pending = self._pending()
         if not pending or not self.may_skip_files:
             return stores
         room, kept = self.backlog - pending, []
-        for spec in stores:
-            if spec.to_ram or room >= self.block_bytes():
-                kept.append(spec)
-                room -= self.block_bytes()
+        for group in _files(stores):
+            size = self.block_bytes() * len(group)
+            if any(spec.to_ram for spec in group) or not group[0].to_fs or room >= size:
+                kept += group
+                room -= size
             else:
-                self.stats.saves_skipped += 1
+                self.stats.saves_skipped += len(group)
         return kept
 
     def _pending(self) -> int:
@@ -459,15 +505,19 @@ class WorkerSide:
         if digests is None:
             digests = [self.checksum(block) for block in saved.blocks]
         files = self._write_files(stores, saved.blocks, digests)
+        counted: set[int] = set()  # files whose evictions and errors are counted
         for spec, block, digest, written in zip(stores, saved.blocks, digests, files):
             stored = True
             if written is not None:
                 try:
-                    stats.evictions += written.result()
+                    evicted = written.result()
                 except OSError as exc:
                     stored = False
                     stats.save_errors += 1
                     stats.warn_once("save", "cannot write block %s: %s", spec.key, exc)
+                else:
+                    stats.evictions += 0 if id(written) in counted else evicted
+                    counted.add(id(written))
             if spec.to_ram and self.ram is not None:  # last: the tier may give an owned slot back at once
                 stats.evictions += self.ram.put(spec.key, block, digest, owned=self.pool is not None)
             elif self.pool is not None:
@@ -480,27 +530,28 @@ class WorkerSide:
 
     def _write_files(self, stores: list[StoreSpec], blocks: list[Block], digests: list[str]
                      ) -> list[Future[int] | None]:
-        """Start each block's file on the writer threads (None where it has none); the caller waits for each
-        before its slot is used again."""
+        """Start each file on the writer threads; for each store, its file's write (None where it has none).
+        The caller waits for each before its slots are used again."""
         fs = self.fs
         files: list[Future[int] | None] = []
-        for spec, block, digest in zip(stores, blocks, digests):
-            if not spec.to_fs or fs is None:
-                files.append(None)
-            else:
-                files.append(self._submit_write(fs, spec.key, block, digest))
+        at = 0
+        for group in _files(stores):
+            items = [(spec.key, blocks[i], digests[i]) for i, spec in enumerate(group, start=at)]
+            at += len(group)
+            written = self._submit_write(fs, group[0].file_key, items) if group[0].to_fs and fs is not None else None
+            files += [written] * len(group)
         return files
 
-    def _submit_write(self, fs: FsTier, key: str, block: Block, digest: str) -> Future[int]:
+    def _submit_write(self, fs: FsTier, file: str, items: list[tuple[str, Block, str]]) -> Future[int]:
         """One file on a writer thread; here, once the pool takes no more work (an interpreter exiting
         without shutdown())."""
         assert self.writers is not None, "register() first"
         try:
-            return self.writers.submit(fs.put, key, block, digest)
+            return self.writers.submit(fs.put_file, file, items)
         except RuntimeError:
             done: Future[int] = Future()
             try:
-                done.set_result(fs.put(key, block, digest))
+                done.set_result(fs.put_file(file, items))
             except OSError as exc:
                 done.set_exception(exc)
             return done

@@ -65,7 +65,7 @@ def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeyp
     monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
     w = worker(tmp_path, ram=False)
     stuck = threading.Event()
-    w.fs.get = lambda key, verify=True: stuck.wait(30)  # a read that hangs (a dead NFS server)
+    w.fs.get_file = lambda *args: stuck.wait(30)  # a read that hangs (a dead NFS server)
     started = time.monotonic()
     try:
         in_time(lambda: w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")])))
@@ -139,7 +139,7 @@ def rewrite_header(path, edit):
 
 
 @pytest.mark.parametrize("edit", [
-    lambda h: json.dumps({**json.loads(h), "__metadata__": {**json.loads(h)["__metadata__"], "mac": "é" * 64}}),
+    lambda h: json.dumps({**json.loads(h), "__metadata__": {**json.loads(h)["__metadata__"], "macs": "é" * 64}}),
     lambda h: h.rstrip()[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}",
 ], ids=["non-ascii-mac", "deeply-nested"])
 def test_an_odd_header_is_a_corrupt_block_not_an_exception(tmp_path, edit):
@@ -232,8 +232,8 @@ def _decoded(header: str, data, layout, quick: bool, monkeypatch):
             patch.setattr(fileformat, "_quick_meta", lambda *a: None)
         raw = header.encode()
         try:
-            return fileformat.decode(len(raw).to_bytes(8, "little") + raw, data.clone(), FP, "ab12", layout,
-                                     b"s" * 32, None)[1]
+            return fileformat.decode(len(raw).to_bytes(8, "little") + raw, [data.clone()], FP, "ab12", ["ab12"], 0, 1,
+                                     layout, b"s" * 32, None)[0][1]
         except CorruptBlock as exc:
             return f"CorruptBlock: {exc}"
 
@@ -245,7 +245,7 @@ def _decoded(header: str, data, layout, quick: bool, monkeypatch):
 def test_the_quick_header_check_judges_every_spelling_as_the_full_parse(monkeypatch, like):
     layout = Layout(like)
     data = layout.pack(like)
-    written = fileformat.header(data, layout, FP, "ab12", "0" * 32, b"s" * 32) + data.numpy().tobytes()
+    written = fileformat.header([data], layout, FP, "ab12", ["ab12"], ["0" * 32], b"s" * 32) + data.numpy().tobytes()
     n = int.from_bytes(written[:8], "little")
     body = torch.frombuffer(bytearray(written[8 + n:]), dtype=torch.uint8)
     for name, header in _header_cases(written[8:8 + n].decode()).items():

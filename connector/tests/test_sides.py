@@ -1,6 +1,7 @@
 """Scheduler and worker sides on fake vLLM objects: plans, stores, verified loads, faults counted."""
 
 import json
+import os
 import threading
 from types import SimpleNamespace as NS
 
@@ -216,10 +217,10 @@ def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_p
 def test_whatever_a_tier_raises_on_a_load_is_a_counted_miss(tmp_path, checks):
     w = worker(tmp_path, ram=False, checks=checks)
 
-    def broken(key):
+    def broken(*args):
         raise AttributeError("'list' object has no attribute 'get'")
 
-    w.fs.get = broken
+    w.fs.get_file = broken
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
     assert w.take_load_errors() == {5} and w.stats.corrupt == 1
 
@@ -488,3 +489,118 @@ def test_checked_on_the_gpu_a_file_read_that_fails_gives_its_slot_back(tmp_path)
     w.load(KVScopeMetadata(loads=[LoadSpec(4 + i, f"k{i}", "fs", request_id=f"r{i}", index=0) for i in range(4)]))
     assert w.take_load_errors() == {5, 7} and (w.stats.fs_hits, w.stats.corrupt, w.stats.misses) == (2, 1, 1)
     assert slots_out(w) == 0
+
+
+def run_of_files(tmp_path, ram_blocks=0):
+    """A scheduler and a worker on a filesystem tier of 4 blocks a file, and a 10-block prompt: its files
+    hold blocks 0-3, 4-7 and 8-9."""
+    s = SchedulerSide(FP, B, ram_blocks, FsTier(str(tmp_path), FP, None, per_file=4))
+    tokens = list(range(10 * B + 1))
+    return s, tokens, block_keys(FP, tokens, B, 10)
+
+
+def step(s, rid, tokens, block_ids, computed, scheduled, new=True):
+    if new:
+        return s.build_meta(NS(scheduled_new_reqs=[NS(req_id=rid, prompt_token_ids=tokens, block_ids=(block_ids,),
+                                                      num_computed_tokens=computed)],
+                               num_scheduled_tokens={rid: scheduled}, finished_req_ids=set(),
+                               scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                        num_computed_tokens=[])))
+    cached = NS(req_ids=[rid], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[computed])
+    return s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={rid: scheduled}, finished_req_ids=set(),
+                           scheduled_cached_reqs=cached))
+
+
+def test_a_file_is_stored_once_its_last_block_is_computed_with_the_blocks_before_it(tmp_path):
+    s, tokens, keys = run_of_files(tmp_path)
+    ids = list(range(20, 31))
+    first = step(s, "a", tokens, ids, 0, 6 * B)  # 6 blocks computed: only the file of blocks 0-3 is whole
+    assert [(x.block_id, x.key, x.file, x.to_fs) for x in first.stores] == [
+        (20 + i, keys[i], keys[3], True) for i in range(4)]
+    rest = step(s, "a", tokens, ids, 6 * B, 4 * B + 1, new=False)  # blocks 4-5 were computed the step before
+    assert [(x.block_id, x.key, x.file) for x in rest.stores] == [
+        *[(20 + i, keys[i], keys[7]) for i in range(4, 8)], (28, keys[8], keys[9]), (29, keys[9], keys[9])]
+
+
+def test_files_are_found_by_one_lookup_each_and_a_prompt_that_ends_within_one_by_its_last_block(tmp_path):
+    s, tokens, keys = run_of_files(tmp_path)
+    for key in (keys[3], keys[7], keys[9]):  # the files as the worker writes them
+        s.fs.path(key).parent.mkdir(parents=True, exist_ok=True)
+        s.fs.path(key).write_bytes(b"x")
+    looked = []
+    contains = s.fs.contains
+    s.fs.contains = lambda key: looked.append(key) or contains(key)
+    assert s.lookup(request("b", tokens), 0) == (10 * B, False)
+    assert looked == [keys[3], keys[7], keys[9]]
+    s.after_alloc(request("b", tokens), NS(get_block_ids=lambda: (list(range(11)),)), 10 * B)
+    loads = s.build_meta(sched_output()).loads
+    assert [(x.file, x.offset, x.count) for x in loads] == [
+        *[(keys[3], i, 4) for i in range(4)], *[(keys[7], i, 4) for i in range(4)], (keys[9], 0, 2), (keys[9], 1, 2)]
+    longer = tokens[:-1] + list(range(500, 500 + 4 * B))  # the same 10 blocks, then more: the last file found too
+    assert s.lookup(request("c", longer), 0) == (10 * B, False)
+    sibling = tokens[:9 * B] + list(range(900, 900 + 3 * B))  # block 9 differs: the file of 8-9 is not its own
+    assert s.lookup(request("d", sibling), 0) == (8 * B, False)
+    assert s.lookup(request("e", tokens), 2 * B) == (8 * B, False)  # vLLM's cache holds 0-1: 2-3 from their file
+    s.after_alloc(request("e", tokens), NS(get_block_ids=lambda: (list(range(11)),)), 8 * B)
+    assert [(x.index, x.offset) for x in s.build_meta(sched_output()).loads][:3] == [(2, 2), (3, 3), (4, 0)]
+
+
+def test_files_of_several_blocks_round_trip_each_in_one_read(tmp_path, checks, monkeypatch):
+    s, tokens, keys = run_of_files(tmp_path)
+    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None, per_file=4),
+                   checksum="mix128" if checks == "device" else "xxh3-128", on_device=checks == "device")
+    w.register(caches(num_blocks=64))
+    ids = list(range(20, 31))
+    w.save(step(s, "a", tokens, ids, 0, 6 * B))
+    w.save(step(s, "a", tokens, ids, 6 * B, 4 * B + 1, new=False))
+    w.flush()
+    assert sorted(p.stem for p in s.fs.dir.rglob("*.safetensors")) == sorted([keys[3], keys[7], keys[9]])
+    assert w.stats.saves == 10
+    reads = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: reads.append(len(bufs)) or preadv(fd, bufs, offset))
+    assert s.lookup(request("b", tokens), 2 * B) == (8 * B, False)  # blocks 2-9: from within the first file
+    s.after_alloc(request("b", tokens), NS(get_block_ids=lambda: (list(range(40, 51)),)), 8 * B)
+    w.load(s.build_meta(sched_output()))
+    assert w.take_load_errors() == set() and w.stats.fs_hits == 8
+    assert sorted(reads) == [1, 2, 3, 5]  # blocks 2-3: the header, then both; 4-7 and 8-9 with their headers
+    assert all(torch.equal(t[40 + i], t[20 + i]) for t in w.layers.values() for i in range(2, 10))
+
+
+def test_a_corrupt_block_in_a_file_makes_its_read_a_miss_and_the_file_is_moved_aside(tmp_path, checks):
+    s, tokens, keys = run_of_files(tmp_path)
+    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None, per_file=4),
+                   checksum="mix128" if checks == "device" else "xxh3-128", on_device=checks == "device")
+    w.register(caches(num_blocks=64))
+    w.save(step(s, "a", tokens, list(range(20, 31)), 0, 10 * B + 1))
+    w.flush()
+    path = s.fs.path(keys[7])
+    data = bytearray(path.read_bytes())
+    data[-3 * w.block_bytes() + 5] ^= 1  # block 5 of the prompt, in the file of blocks 4-7
+    path.write_bytes(bytes(data))
+    assert s.lookup(request("b", tokens), 0) == (10 * B, False)
+    s.after_alloc(request("b", tokens), NS(get_block_ids=lambda: (list(range(40, 51)),)), 10 * B)
+    before = {name: t[40:50].clone() for name, t in w.layers.items()}
+    w.load(s.build_meta(sched_output()))
+    errors = w.take_load_errors()
+    assert 45 in errors and errors <= set(range(44, 50)) and w.stats.corrupt >= 1
+    assert all(torch.equal(t[40 + i], t[20 + i]) for t in w.layers.values() for i in range(4))  # its first file
+    assert all(torch.equal(t[45:50], before[name][5:]) for name, t in w.layers.items())  # nothing from 5 on
+    assert not path.exists() and path.with_suffix(".corrupt").exists()
+
+
+def test_a_save_thread_behind_skips_a_file_whole(tmp_path):
+    s, tokens, keys = run_of_files(tmp_path)
+    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None, per_file=4))
+    w.register(caches(num_blocks=64))
+    w.backlog = 3 * w.block_bytes()
+    gate = threading.Event()
+    w.saver.submit(gate.wait)  # the save thread is busy
+    try:
+        w.save(KVScopeMetadata(stores=[StoreSpec(1, "x", to_ram=False, to_fs=True)]))  # one block pending
+        w.save(step(s, "a", tokens, list(range(20, 31)), 0, 10 * B + 1))  # room for 2 more: 4-block files skip
+    finally:
+        gate.set()
+    w.flush()
+    assert w.stats.saves_skipped == 8 and w.stats.saves == 3
+    assert sorted(p.stem for p in s.fs.dir.rglob("*.safetensors")) == sorted(["x", keys[9]])

@@ -127,6 +127,64 @@ def test_fs_tier_round_trip_and_verification(tmp_path):
     assert fs.get("ffff") is None
 
 
+def put_run(fs, n=4, first_seed=0):
+    """n blocks of a prompt in one file, named by the last one's key; returns (keys, blocks)."""
+    keys = [f"k{i}" for i in range(n)]
+    blocks = [block(first_seed + i) for i in range(n)]
+    fs.put_file(keys[-1], [(k, b, checksum(b)) for k, b in zip(keys, blocks)])
+    return keys, blocks
+
+
+def test_a_file_of_several_blocks_gives_any_run_of_them_each_checked_on_its_own(tmp_path):
+    from safetensors.torch import load
+    fs = tier(tmp_path)
+    keys, blocks = put_run(fs)
+    assert [p.name for p in fs.dir.rglob("*.safetensors")] == ["k3.safetensors"]
+    tensors = load(fs.path("k3").read_bytes())  # safetensors reads it: block i's layer NAME is "i/NAME"
+    assert all(torch.equal(tensors[f"{i}/{name}"], t) for i in range(4) for name, t in LAYOUT.views(blocks[i]).items())
+    got = fs.get_file("k3", keys[1:3], 1, 4)
+    assert [torch.equal(g, b) for (g, _), b in zip(got, blocks[1:3])] == [True, True]
+    assert [d for _, d in got] == [checksum(b) for b in blocks[1:3]]
+    with pytest.raises(CorruptBlock, match="foreign"):  # the keys a load expects are the keys stored there
+        fs.get_file("k3", ["k1", "other"], 1, 4)
+    with pytest.raises(CorruptBlock, match="truncated or padded"):  # a file of another length
+        fs.get_file("k3", keys[:1], 0, 3)
+    data = bytearray(fs.path("k3").read_bytes())
+    data[-LAYOUT.nbytes - 5] ^= 0xFF  # block 2's last bytes
+    fs.path("k3").write_bytes(bytes(data))
+    assert len(fs.get_file("k3", keys[:2], 0, 4)) == 2  # blocks before the damage still verify
+    with pytest.raises(CorruptBlock, match="checksum mismatch \\(block 2"):
+        fs.get_file("k3", keys[1:3], 1, 4)
+
+
+def test_a_file_of_several_blocks_is_read_in_one_call_from_its_start_and_two_from_within(tmp_path, monkeypatch):
+    # fewer, larger reads: a file's blocks in one preadv (the header with them when they begin the file)
+    fs = tier(tmp_path)
+    keys, blocks = put_run(fs, 6)
+    calls = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: calls.append(len(bufs)) or preadv(fd, bufs, offset))
+    assert len(fs.get_file("k5", keys, 0, 6)) == 6 and calls == [7]
+    calls.clear()
+    got = fs.get_file("k5", keys[4:], 4, 6)
+    assert calls == [1, 2] and all(torch.equal(g, b) for (g, _), b in zip(got, blocks[4:]))
+
+
+def test_with_a_secret_every_block_of_a_file_is_signed(tmp_path):
+    signed = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=b"s" * 32)
+    keys, blocks = put_run(signed, 3)
+    assert torch.equal(signed.get_file("k2", keys[2:], 2, 3)[0][0], blocks[2])
+    other = FsTier(str(tmp_path), FP, None, layout=LAYOUT, secret=b"t" * 32)
+    with pytest.raises(CorruptBlock, match="not signed with this store's secret"):
+        other.get_file("k2", keys[2:], 2, 3)
+
+
+@pytest.mark.parametrize("per_file", [0, 257, 2.0, True])
+def test_blocks_per_file_outside_what_one_call_reads_are_refused(tmp_path, per_file):
+    with pytest.raises(ValueError, match="blocks per file"):
+        FsTier(str(tmp_path), FP, None, per_file=per_file)
+
+
 @pytest.mark.parametrize("like", [layers(), {"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.arange(4.0)}],
                          ids=["layout", "mixed-dtypes"])
 def test_a_block_file_is_a_safetensors_file_of_its_layers(tmp_path, like):
@@ -138,7 +196,7 @@ def test_a_block_file_is_a_safetensors_file_of_its_layers(tmp_path, like):
     fs.put("ab12", b, checksum(b))
     data = fs.path("ab12").read_bytes()
     assert int.from_bytes(data[:8], "little") % 8 == 0  # the data begins 8-byte aligned, as safetensors writes
-    assert {name: t.tolist() for name, t in load(data).items()} == {name: t.tolist() for name, t in like.items()}
+    assert {name: t.tolist() for name, t in load(data).items()} == {f"0/{name}": t.tolist() for name, t in like.items()}
     assert torch.equal(fs.get("ab12")[0], b)
 
 
@@ -148,8 +206,8 @@ def test_the_header_names_the_tensors_as_safetensors_writes_them_and_refuses_a_d
 
     from kvscope_connector import fileformat
     from kvscope_connector.worker import WorkerSide
-    theirs = save(LAYOUT.views(block()), metadata={"kvscope_format": "3"})
-    ours = fileformat.header(block(), LAYOUT, FP, "ab12", "0" * 32)
+    theirs = save({f"0/{name}": t for name, t in LAYOUT.views(block()).items()}, metadata={"kvscope_format": "4"})
+    ours = fileformat.header([block()], LAYOUT, FP, "ab12", ["ab12"], ["0" * 32])
     after_meta = [data[8:8 + int.from_bytes(data[:8], "little")].split(b"}", 1)[1].rstrip() for data in (theirs, ours)]
     assert after_meta[0] == after_meta[1] and theirs.startswith(b'{"__metadata__":', 8)
     w = WorkerSide(FP, 2, None, tier(tmp_path))
