@@ -33,6 +33,13 @@ class Filed:
     count: int
 
 
+def placed(keys: list[str], per_file: int) -> list[Filed]:
+    """Where each block of a whole prompt lies in a filesystem tier of per_file blocks a file."""
+    n = len(keys)
+    return [Filed(keys[min(i - i % per_file + per_file, n) - 1], i % per_file, min(per_file, n - i + i % per_file))
+            for i in range(n)]
+
+
 @dataclass
 class _Req:
     request_id: str

@@ -5,9 +5,9 @@ per block) on the GPU (or the CPU), and one prompt's blocks (72: ~2.3k tokens; -
 time is the median of ROUNDS, after one round of warm-up:
 - the limit: one pinned host-to-device copy of the same bytes;
 - each checksum alone: mix128 where the KV cache is, XXH3-128 on one host thread;
-- a RAM hit and a file hit (from the page cache) through WorkerSide.load, into the KV cache: checked on the
-  GPU (the connector's way beside a GPU), and the RAM hit also checked on the host (XXH3-128 on the four
-  load threads, its way before);
+- a RAM hit and a file hit (from the page cache, files of the connector's default 256 tokens) through
+  WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
+  also checked on the host (XXH3-128 on the four load threads, its way before);
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on), split into the gather
   alone and copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save thread's
   hand-off), each as host time, and the whole save (the blocks stored in RAM).
@@ -27,11 +27,14 @@ import numpy as np
 import torch
 
 from kvscope_connector.blocks import checksum, mix_digests
+from kvscope_connector.connector import FILE_TOKENS
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.scheduler import Filed, placed
 from kvscope_connector.store import FsTier, RamTier
 from kvscope_connector.worker import WorkerSide
 
 FP = "f" * 32
+BLOCK = 32  # tokens
 
 
 def timed(fn, rounds: int, sync) -> float:
@@ -67,16 +70,24 @@ def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide
     caches = {f"model.layers.{i}.self_attn.attn":
               torch.randn(3 * n, 2, 32, 8, 128, device=dev, generator=gen).to(torch.bfloat16)
               for i in range(args.layers)}
-    ram, fs = (None, FsTier(fs_root, FP, None)) if fs_root else (RamTier(1 << 40), None)
-    w = WorkerSide(FP, 32, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device)
+    ram, fs = ((None, FsTier(fs_root, FP, None, per_file=max(1, FILE_TOKENS // BLOCK))) if fs_root
+               else (RamTier(1 << 40), None))
+    w = WorkerSide(FP, BLOCK, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device)
     w.register(caches)
-    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", fs is None, fs is not None) for i in range(n)]))
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", fs is None, fs is not None, file=f.file)
+                                   for i, f in enumerate(files(w, n))]))
     w.flush()
     return w
 
 
-def loads(n: int, tier: str) -> KVScopeMetadata:
-    return KVScopeMetadata(loads=[LoadSpec(n + i, f"k{i}", tier, request_id="r", index=i) for i in range(n)])
+def files(w: WorkerSide, n: int) -> list[Filed]:
+    """Where the prompt's blocks lie in the worker's filesystem tier (none without one)."""
+    return placed([f"k{i}" for i in range(n)], w.fs.per_file) if w.fs else [Filed("", 0, 1)] * n
+
+
+def loads(w: WorkerSide, n: int, tier: str) -> KVScopeMetadata:
+    return KVScopeMetadata(loads=[LoadSpec(n + i, f"k{i}", tier, request_id="r", index=i, file=f.file,
+                                           offset=f.offset, count=f.count) for i, f in enumerate(files(w, n))])
 
 
 def check(w: WorkerSide, n: int, what: str) -> None:
@@ -114,7 +125,7 @@ def main() -> None:
         limit: lambda: device_copy.copy_(host, non_blocking=True),
         "checksum: mix128 on the device": lambda: mix_digests(packed).cpu(),
         "checksum: XXH3-128 on one host thread": lambda: [checksum(one_block) for _ in range(n)],
-        **{name: (lambda w=w, tier=tier: w.load(loads(n, tier))) for name, (w, tier) in hits.items()},
+        **{name: (lambda w=w, tier=tier: w.load(loads(w, n, tier))) for name, (w, tier) in hits.items()},
         "save: until stored in RAM": lambda: on_gpu.save(stores) or on_gpu.flush(),
     }
     print(f"{n} blocks x {on_gpu.block_bytes() / 1e6:.1f} MB = {total / 1e6:.0f} MB on {dev}"

@@ -1,11 +1,13 @@
 """Benchmark: the connector's filesystem-tier load throughput against a raw sequential read of the same files.
 
 A model shape with enough KV bytes per token to measure I/O (default: 32 layers x 8 KV heads x head_dim 128,
-fp16, block 64 -> 8 MiB per block). Blocks are written by WorkerSide.save, then read back R times, in
-alternation: raw (read every file whole, sequentially) and connector (WorkerSide.load: read, verify
-header, shapes and checksum, copy into the KV cache). Both run with the files in the page cache, so the
-ratio measures what verification and injection cost on top of the read; with --cold, every file is
-dropped from the page cache (posix_fadvise DONTNEED) before each read, so both read the disk. With
+fp16, block 64 -> 8 MiB per block). The blocks of one prompt are written by WorkerSide.save twice, as files
+of --file-tokens (the connector's default: 256 tokens) and as one block a file, then read back R times, in
+turn: raw (read every file whole, sequentially) and connector (WorkerSide.load: read, verify header,
+shapes and checksum, copy into the KV cache) for each layout. All run with the files in the page cache, so
+the ratio to raw measures what verification and injection cost on top of the read, and the ratio of the
+layouts what fewer, larger files save; with --cold, every file is dropped from the page cache
+(posix_fadvise DONTNEED) before each read, so each reads the disk. With
 --device cuda the KV caches are on the GPU and the worker checks blocks there (mix128, as the connector
 does beside a GPU); each connector load ends with a device synchronize before its timer stops.
 Goal (issue 5): >= 0.7.
@@ -25,7 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvscope_connector.connector import FILE_TOKENS
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.scheduler import placed
 from kvscope_connector.store import FsTier
 from kvscope_connector.worker import LOAD_THREADS, WorkerSide
 
@@ -54,45 +58,63 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="drop each file from the page cache before reading")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the KV caches are")
+    ap.add_argument("--file-tokens", type=int, default=None, help="tokens a file holds (default: the connector's "
+                    f"{FILE_TOKENS}, or one block where a block holds more)")
     args = ap.parse_args()
     device = torch.device(args.device)
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvscope-bench-"))
     fp, block = "b" * 32, args.block
+    per_file = max(1, (args.file_tokens or FILE_TOKENS) // block)
     caches = {f"model.layers.{i}.self_attn.attn": torch.randn(args.blocks * 2, 8, block, 256, device=device).half()
               for i in range(args.layers)}
     checksum = "mix128" if device.type == "cuda" else "xxh3-128"  # the connector's choice (connector._checksum)
-    worker = WorkerSide(fp, block, None, FsTier(str(root), fp, None), checksum=checksum, load_threads=args.threads)
-    worker.register(caches)
     keys = [f"{i:04x}" + "0" * 36 for i in range(args.blocks)]
-    worker.save(KVScopeMetadata(stores=[StoreSpec(i, k, False, True) for i, k in enumerate(keys)]))
-    worker.flush()
-    sync(device)
-    files = [worker.fs.path(k) for k in keys]
-    total = sum(f.stat().st_size for f in files)
-    meta = KVScopeMetadata(loads=[LoadSpec(args.blocks + i, k, "fs") for i, k in enumerate(keys)])
-    raw, conn = [], []
-    for _ in range(args.repeats):
-        drop(files, args.cold)
-        t = time.perf_counter()
-        for f in files:
-            f.read_bytes()
-        raw.append(total / (time.perf_counter() - t))
-        drop(files, args.cold)
-        t = time.perf_counter()
-        worker.load(meta)
+    layouts = {f"{per_file} blocks a file": per_file, "1 block a file": 1}
+    workers, metas, files = {}, {}, {}
+    for name, n in layouts.items():
+        fs = FsTier(str(root / f"{n}-per-file"), fp, None, per_file=n)
+        worker = workers[name] = WorkerSide(fp, block, None, fs, checksum=checksum, load_threads=args.threads)
+        worker.register(caches)
+        where = placed(keys, n)
+        worker.save(KVScopeMetadata(stores=[StoreSpec(i, k, False, True, file=where[i].file)
+                                            for i, k in enumerate(keys)]))
+        worker.flush()
         sync(device)
-        conn.append(total / (time.perf_counter() - t))
-        assert not worker.take_load_errors()
-    assert all(torch.equal(t[args.blocks], t[0]) for t in caches.values())
+        files[name] = sorted({fs.path(f.file) for f in where})
+        metas[name] = KVScopeMetadata(loads=[LoadSpec(args.blocks + i, k, "fs", file=f.file, offset=f.offset,
+                                                      count=f.count) for i, (k, f) in enumerate(zip(keys, where))])
+    total = sum(f.stat().st_size for f in files["1 block a file"])
+    rates: dict[str, list[float]] = {"raw sequential read": [], **{f"connector, {name}": [] for name in layouts}}
+    for _ in range(args.repeats):
+        drop(files["1 block a file"], args.cold)
+        t = time.perf_counter()
+        for f in files["1 block a file"]:
+            f.read_bytes()
+        rates["raw sequential read"].append(total / (time.perf_counter() - t))
+        for name, worker in workers.items():
+            drop(files[name], args.cold)
+            t = time.perf_counter()
+            worker.load(metas[name])
+            sync(device)
+            rates[f"connector, {name}"].append(total / (time.perf_counter() - t))
+            assert not worker.take_load_errors()
+            assert all(torch.equal(kv[args.blocks:], kv[:args.blocks]) for kv in caches.values())
+            for kv in caches.values():
+                kv[args.blocks:].zero_()
     mib = 2**20
     cache = "cold: dropped from the page cache" if args.cold else "hot: in the page cache"
-    threads, per_block = args.threads or LOAD_THREADS[device.type], total / args.blocks / np.median(conn)
+    threads = args.threads or LOAD_THREADS[device.type]
     print(f"{args.blocks} blocks x {total / args.blocks / mib:.2f} MiB under {root}, {args.repeats} rounds, {cache}, "
-          f"KV caches on {device}, {threads} load threads; {per_block * 1e6:.0f} µs a block (median load / blocks)")
-    for name, rates in (("raw sequential read", raw), ("connector load", conn)):
-        print(f"{name:<20} median {np.median(rates) / mib:8.0f} MiB/s "
-              f"(min {min(rates) / mib:.0f}, max {max(rates) / mib:.0f})")
-    print(f"connector / raw = {np.median(conn) / np.median(raw):.2f}  (goal >= 0.7)")
+          f"KV caches on {device}, {threads} load threads")
+    medians = {name: float(np.median(r)) for name, r in rates.items()}
+    for name, r in rates.items():
+        print(f"{name:<34} median {medians[name] / mib:8.0f} MiB/s (min {min(r) / mib:.0f}, max {max(r) / mib:.0f}, "
+              f"n {len(r)}); {total / args.blocks / medians[name] * 1e6:.0f} µs a block")
+    raw = medians["raw sequential read"]
+    chunked, single = (medians[f"connector, {name}"] for name in layouts)
+    print(f"connector / raw = {chunked / raw:.2f} with {per_file} blocks a file, {single / raw:.2f} with one  "
+          "(goal >= 0.7)")
+    print(f"{per_file} blocks a file / 1 block a file = {chunked / single:.2f}")
     if args.dir is None:
         shutil.rmtree(root)
 

@@ -7,10 +7,11 @@ pages ("cold": posix_fadvise DONTNEED on clean pages; no root needed):
 - raw: one thread, one sequential read of the segment: the disk's own rate, the cold-disk reference;
 - per-file: open + readinto per block file on --threads threads (the connector's pattern);
 - preadv: os.preadv of --chunk blocks per call from the segment on --threads threads;
-- connector: the connector's own file read on --threads threads (FsTier.get without the host checksum, into
-  its slot pool: the host's half of a load beside a GPU, whose checksum runs on the GPU), from files in its
-  format (a header per block) written by FsTier.put, when kvscope_connector imports; against per-file, what
-  the connector's per-block work costs;
+- connector: the connector's own file read on --threads threads (FsTier.get_file without the host checksum,
+  into its slot pool: the host's half of a load beside a GPU, whose checksum runs on the GPU), from files in
+  its format (a header per file) of --chunk blocks each, written by FsTier.put_file, when kvscope_connector
+  imports; connector-1 the same with one block a file; against per-file and preadv, what the connector's
+  work costs;
 - kvikio: KvikIO's pread of the segment into GPU memory (GDS where the host has it, its threaded POSIX path
   where not) and into pinned host memory, when kvikio imports;
 - h2d: one pinned host-to-device copy of the same bytes, the limit beside a GPU.
@@ -78,9 +79,9 @@ def preadv(segment, dst, size, n, chunk, pool):
         os.close(fd)
 
 
-def connector_files(work, src, n, size, pinned):
-    """The blocks as the connector stores them, and a read of them all the way a load beside a GPU reads them;
-    None where kvscope_connector does not import."""
+def connector_files(work, src, n, size, pinned, per_file):
+    """The blocks as the connector stores them, files of per_file blocks, and a read of them all the way a load
+    beside a GPU reads them; None where kvscope_connector does not import."""
     try:
         from kvscope_connector.blocks import Layout
         from kvscope_connector.store import FsTier
@@ -94,22 +95,24 @@ def connector_files(work, src, n, size, pinned):
     if layout.nbytes != size:
         print(f"connector not measured: {size} bytes is not a whole number of the Qwen3-4B shape's layers")
         return None
-    fs = FsTier(os.path.join(work, "connector"), "f" * 32, None, layout=layout)
+    fs = FsTier(os.path.join(work, f"connector-{per_file}"), "f" * 32, None, layout=layout, per_file=per_file)
     fs.pool = SlotPool(size, Side(torch.device("cpu")), pinned=pinned)
     keys = [f"{i:040x}" for i in range(n)]
-    for i, key in enumerate(keys):
-        fs.put(key, src[i * size:(i + 1) * size], "0" * 32)  # a checksum nobody checks here (the GPU would)
+    runs = [keys[i:i + per_file] for i in range(0, n, per_file)]
+    for i, run in zip(range(0, n, per_file), runs):  # a checksum nobody checks here (the GPU would)
+        fs.put_file(run[-1], [(key, src[j * size:(j + 1) * size], "0" * 32) for j, key in enumerate(run, start=i)])
 
     def read(pool, dst=None):
         """Every block into a slot of its own (as a load holds ~2 chunks' worth, hundreds of MB, until the
         GPU has them), then every slot back to the pool; with dst, the blocks copied there too, for the check
         of the bytes (beside a GPU the side stream copies a slot, not this thread)."""
-        blocks = [block for block, _ in pool.map(lambda key: fs.get(key, verify=False), keys)]
+        found = pool.map(lambda run: fs.get_file(run[-1], run, 0, len(run), verify=False), runs)
+        blocks = [block for got in found for block, _ in got]
         if dst is not None:
             torch.cat(blocks, out=dst)
         for block in blocks:
             fs.pool.give_back(block)
-    return read, [fs._name(k) for k in keys]
+    return read, [fs._name(run[-1]) for run in runs]
 
 
 def raw(segment, dst):
@@ -131,8 +134,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     args = ap.parse_args()
-    if not 1 <= args.chunk <= 1024:  # IOV_MAX
-        ap.error("--chunk: 1 to 1024 blocks")
+    if not 1 <= args.chunk <= 256:  # the connector's most blocks a file
+        ap.error("--chunk: 1 to 256 blocks")
     n, size = args.blocks, int(args.block_mb * (1 << 20)) // 4096 * 4096
     total = n * size
     gpu = torch.cuda.is_available()
@@ -152,9 +155,10 @@ def main() -> None:
                 "per-file": (lambda: per_file(files, dst, size, pool), files),
                 "preadv": (lambda: preadv(segment, dst, size, n, args.chunk, pool), [segment])}
         filled = {}  # ways whose reads leave no bytes in dst: how to fill it for the check
-        if (conn := connector_files(work, src, n, size, gpu)) is not None:
-            ways["connector"] = (lambda: conn[0](pool), conn[1])
-            filled["connector"] = lambda: conn[0](pool, dst)
+        for name, per in (("connector", args.chunk), ("connector-1", 1)):
+            if (conn := connector_files(work, src, n, size, gpu, per)) is not None:
+                ways[name] = (lambda read=conn[0]: read(pool), conn[1])
+                filled[name] = lambda read=conn[0]: read(pool, dst)
         on_gpu = {}
         if gpu:
             dev = torch.empty(total, dtype=torch.uint8, device="cuda")
@@ -217,7 +221,9 @@ def main() -> None:
             print(f"{cache}: " + ", ".join(f"{name} / raw {r / base:.2f}" for (c, name), r in rates.items()
                                            if c == cache and name != "raw"))
             if (cache, "connector") in rates:
-                print(f"{cache}: connector / per-file {rates[cache, 'connector'] / rates[cache, 'per-file']:.2f}")
+                print(f"{cache}: connector / per-file {rates[cache, 'connector'] / rates[cache, 'per-file']:.2f}, "
+                      f"/ preadv {rates[cache, 'connector'] / rates[cache, 'preadv']:.2f}, "
+                      f"/ connector-1 {rates[cache, 'connector'] / rates[cache, 'connector-1']:.2f}")
     finally:
         shutil.rmtree(work)
 
