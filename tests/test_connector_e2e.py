@@ -118,7 +118,7 @@ def test_corrupt_truncated_and_foreign_blocks_are_misses_and_counted(connector_r
     for p in ps:
         complete(port, p)
     files = sorted(set(block_files(store)) - earlier)
-    assert len(files) >= 6
+    assert len(files) >= 4  # each prompt's runs of 256 tokens: a file each
     data = bytearray(files[0].read_bytes())
     data[-9] ^= 0xFF  # one value changed
     files[0].write_bytes(bytes(data))
