@@ -14,9 +14,9 @@ kv_connector_extra_config keys:
 - fs_path (str, optional): filesystem tier directory (local, or NFS shared by several servers).
 - fs_bytes (int, optional): filesystem tier capacity; unbounded when absent.
 - fsync (bool, default false): fsync each file before its atomic rename.
-- file_tokens (int, default 256, or one block where a block holds more): the tokens of a prompt each file of
-  the filesystem tier holds, a multiple of the block size; fewer, larger files read faster, and a prompt
-  that shares only part of a file's run with a stored one loads none of that file.
+- file_tokens (int, optional): the tokens of a prompt each file of the filesystem tier holds, a multiple of
+  the block size (default: 256 beside a CUDA GPU, one block elsewhere); fewer, larger files read faster,
+  and a prompt that shares only part of a file's run with a stored one loads none of that file.
 - save_backlog_bytes (int, optional): host copies of saved blocks that may wait for the save thread (1 GiB on
   the CPU, 4 GiB beside a GPU); beyond it, file-only saves are skipped and RAM saves waited for (with
   several tensor-parallel ranks nothing is skipped: every save waits).
@@ -116,22 +116,27 @@ def _stack(vllm_config: VllmConfig) -> dict:
             "attention_backend": str(backend)}
 
 
-def _checksum() -> str:
-    """The platform's block checksum: mix128 beside a CUDA GPU (computed there), XXH3-128 elsewhere."""
+def _platform() -> str:
     from vllm.platforms import current_platform
 
-    return "mix128" if current_platform.device_type == "cuda" else "xxh3-128"
+    return current_platform.device_type
 
 
-FILE_TOKENS = 256  # a prompt's tokens per file by default (LMCache's chunk): 16 blocks of 16 tokens, 36 MiB of
-# a 4B model's KV; on an H200 one 2.25 MiB block per file read at ~12 GB/s, larger reads at ~20-25
+def _checksum(platform: str) -> str:
+    """The platform's block checksum: mix128 beside a CUDA GPU (computed there), XXH3-128 elsewhere."""
+    return "mix128" if platform == "cuda" else "xxh3-128"
 
 
-def _per_file(file_tokens: object, block_size: int) -> int:
-    """Blocks per file from the file_tokens extra config (absent: FILE_TOKENS, or one block where a block
-    holds more)."""
+FILE_TOKENS = {"cuda": 256}  # a prompt's tokens a file holds by default, by platform (elsewhere one block):
+# beside a GPU, files of one 2.25 MiB block loaded at 12-13 GB/s on the H200, bound by each file's Python, where
+# plain reads of larger stretches reached ~25 (docs/gpu.md); on the CPU, one block a file keeps reuse block-fine
+
+
+def _per_file(file_tokens: object, block_size: int, platform: str) -> int:
+    """Blocks per file from the file_tokens extra config (absent: the platform's FILE_TOKENS, at least one
+    block)."""
     if file_tokens is None:
-        return max(1, FILE_TOKENS // block_size)
+        return max(1, FILE_TOKENS.get(platform, 0) // block_size)
     if type(file_tokens) is not int or file_tokens < block_size or file_tokens % block_size:
         raise ValueError(f"kvscope connector: file_tokens {file_tokens!r} is not a multiple of the block size "
                          f"({block_size} tokens)")
@@ -157,8 +162,9 @@ class KVScopeConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
         secret = store_secret()
-        checksum = _checksum()
-        per_file = _per_file(extra("file_tokens", None), self.block_size)
+        platform = _platform()
+        checksum = _checksum(platform)
+        per_file = _per_file(extra("file_tokens", None), self.block_size, platform)
         self.fp = fingerprint(
             model_config=json.loads(json.dumps(model.hf_config.to_dict(), sort_keys=True, default=str)),
             weights=extra("model_id", None) or weights_identity(model.model),

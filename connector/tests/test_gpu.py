@@ -6,6 +6,7 @@ import torch
 
 from kvscope_connector.blocks import mix_digests
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.scheduler import placed
 from kvscope_connector.store import FsTier, RamTier
 from kvscope_connector.worker import WorkerSide
 
@@ -13,12 +14,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FP = "g" * 32
 
 
-def worker(tmp_path, ram=True):
+def worker(tmp_path, ram=True, per_file=1):
     gen = torch.Generator(device="cuda").manual_seed(0)
     caches = {f"layer{i}": torch.randn(64, 2, 32, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
               for i in range(3)}
-    w = WorkerSide(FP, 32, RamTier(1 << 30) if ram else None, None if ram else FsTier(str(tmp_path), FP, None),
-                   checksum="mix128")
+    w = WorkerSide(FP, 32, RamTier(1 << 30) if ram else None,
+                   None if ram else FsTier(str(tmp_path), FP, None, per_file=per_file), checksum="mix128")
     w.register(caches)
     w.device_copies.chunk = 3  # eight loads span three staged chunks
     return w
@@ -29,14 +30,16 @@ def test_mix128_on_the_gpu_is_mix128_on_the_host():
     assert torch.equal(mix_digests(rows.cuda()).cpu(), mix_digests(rows))
 
 
-@pytest.mark.parametrize("ram", [True, False])
-def test_blocks_saved_from_the_gpu_load_back_exactly_from_pinned_slots(tmp_path, ram):
-    w = worker(tmp_path, ram)
+@pytest.mark.parametrize("ram, per_file", [(True, 1), (False, 1), (False, 3)], ids=["ram", "files", "files-of-3"])
+def test_blocks_saved_from_the_gpu_load_back_exactly_from_pinned_slots(tmp_path, ram, per_file):
+    w = worker(tmp_path, ram, per_file)
     assert w.on_device and w.pool.segments == [] and w.side.stream is not None
-    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", ram, not ram) for i in range(8)]))
+    where = placed([f"k{i}" for i in range(8)], per_file)  # files of 3 blocks: 0-2, 3-5, 6-7
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", ram, not ram, file=where[i].file) for i in range(8)]))
     w.flush()
     assert all(s.is_pinned() for s in w.pool.segments)
-    w.load(KVScopeMetadata(loads=[LoadSpec(16 + i, f"k{i}", "ram" if ram else "fs", request_id="r", index=i)
+    w.load(KVScopeMetadata(loads=[LoadSpec(16 + i, f"k{i}", "ram" if ram else "fs", request_id="r", index=i,
+                                           file=where[i].file, offset=where[i].offset, count=where[i].count)
                                   for i in range(8)]))
     torch.cuda.synchronize()
     assert w.take_load_errors() == set()

@@ -315,3 +315,16 @@ def test_a_save_queued_when_the_writers_are_gone_is_still_written(tmp_path):
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
     w.flush()
     assert w.fs.contains("k1") and w.stats.saves == 1
+
+
+@pytest.mark.parametrize("tokens", [100, 32, 0, "256", 256.0, True])
+def test_file_tokens_that_are_not_a_multiple_of_the_block_size_are_refused(tokens):
+    from kvscope_connector.connector import _per_file
+    with pytest.raises(ValueError, match="file_tokens"):
+        _per_file(tokens, 64, "cpu")
+
+
+def test_a_file_holds_256_tokens_beside_a_gpu_one_block_elsewhere_or_what_file_tokens_says():
+    from kvscope_connector.connector import _per_file
+    assert (_per_file(None, 16, "cuda"), _per_file(None, 512, "cuda"), _per_file(None, 64, "cpu")) == (16, 1, 1)
+    assert _per_file(256, 64, "cpu") == 4

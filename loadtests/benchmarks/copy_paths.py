@@ -5,7 +5,7 @@ per block) on the GPU (or the CPU), and one prompt's blocks (72: ~2.3k tokens; -
 time is the median of ROUNDS, after one round of warm-up:
 - the limit: one pinned host-to-device copy of the same bytes;
 - each checksum alone: mix128 where the KV cache is, XXH3-128 on one host thread;
-- a RAM hit and a file hit (from the page cache, files of the connector's default 256 tokens) through
+- a RAM hit and a file hit (from the page cache, files of the connector's 256 tokens beside a GPU) through
   WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
   also checked on the host (XXH3-128 on the four load threads, its way before);
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on), split into the gather
@@ -70,7 +70,7 @@ def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide
     caches = {f"model.layers.{i}.self_attn.attn":
               torch.randn(3 * n, 2, 32, 8, 128, device=dev, generator=gen).to(torch.bfloat16)
               for i in range(args.layers)}
-    ram, fs = ((None, FsTier(fs_root, FP, None, per_file=max(1, FILE_TOKENS // BLOCK))) if fs_root
+    ram, fs = ((None, FsTier(fs_root, FP, None, per_file=max(1, FILE_TOKENS["cuda"] // BLOCK))) if fs_root
                else (RamTier(1 << 40), None))
     w = WorkerSide(FP, BLOCK, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device)
     w.register(caches)

@@ -2,14 +2,14 @@
 
 A model shape with enough KV bytes per token to measure I/O (default: 32 layers x 8 KV heads x head_dim 128,
 fp16, block 64 -> 8 MiB per block). The blocks of one prompt are written by WorkerSide.save twice, as files
-of --file-tokens (the connector's default: 256 tokens) and as one block a file, then read back R times, in
-turn: raw (read every file whole, sequentially) and connector (WorkerSide.load: read, verify header,
-shapes and checksum, copy into the KV cache) for each layout. All run with the files in the page cache, so
-the ratio to raw measures what verification and injection cost on top of the read, and the ratio of the
-layouts what fewer, larger files save; with --cold, every file is dropped from the page cache
-(posix_fadvise DONTNEED) before each read, so each reads the disk. With
---device cuda the KV caches are on the GPU and the worker checks blocks there (mix128, as the connector
-does beside a GPU); each connector load ends with a device synchronize before its timer stops.
+of --file-tokens (the connector's default beside a GPU: 256) and as one block a file, then read back R
+times, in turn: raw (read every file whole, sequentially) and connector (WorkerSide.load: read, verify
+header, shapes and checksum, copy into the KV cache) for each layout. All run with the files in the page
+cache, so the ratio to raw measures what verification and injection cost on top of the read, and the ratio
+of the layouts what fewer, larger files save; with --cold, every file is dropped from the page cache
+(posix_fadvise DONTNEED) before each read, so each reads the disk. With --device cuda the KV caches are on
+the GPU and the worker checks blocks there (mix128, as the connector does beside a GPU); each connector load
+ends with a device synchronize before its timer stops.
 Goal (issue 5): >= 0.7.
 
     .venv-vllm/bin/python loadtests/benchmarks/load_throughput.py [--dir /path/on/the/fs/under/test] [--device cuda]
@@ -59,12 +59,12 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="drop each file from the page cache before reading")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the KV caches are")
     ap.add_argument("--file-tokens", type=int, default=None, help="tokens a file holds (default: the connector's "
-                    f"{FILE_TOKENS}, or one block where a block holds more)")
+                    f"{FILE_TOKENS['cuda']} beside a GPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
     root = Path(args.dir or tempfile.mkdtemp(prefix="kvscope-bench-"))
     fp, block = "b" * 32, args.block
-    per_file = max(1, (args.file_tokens or FILE_TOKENS) // block)
+    per_file = max(1, (args.file_tokens or FILE_TOKENS["cuda"]) // block)
     caches = {f"model.layers.{i}.self_attn.attn": torch.randn(args.blocks * 2, 8, block, 256, device=device).half()
               for i in range(args.layers)}
     checksum = "mix128" if device.type == "cuda" else "xxh3-128"  # the connector's choice (connector._checksum)
