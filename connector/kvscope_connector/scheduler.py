@@ -61,6 +61,7 @@ class SchedulerSide:
         # and file of each block)
         self.meta = KVScopeMetadata()
         self.ram_stores: dict[str, StoreSpec] = {}  # key -> this step's store of it into RAM
+        self.filing: set[str] = set()  # files this step stores
         self.inflight: dict[int, LoadSpec] = {}  # block id -> load of the last step
         self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
 
@@ -71,15 +72,17 @@ class SchedulerSide:
         return self.reqs[request_id]
 
     def _files(self, keys: list[str], start: int) -> list[Filed]:
-        """Where the leading blocks from `start` lie in files: one lookup per file, and at the first file not
-        found whole, one per block down to start (the file of a prompt that ended there)."""
+        """Where the leading blocks from `start` lie in files: one lookup per file. Past a whole file, at the
+        first one not found whole, one lookup per block down to start finds the shorter last file of a
+        stored prompt that ended there (a conversation's turn before this one); before any, only the
+        prompt's own last key is looked up (a cold prompt costs one lookup)."""
         found: list[Filed] = []
         first, n = start - start % self.per_file, len(keys)
         while self.fs is not None and first < n:
             end, lo = min(first + self.per_file, n), max(first, start)
             last = end - 1
             while last >= lo and not self.fs.contains(keys[last]):
-                last -= 1
+                last = last - 1 if found else lo - 1
             found += [Filed(keys[last], i - first, last - first + 1) for i in range(lo, last + 1)]
             if last < end - 1:
                 break
@@ -169,10 +172,14 @@ class SchedulerSide:
             elif new_ids:
                 state.block_ids += list(new_ids[0])
             self._plan_stores(state, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
+        meta, self.meta, self.ram_stores, self.filing = self.meta, KVScopeMetadata(), {}, set()
+        meta.stores = [spec for spec in meta.stores if spec.to_ram or spec.to_fs]
+        if loading := {spec.block_id for spec in meta.loads}:
+            for req_id in {spec.request_id for spec in meta.stores}:
+                if shared := [b for b in self.reqs[req_id].block_ids if b in loading]:
+                    meta.relies_on[req_id] = shared
         for req_id in so.finished_req_ids:
             self.finished(req_id)
-        meta, self.meta, self.ram_stores = self.meta, KVScopeMetadata(), {}
-        meta.stores = [spec for spec in meta.stores if spec.to_ram or spec.to_fs]
         self.inflight = {s.block_id: s for s in meta.loads}
         return meta
 
@@ -193,7 +200,8 @@ class SchedulerSide:
             end = min(first + self.per_file, len(state.keys))
             if end > full:  # its last block is not computed yet
                 break
-            if not self.fs.contains(file := state.keys[end - 1]):
+            if (file := state.keys[end - 1]) not in self.filing and not self.fs.contains(file):
+                self.filing.add(file)  # one request files it (two with one prompt complete it together)
                 for j in range(first, end):
                     spec = stores.setdefault(j, StoreSpec(state.block_ids[j], state.keys[j], False, False,
                                                           state.request_id, j))
@@ -202,23 +210,36 @@ class SchedulerSide:
         self.meta.stores += [stores[j] for j in sorted(stores)]
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """Blocks the worker could not verify: forget them in the RAM index, and store them again once vLLM
-        has recomputed them (the worker moved bad files aside, so the filesystem lookup misses too). The
-        blocks the request computed beyond its loads in that step were not stored (worker.save): forget
-        them too, so they are stored once recomputed."""
-        for block_id in block_ids:
-            spec = self.inflight.get(block_id)
-            if spec is None:
+        """Blocks the worker could not verify, and every request whose block table holds one (vLLM shares a
+        block being loaded with later requests of the step): from the first such block on, forget each
+        request's keys in the RAM index but the RAM hits it loaded after it (verified, kept; promotions past
+        a failure may not have happened), and store its blocks again once vLLM has recomputed them (the
+        worker moved bad files aside, so the filesystem lookup misses too; the step's stores of such a
+        request were not made, worker.save)."""
+        first: dict[str, int] = {}  # request -> its first block whose load failed or that it shares
+        for spec in self.inflight.values():
+            if spec.block_id in block_ids:
+                first[spec.request_id] = min(spec.index, first.get(spec.request_id, spec.index))
+                self._forget(spec.key)
+        for state in self.reqs.values():
+            if (at := next((i for i, b in enumerate(state.block_ids) if b in block_ids), None)) is not None:
+                first[state.request_id] = min(at, first.get(state.request_id, at))
+        for req_id, at in first.items():
+            if req_id not in self.reqs:
                 continue
-            state = self.reqs.get(spec.request_id)
-            later = state.keys[state.loaded_upto:] if state is not None else []
-            for key in [spec.key, *later]:
-                if key in self.ram_index:
-                    del self.ram_index[key]
-                    self._evict(key)
-            if state is not None:
-                state.stored_upto = min(state.stored_upto, spec.index)
-                state.filed_upto = min(state.filed_upto, spec.index - spec.index % self.per_file)
+            state = self.reqs[req_id]
+            kept = {s.index for s in self.inflight.values()
+                    if s.request_id == req_id and s.tier == TierName.RAM and s.index > at}
+            for j, key in enumerate(state.keys[at:], start=at):
+                if j not in kept:
+                    self._forget(key)
+            state.stored_upto = min(state.stored_upto, at)
+            state.filed_upto = min(state.filed_upto, at - at % self.per_file)
+
+    def _forget(self, key: str) -> None:
+        if key in self.ram_index:
+            del self.ram_index[key]
+            self._evict(key)
 
     def finished(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)

@@ -52,7 +52,7 @@ class Stats:
     load_seconds: float = 0.0
     save_seconds: float = 0.0
     save_wait_seconds: float = 0.0  # the forward thread waiting for the save thread (its backlog full)
-    evictions: int = 0
+    evictions: int = 0  # RAM blocks and files
     logged: set = field(default_factory=set)
 
     def add(self, other: Stats) -> None:

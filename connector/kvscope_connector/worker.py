@@ -61,11 +61,12 @@ class Fetched(NamedTuple):
 
 
 def _files(stores: list[StoreSpec]) -> Iterator[list[StoreSpec]]:
-    """The stores in order, as files: the consecutive stores into one file together (a store without a file
-    alone)."""
+    """The stores in order, as files: a request's consecutive stores into one file together (a store without
+    a file alone)."""
     group: list[StoreSpec] = []
     for spec in stores:
-        if group and spec.to_fs and group[-1].to_fs and spec.file and spec.file == group[-1].file:
+        if (group and spec.to_fs and group[-1].to_fs and spec.file and spec.file == group[-1].file
+                and spec.request_id == group[-1].request_id):
             group.append(spec)
             continue
         if group:
@@ -103,6 +104,7 @@ class WorkerSide:
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
         self.broken: set[str] = set()  # requests with a failed load this step: their new blocks are not stored
+        self.failed: set[int] = set()  # the blocks whose load failed this step
         self.load_log: str | None = None  # JSONL: per request and step, the blocks each tier served (extra config)
         self.served: dict[str, dict[str, int]] = {}  # this step's request -> tier -> blocks
         self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
@@ -238,6 +240,11 @@ class WorkerSide:
             self._tier(result.tier).discard(spec.key if result.tier == TierName.RAM else spec.file_key)
         return result.block if outcome in (Outcome.RAM_HIT, Outcome.FS_HIT) else None
 
+    def _release_late(self, job: Future) -> None:
+        """Give back the slots a read that was given up on filled, once it ends."""
+        for result in job.result():
+            self._release(result)
+
     def _release(self, result: Fetched) -> None:
         if result.owned and self.pool is not None and result.block is not None:
             self.pool.give_back(result.block)
@@ -267,7 +274,8 @@ class WorkerSide:
     def fetch_all(self, loads: list[LoadSpec], verify: bool = True) -> Iterator[tuple[LoadSpec, Fetched]]:
         """What each load finds, in load order, checked on the host with verify. File reads run on the load
         threads, a file's blocks in one read (reads, hashing and tensor copies release the GIL) while the
-        caller uses earlier blocks; with on-device checks at most two chunks ahead, as each holds a pool slot.
+        caller uses earlier blocks; with on-device checks about two chunks ahead (whole files), as each block
+        holds a pool slot.
         Checked RAM hits beside a GPU run on the load threads too; on the CPU here, as the model's threads want
         the cores (handing the hashing over cost more than it saved); unchecked ones are a lookup, here."""
         ram, fs, loaders = self.ram, self.fs, self.loaders
@@ -310,7 +318,8 @@ class WorkerSide:
             if job is not None:
                 try:
                     results = job.result(timeout=LOAD_WAIT_S)
-                except TimeoutError:  # the read goes on in its thread; slots it fills are not given back
+                except TimeoutError:  # the read goes on in its thread: the slots it fills go back when it ends
+                    job.add_done_callback(self._release_late)
                     results = [Fetched(Outcome.IO, why=f"no answer in {LOAD_WAIT_S:g} s")] * len(group)
             elif ram is not None and group[0].key in in_ram:
                 results = self._fetch_ram(group[0], verify)
@@ -333,7 +342,7 @@ class WorkerSide:
             self._collect(wait_upto=last, timeout=LOAD_WAIT_S)  # a save still running then: its loads miss
 
     def load(self, meta: KVScopeMetadata) -> None:
-        self.broken, self.served = set(), {}
+        self.broken, self.failed, self.served = set(), set(), {}
         self.begin_step(meta)
         started = time.perf_counter()
         if self.on_device:
@@ -359,8 +368,7 @@ class WorkerSide:
         for spec, result in self.fetch_all(loads):
             block = self._settle(spec, result)
             if block is None:  # vLLM recomputes from this block on
-                self.load_errors.add(spec.block_id)
-                self.broken.add(spec.request_id)
+                self._failed(spec, {})
             elif spec.request_id not in self.broken:
                 yield spec, block
 
@@ -415,6 +423,7 @@ class WorkerSide:
 
     def _failed(self, spec: LoadSpec, first_bad: dict[str, int]) -> None:
         self.load_errors.add(spec.block_id)
+        self.failed.add(spec.block_id)
         self.broken.add(spec.request_id)
         first_bad[spec.request_id] = min(spec.index, first_bad.get(spec.request_id, spec.index))
 
@@ -451,8 +460,9 @@ class WorkerSide:
 
     def save(self, meta: KVScopeMetadata) -> None:
         """Send this step's new blocks towards the host, then hand them to the save thread; none of a request
-        whose load failed this step."""
-        meta.stores = self._shed_files([spec for spec in meta.stores if spec.request_id not in self.broken])
+        whose load failed this step, or that computed them from a block whose load failed."""
+        broken = self.broken | {req for req, ids in meta.relies_on.items() if self.failed.intersection(ids)}
+        meta.stores = self._shed_files([spec for spec in meta.stores if spec.request_id not in broken])
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()
@@ -505,7 +515,7 @@ class WorkerSide:
         if digests is None:
             digests = [self.checksum(block) for block in saved.blocks]
         files = self._write_files(stores, saved.blocks, digests)
-        counted: set[int] = set()  # files whose evictions and errors are counted
+        counted: set[int] = set()  # files whose evictions are counted (errors and saves count blocks)
         for spec, block, digest, written in zip(stores, saved.blocks, digests, files):
             stored = True
             if written is not None:

@@ -75,6 +75,24 @@ def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeyp
     assert w.take_load_errors() == {5} and w.stats.io_errors == 1
 
 
+def test_the_slots_of_a_read_given_up_on_go_back_to_the_pool_once_it_ends(tmp_path, monkeypatch):
+    # beside a GPU a file's read fills a pool slot per block: one that hangs past the wait must not keep them
+    monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
+    w = worker(tmp_path, ram=False, checks="device")
+    w.fs.per_file = 3
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True, file="k2") for i in range(3)]))
+    w.flush()
+    total = len(w.pool.free) + len(w.pool.returned)
+    stuck, read = threading.Event(), w.fs.get_file
+    w.fs.get_file = lambda *args: stuck.wait(30) and read(*args)  # a read that answers late (NFS)
+    in_time(lambda: w.load(KVScopeMetadata(loads=[LoadSpec(5 + i, f"k{i}", "fs", request_id="r", index=i,
+                                                           file="k2", offset=i, count=3) for i in range(3)])))
+    assert w.take_load_errors() == {5, 6, 7} and w.stats.io_errors == 3
+    stuck.set()
+    w.loaders.shutdown(wait=True)
+    assert len(w.pool.free) + len(w.pool.returned) == total  # every slot back
+
+
 def test_writes_and_evictions_never_follow_a_linked_folder_below_the_store_root(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
