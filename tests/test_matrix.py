@@ -319,3 +319,19 @@ def test_an_installed_wheel_carries_the_matrix_the_workloads_and_the_locustfile(
                          cwd=tmp_path, check=True).stdout.split()
     assert out[0].startswith(str(tmp_path / "site")), out  # the wheel's package, not the checkout's
     assert int(out[1]) >= 10 and int(out[2]) >= 4 and out[3] == "True", out
+
+
+def test_file_tokens_that_the_connector_would_refuse_stop_the_render_before_a_deploy(tmp_path):
+    # kvscope's connector stores files of file_tokens (a multiple of the block size vLLM serves with); the
+    # server refused a wrong one only once it started
+    from kvscope.config.render import parse_overrides
+
+    m = matrix.load(SHIPPED)
+    cfg = m.get("kvscope-fs").model_copy(deep=True)
+    cfg.kv_transfer_config.kv_connector_extra_config["file_tokens"] = 256  # 4 of the CPU's 64-token blocks
+    render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
+    for tokens, overrides in ((100, None), ("256", None), (0, None), (256, '{"block_size": 96}')):
+        cfg.kv_transfer_config.kv_connector_extra_config["file_tokens"] = tokens
+        with pytest.raises(matrix.ConfigError, match=f"config 'kvscope-fs': file_tokens {tokens!r} is not"):
+            render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
+                   parse_overrides(overrides) if overrides else None)
