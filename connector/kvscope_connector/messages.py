@@ -65,6 +65,4 @@ class KVScopeMetadata(KVConnectorMetadata):
     stores: list[StoreSpec] = field(default_factory=list)
     ram_evict: list[str] = field(default_factory=list)
     reset: bool = False
-    relies_on: dict[str, list[int]] = field(default_factory=dict)  # request -> blocks this step loads that its
-    # stores were computed from (its own loads, or blocks vLLM shares with another request's): none is stored
-    # if one fails
+    failures: int = 0  # failed steps the scheduler had heard of when it planned this one (worker.save)

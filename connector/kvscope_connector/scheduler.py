@@ -11,7 +11,7 @@ vLLM recomputes them (kv_load_failure_policy "recompute").
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .keys import block_keys
@@ -62,7 +62,8 @@ class SchedulerSide:
         self.meta = KVScopeMetadata()
         self.ram_stores: dict[str, StoreSpec] = {}  # key -> this step's store of it into RAM
         self.filing: set[str] = set()  # files this step stores
-        self.inflight: dict[int, LoadSpec] = {}  # block id -> load of the last step
+        self.steps: deque[tuple[list[LoadSpec], list[StoreSpec]]] = deque(maxlen=4)  # the last steps' plans
+        self.failures = 0  # steps whose loads vLLM reported failed (the worker stores nothing until it hears)
         self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
 
     def _req(self, request_id: str, prompt: list[int]) -> _Req:
@@ -172,15 +173,12 @@ class SchedulerSide:
             elif new_ids:
                 state.block_ids += list(new_ids[0])
             self._plan_stores(state, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
-        meta, self.meta, self.ram_stores, self.filing = self.meta, KVScopeMetadata(), {}, set()
-        meta.stores = [spec for spec in meta.stores if spec.to_ram or spec.to_fs]
-        if loading := {spec.block_id for spec in meta.loads}:
-            for req_id in {spec.request_id for spec in meta.stores}:
-                if shared := [b for b in self.reqs[req_id].block_ids if b in loading]:
-                    meta.relies_on[req_id] = shared
         for req_id in so.finished_req_ids:
             self.finished(req_id)
-        self.inflight = {s.block_id: s for s in meta.loads}
+        meta, self.meta, self.ram_stores, self.filing = self.meta, KVScopeMetadata(), {}, set()
+        meta.stores = [spec for spec in meta.stores if spec.to_ram or spec.to_fs]
+        meta.failures = self.failures
+        self.steps.append((list(meta.loads), list(meta.stores)))
         return meta
 
     def _plan_stores(self, state: _Req, done_tokens: int) -> None:
@@ -210,31 +208,34 @@ class SchedulerSide:
         self.meta.stores += [stores[j] for j in sorted(stores)]
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """Blocks the worker could not verify, and every request whose block table holds one (vLLM shares a
-        block being loaded with later requests of the step): from the first such block on, forget each
-        request's keys in the RAM index but the RAM hits it loaded after it (verified, kept; promotions past
-        a failure may not have happened), and store its blocks again once vLLM has recomputed them (the
-        worker moved bad files aside, so the filesystem lookup misses too; the step's stores of such a
-        request were not made, worker.save)."""
-        first: dict[str, int] = {}  # request -> its first block whose load failed or that it shares
-        for spec in self.inflight.values():
+        """Blocks the worker could not verify in a step. The worker stored nothing in that step, nor in any
+        step planned before this call (with async scheduling, the next one; KVScopeMetadata.failures): KV
+        computed there may rest on a failed block, of the request's own load or of another's that vLLM
+        shares with it. Forget those steps' stores, the failed keys and the promotions at or after each
+        request's first failure in the RAM index (RAM hits after it are verified and kept), and store the
+        blocks again once vLLM has recomputed them (the worker moved bad files aside, so the filesystem
+        lookup misses too)."""
+        self.failures += 1
+        steps = list(self.steps)
+        at = next((i for i in range(len(steps) - 1, -1, -1) if any(s.block_id in block_ids for s in steps[i][0])), 0)
+        loads = steps[at][0] if steps else []
+        first: dict[str, int] = {}  # request -> the position of its first failed block
+        for spec in loads:
             if spec.block_id in block_ids:
                 first[spec.request_id] = min(spec.index, first.get(spec.request_id, spec.index))
+        for spec in loads:
+            after = spec.index >= first.get(spec.request_id, spec.index + 1)
+            if spec.block_id in block_ids or (spec.promote and after):
                 self._forget(spec.key)
-        for state in self.reqs.values():
-            if (at := next((i for i, b in enumerate(state.block_ids) if b in block_ids), None)) is not None:
-                first[state.request_id] = min(at, first.get(state.request_id, at))
-        for req_id, at in first.items():
-            if req_id not in self.reqs:
-                continue
-            state = self.reqs[req_id]
-            kept = {s.index for s in self.inflight.values()
-                    if s.request_id == req_id and s.tier == TierName.RAM and s.index > at}
-            for j, key in enumerate(state.keys[at:], start=at):
-                if j not in kept:
-                    self._forget(key)
-            state.stored_upto = min(state.stored_upto, at)
-            state.filed_upto = min(state.filed_upto, at - at % self.per_file)
+        for _, stores in steps[at:]:
+            for store in stores:
+                if store.to_ram:
+                    self._forget(store.key)
+                first[store.request_id] = min(store.index, first.get(store.request_id, store.index))
+        for req_id, index in first.items():
+            if (state := self.reqs.get(req_id)) is not None:
+                state.stored_upto = min(state.stored_upto, index)
+                state.filed_upto = min(state.filed_upto, index - index % self.per_file)
 
     def _forget(self, key: str) -> None:
         if key in self.ram_index:

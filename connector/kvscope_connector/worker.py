@@ -14,9 +14,9 @@ blocks on the GPU, where their checksums are computed, and the copies to the hos
 the forward thread waits for neither. On the CPU the step's blocks are copied out at once and checksummed
 on the save thread. The save thread puts them in RAM and writes the files, in order; a load waits only for
 the pending saves of the keys it reads. A block that fails verification is a miss: its id goes back to vLLM
-through get_block_ids_with_load_errors() and vLLM recomputes it and every block after it. The blocks such a
-request computes in that step were computed on top of the block it lacked: they are not stored (vLLM
-recomputes them too, and they are stored then).
+through get_block_ids_with_load_errors() and vLLM recomputes it and every block after it. Blocks computed
+in that step may rest on the block it lacked (the request's, or another's that vLLM shares it with): none is
+stored until the scheduler has heard of the failure (vLLM recomputes them too, and they are stored then).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: on
 LOAD_THREADS = {"cpu": 4, "cuda": 4}  # file reads in flight: four beat two from disk; beside a GPU four beat eight
 # and sixteen (the H200, 2.25 MiB blocks from the page cache: 9.9, 7.9 and 5.3 GB/s): each block's Python on
 # a load thread waits for the interpreter's lock, and more threads wait longer
-LOAD_WAIT_S = 30.0  # the longest a load waits for a block (a read that hangs: a dead NFS server); then a miss
+LOAD_WAIT_S = 30.0  # the longest a load waits for a read (one that hangs: a dead NFS server); then it and every
+# read not done yet are misses
 
 
 class Fetched(NamedTuple):
@@ -103,8 +104,9 @@ class WorkerSide:
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
-        self.broken: set[str] = set()  # requests with a failed load this step: their new blocks are not stored
-        self.failed: set[int] = set()  # the blocks whose load failed this step
+        self.broken: set[str] = set()  # requests with a failed load this step: none of their blocks after it loads
+        self.failures = 0  # steps with a failed load
+        self.unheard = 0  # steps left whose stores are dropped unless planned after the scheduler heard of it
         self.load_log: str | None = None  # JSONL: per request and step, the blocks each tier served (extra config)
         self.served: dict[str, dict[str, int]] = {}  # this step's request -> tier -> blocks
         self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
@@ -312,15 +314,17 @@ class WorkerSide:
         pending = self._reads(loads, in_ram)
         while in_flight < ahead and (more := next(pending, None)) is not None:
             queue(more)
+        wait_s = LOAD_WAIT_S  # once a read has not answered in it, the filesystem hangs: no read is waited for
         while queued:
             group, job = queued.popleft()
             in_flight -= len(group)
             if job is not None:
                 try:
-                    results = job.result(timeout=LOAD_WAIT_S)
+                    results = job.result(timeout=wait_s)
                 except TimeoutError:  # the read goes on in its thread: the slots it fills go back when it ends
                     job.add_done_callback(self._release_late)
                     results = [Fetched(Outcome.IO, why=f"no answer in {LOAD_WAIT_S:g} s")] * len(group)
+                    wait_s = 0
             elif ram is not None and group[0].key in in_ram:
                 results = self._fetch_ram(group[0], verify)
             else:
@@ -342,13 +346,17 @@ class WorkerSide:
             self._collect(wait_upto=last, timeout=LOAD_WAIT_S)  # a save still running then: its loads miss
 
     def load(self, meta: KVScopeMetadata) -> None:
-        self.broken, self.failed, self.served = set(), set(), {}
+        self.broken, self.served = set(), {}
+        self.unheard = max(0, self.unheard - 1)
         self.begin_step(meta)
         started = time.perf_counter()
         if self.on_device:
             written = self._load_on_device(meta.loads)
         else:
             written = self.transfer.inject(self.to_write(meta, self._verified(meta.loads)))
+        if self.broken:
+            self.failures += 1
+            self.unheard = 2  # this step and the next (planned before vLLM reports this one, with async scheduling)
         self.stats.load_bytes += self.block_bytes() * written
         self.stats.load_seconds += time.perf_counter() - started
         if self.load_log and self.served:
@@ -423,7 +431,6 @@ class WorkerSide:
 
     def _failed(self, spec: LoadSpec, first_bad: dict[str, int]) -> None:
         self.load_errors.add(spec.block_id)
-        self.failed.add(spec.block_id)
         self.broken.add(spec.request_id)
         first_bad[spec.request_id] = min(spec.index, first_bad.get(spec.request_id, spec.index))
 
@@ -459,10 +466,14 @@ class WorkerSide:
     # Saves
 
     def save(self, meta: KVScopeMetadata) -> None:
-        """Send this step's new blocks towards the host, then hand them to the save thread; none of a request
-        whose load failed this step, or that computed them from a block whose load failed."""
-        broken = self.broken | {req for req, ids in meta.relies_on.items() if self.failed.intersection(ids)}
-        meta.stores = self._shed_files([spec for spec in meta.stores if spec.request_id not in broken])
+        """Send this step's new blocks towards the host, then hand them to the save thread. None in a step
+        with a failed load, nor in the next unless the scheduler planned it after hearing of the failure
+        (async scheduling plans it before): any of them may have been computed on a failed block, the
+        request's own or one vLLM shares with it from another's load; the scheduler forgets them
+        (scheduler.load_failed) and they are stored once recomputed."""
+        if self.unheard and meta.failures < self.failures:
+            meta.stores = []
+        meta.stores = self._shed_files(meta.stores)
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()

@@ -75,6 +75,21 @@ def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeyp
     assert w.take_load_errors() == {5} and w.stats.io_errors == 1
 
 
+def test_a_hung_filesystem_costs_a_step_one_wait_not_one_per_read(tmp_path, monkeypatch):
+    # review: every queued read waited LOAD_WAIT_S of its own (a 32k-token prompt in 128 files: an hour at 30 s)
+    monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
+    w = worker(tmp_path, ram=False)
+    stuck = threading.Event()
+    w.fs.get_file = lambda *args: stuck.wait(30)  # a dead NFS server: every read hangs
+    started = time.monotonic()
+    try:
+        w.load(KVScopeMetadata(loads=[LoadSpec(i, f"k{i}", "fs", request_id=f"r{i}") for i in range(8)]))
+    finally:
+        stuck.set()
+    assert time.monotonic() - started < 2.5  # one wait, not eight (4 s)
+    assert w.take_load_errors() == set(range(8)) and w.stats.io_errors == 8
+
+
 def test_the_slots_of_a_read_given_up_on_go_back_to_the_pool_once_it_ends(tmp_path, monkeypatch):
     # beside a GPU a file's read fills a pool slot per block: one that hangs past the wait must not keep them
     monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
@@ -346,3 +361,7 @@ def test_a_file_holds_256_tokens_beside_a_gpu_one_block_elsewhere_or_what_file_t
     from kvscope_connector.connector import _per_file
     assert (_per_file(None, 16, "cuda"), _per_file(None, 512, "cuda"), _per_file(None, 64, "cpu")) == (16, 1, 1)
     assert _per_file(256, 64, "cpu") == 4
+    # a sliding window frees a request's blocks before its file is stored: one block a file, or refused
+    assert _per_file(None, 16, "cuda", blocks_stay=False) == 1 and _per_file(16, 16, "cuda", blocks_stay=False) == 1
+    with pytest.raises(ValueError, match="sliding window"):
+        _per_file(256, 16, "cuda", blocks_stay=False)
