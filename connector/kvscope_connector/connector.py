@@ -132,28 +132,30 @@ FILE_TOKENS = {"cuda": 256}  # a prompt's tokens a file holds by default, by pla
 # plain reads of larger stretches reached ~25 (docs/gpu.md); on the CPU, one block a file keeps reuse block-fine
 
 
-def _per_file(file_tokens: object, block_size: int, platform: str, blocks_stay: bool = True) -> int:
+def _per_file(file_tokens: object, block_size: int, platform: str) -> int:
     """Blocks per file from the file_tokens extra config (absent: the platform's FILE_TOKENS, at least one
-    block). A file is stored once its last block is computed, from vLLM's KV cache: where a request's blocks
-    leave it before the request ends (blocks_stay false), one block a file."""
+    block)."""
     if file_tokens is None:
-        return max(1, FILE_TOKENS.get(platform, 0) // block_size) if blocks_stay else 1
+        return max(1, FILE_TOKENS.get(platform, 0) // block_size)
     if type(file_tokens) is not int or file_tokens < block_size or file_tokens % block_size:
         raise ValueError(f"kvscope connector: file_tokens {file_tokens!r} is not a multiple of the block size "
                          f"({block_size} tokens)")
-    if file_tokens > block_size and not blocks_stay:
-        raise ValueError(f"kvscope connector: file_tokens {file_tokens} is more than one block, and this model's "
-                         "attention (a sliding window, or chunked local attention) frees a request's blocks before "
-                         f"its file is stored: set it to the block size ({block_size})")
     return file_tokens // block_size
 
 
-def _blocks_stay(vllm_config: VllmConfig) -> bool:
-    """Whether a running request's blocks stay in vLLM's KV cache until it ends: not with a sliding window or
-    chunked local attention, whose blocks leave it mid-request."""
-    model = vllm_config.model_config
-    window = getattr(model, "get_sliding_window", lambda: None)()
-    return not window and not getattr(getattr(model, "hf_text_config", None), "attention_chunk_size", None)
+def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
+    """Why this server cannot use the connector, if it cannot: with pipeline parallelism every stage would
+    store under one name; a KV cache of sliding-window or chunked local attention frees a running request's
+    blocks (vLLM puts its null block in their place), which would be stored as the prompt's KV. Models that
+    interleave such layers with full attention get full-attention caches here (the connector does not
+    support vLLM's hybrid KV cache manager)."""
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return "pipeline parallelism is not supported"
+    for group in kv_cache_config.kv_cache_groups if kv_cache_config is not None else []:
+        kinds = {cls.__name__ for cls in type(group.kv_cache_spec).__mro__}
+        if kinds & {"SlidingWindowSpec", "ChunkedLocalAttentionSpec"}:
+            return f"a KV cache of {type(group.kv_cache_spec).__name__} frees a running request's blocks"
+    return None
 
 
 def _tp_rank() -> int:
@@ -177,7 +179,9 @@ class KVScopeConnector(KVConnectorBase_V1):
         secret = store_secret()
         platform = _platform()
         checksum = _checksum(platform)
-        per_file = _per_file(extra("file_tokens", None), self.block_size, platform, _blocks_stay(vllm_config))
+        if (why := _unsupported(vllm_config, kv_cache_config)) is not None:
+            raise ValueError(f"kvscope connector: {why}")
+        per_file = _per_file(extra("file_tokens", None), self.block_size, platform)
         self.fp = fingerprint(
             model_config=json.loads(json.dumps(model.hf_config.to_dict(), sort_keys=True, default=str)),
             weights=extra("model_id", None) or weights_identity(model.model),

@@ -48,6 +48,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0  # blocks [0, stored_upto) are in RAM or were handed to the worker for it
     filed_upto: int = 0  # blocks [0, filed_upto) are in files or were handed to the worker for them
+    stop: int = 1 << 62  # blocks from here on are never stored: computed on a failed load vLLM does not redo
     loaded_upto: int = 0  # blocks [0, loaded_upto) come from vLLM's cache or from loads
 
 
@@ -62,7 +63,8 @@ class SchedulerSide:
         self.meta = KVScopeMetadata()
         self.ram_stores: dict[str, StoreSpec] = {}  # key -> this step's store of it into RAM
         self.filing: set[str] = set()  # files this step stores
-        self.steps: deque[tuple[list[LoadSpec], list[StoreSpec]]] = deque(maxlen=4)  # the last steps' plans
+        self.steps: deque[tuple[list[LoadSpec], list[StoreSpec], set[str]]] = deque(maxlen=4)  # the last steps'
+        # loads, stores and scheduled requests
         self.failures = 0  # steps whose loads vLLM reported failed (the worker stores nothing until it hears)
         self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
 
@@ -178,13 +180,14 @@ class SchedulerSide:
         meta, self.meta, self.ram_stores, self.filing = self.meta, KVScopeMetadata(), {}, set()
         meta.stores = [spec for spec in meta.stores if spec.to_ram or spec.to_fs]
         meta.failures = self.failures
-        self.steps.append((list(meta.loads), list(meta.stores)))
+        scheduled = {new.req_id for new in so.scheduled_new_reqs} | set(cached.req_ids)
+        self.steps.append((list(meta.loads), list(meta.stores), scheduled))
         return meta
 
     def _plan_stores(self, state: _Req, done_tokens: int) -> None:
         """Store the blocks the step completes that RAM lacks, and the files whose last block it completes
         that the filesystem lacks (each with all of its blocks)."""
-        full = min(done_tokens // self.block_size, len(state.keys), len(state.block_ids))
+        full = min(done_tokens // self.block_size, len(state.keys), len(state.block_ids), state.stop)
         stores: dict[int, StoreSpec] = {}
         for j in range(state.stored_upto, full):
             key = state.keys[j]
@@ -214,7 +217,8 @@ class SchedulerSide:
         shares with it. Forget those steps' stores, the failed keys and the promotions at or after each
         request's first failure in the RAM index (RAM hits after it are verified and kept), and store the
         blocks again once vLLM has recomputed them (the worker moved bad files aside, so the filesystem
-        lookup misses too)."""
+        lookup misses too). A request of a step planned before this call that took a failed block from
+        vLLM's prefix cache is not recomputed by vLLM (0.32): it never stores a block from there on."""
         self.failures += 1
         steps = list(self.steps)
         at = next((i for i in range(len(steps) - 1, -1, -1) if any(s.block_id in block_ids for s in steps[i][0])), 0)
@@ -227,7 +231,14 @@ class SchedulerSide:
             after = spec.index >= first.get(spec.request_id, spec.index + 1)
             if spec.block_id in block_ids or (spec.promote and after):
                 self._forget(spec.key)
-        for _, stores in steps[at:]:
+        loaders = set(first)
+        for _, _, scheduled in steps[at + 1:]:  # planned before this call: a request that took a failed block
+            for req_id in scheduled - loaders:   # from vLLM's prefix cache then is not recomputed (vLLM 0.32)
+                state = self.reqs.get(req_id)
+                at_block = next((i for i, b in enumerate(state.block_ids) if b in block_ids), None) if state else None
+                if state is not None and at_block is not None:
+                    state.stop = min(state.stop, at_block)
+        for _, stores, _ in steps[at:]:
             for store in stores:
                 if store.to_ram:
                     self._forget(store.key)

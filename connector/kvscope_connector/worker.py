@@ -105,7 +105,7 @@ class WorkerSide:
         self.stats = Stats(logged=self.logged)
         self.load_errors: set[int] = set()
         self.broken: set[str] = set()  # requests with a failed load this step: none of their blocks after it loads
-        self.failures = 0  # steps with a failed load
+        self.failed_plan = 0  # the scheduler's count of failures when it planned the last step with a failed load
         self.unheard = 0  # steps left whose stores are dropped unless planned after the scheduler heard of it
         self.load_log: str | None = None  # JSONL: per request and step, the blocks each tier served (extra config)
         self.served: dict[str, dict[str, int]] = {}  # this step's request -> tier -> blocks
@@ -354,9 +354,8 @@ class WorkerSide:
             written = self._load_on_device(meta.loads)
         else:
             written = self.transfer.inject(self.to_write(meta, self._verified(meta.loads)))
-        if self.broken:
-            self.failures += 1
-            self.unheard = 2  # this step and the next (planned before vLLM reports this one, with async scheduling)
+        if self.broken:  # this step and the next (planned before vLLM reports this one, with async scheduling)
+            self.failed_plan, self.unheard = meta.failures, 2
         self.stats.load_bytes += self.block_bytes() * written
         self.stats.load_seconds += time.perf_counter() - started
         if self.load_log and self.served:
@@ -471,7 +470,7 @@ class WorkerSide:
         (async scheduling plans it before): any of them may have been computed on a failed block, the
         request's own or one vLLM shares with it from another's load; the scheduler forgets them
         (scheduler.load_failed) and they are stored once recomputed."""
-        if self.unheard and meta.failures < self.failures:
+        if self.unheard and meta.failures <= self.failed_plan:
             meta.stores = []
         meta.stores = self._shed_files(meta.stores)
         if not meta.stores and not meta.ram_evict:

@@ -361,7 +361,27 @@ def test_a_file_holds_256_tokens_beside_a_gpu_one_block_elsewhere_or_what_file_t
     from kvscope_connector.connector import _per_file
     assert (_per_file(None, 16, "cuda"), _per_file(None, 512, "cuda"), _per_file(None, 64, "cpu")) == (16, 1, 1)
     assert _per_file(256, 64, "cpu") == 4
-    # a sliding window frees a request's blocks before its file is stored: one block a file, or refused
-    assert _per_file(None, 16, "cuda", blocks_stay=False) == 1 and _per_file(16, 16, "cuda", blocks_stay=False) == 1
-    with pytest.raises(ValueError, match="sliding window"):
-        _per_file(256, 16, "cuda", blocks_stay=False)
+
+
+def test_a_kv_cache_that_frees_a_running_requests_blocks_and_pipeline_parallelism_are_refused():
+    # review: a sliding window puts vLLM's null block (id 0) where a request's early blocks were; they were
+    # planned as stores of the prompt's KV. Pipeline stages would store under one name.
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    from kvscope_connector.connector import _unsupported
+
+    def config(pp=1):
+        return NS(parallel_config=NS(pipeline_parallel_size=pp))
+
+    def cache(spec_cls, **kw):
+        spec = spec_cls(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, **kw)
+        return NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["l0"])])
+
+    assert _unsupported(config(), cache(FullAttentionSpec)) is None
+    assert _unsupported(config(), cache(FullAttentionSpec, sliding_window=4096)) is None  # interleaved, unified
+    assert "SlidingWindowSpec" in _unsupported(config(), cache(SlidingWindowSpec, sliding_window=4096))
+    assert "ChunkedLocalAttentionSpec" in _unsupported(config(), cache(ChunkedLocalAttentionSpec,
+                                                                      attention_chunk_size=8192))
+    assert "pipeline" in _unsupported(config(pp=2), None)

@@ -744,3 +744,37 @@ def test_after_a_failed_load_the_index_holds_no_key_the_worker_did_not_store(tmp
     w.flush()
     s.load_failed(w.take_load_errors())
     assert list(s.ram_index) == [keys[2]] and all(w.ram.contains(k) for k in s.ram_index)
+
+
+def test_a_rank_whose_own_load_fails_drops_its_stores_whatever_other_ranks_failed_before(tmp_path):
+    # review: with tensor parallelism the scheduler counts every rank's failed steps, a rank only its own; a
+    # rank behind by one kept the stores of its own failed step
+    w = worker(tmp_path)
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "gone", "ram", request_id="r", index=0)], failures=1))
+    w.save(KVScopeMetadata(stores=[StoreSpec(6, "r-after", True, True, request_id="r")], failures=1))
+    w.load(KVScopeMetadata(failures=1))  # planned before the scheduler heard of this failure
+    w.save(KVScopeMetadata(stores=[StoreSpec(7, "q-after", True, True, request_id="q")], failures=1))
+    w.load(KVScopeMetadata(failures=2))
+    w.save(KVScopeMetadata(stores=[StoreSpec(6, "r-again", True, True, request_id="r")], failures=2))
+    w.flush()
+    assert not w.fs.contains("r-after") and not w.fs.contains("q-after") and w.fs.contains("r-again")
+
+
+def test_a_request_that_took_a_failed_block_in_a_step_planned_before_the_failure_was_heard_never_stores_past_it():
+    # review: vLLM 0.32 recomputes the loader, not a request of the next (async) step that took the block from
+    # its prefix cache; that request's later blocks rest on it for good
+    s = SchedulerSide(FP, B, ram_blocks=32, fs=None)
+    tokens = list(range(8 * B + 1))
+    keys, a_ids = block_keys(FP, tokens, B, 8), list(range(10, 19))
+    s._ram_add(keys[0])
+    assert s.lookup(request("a", tokens), 0) == (B, False)
+    s.after_alloc(request("a", tokens), NS(get_block_ids=lambda: (a_ids,)), B)
+    step(s, "a", tokens, a_ids, B, 2 * B)  # a loads block 0 into 10
+    other = tokens[:B] + list(range(900, 900 + 3 * B + 1))  # b: a's block 0, then its own
+    ahead = s.build_meta(new_reqs([("b", other, [10, 30, 31, 32, 33])], computed=B))  # planned before hearing
+    assert [x.index for x in ahead.stores] == [1, 2, 3]
+    s.load_failed({10})
+    cached = NS(req_ids=["b", "a"], new_block_ids=[None, None], resumed_req_ids=set(), num_computed_tokens=[4 * B, 0])
+    after = s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={"b": 1, "a": 8 * B + 1},
+                            finished_req_ids=set(), scheduled_cached_reqs=cached))
+    assert after.failures == 1 and [x.request_id for x in after.stores] == ["a"] * 8  # a recomputes: stored
