@@ -305,13 +305,19 @@ def test_a_failure_the_scheduler_never_hears_of_stops_stores_for_two_steps_only(
     assert w.ram.contains("later")
 
 
-def test_with_async_scheduling_a_failure_forgets_the_stores_of_the_step_planned_before_it_was_heard():
-    s = SchedulerSide(FP, B, ram_blocks=16, fs=None)
+def loading_block_0():
+    """A scheduler whose request "a" (8 blocks) loads block 0 from RAM into block 10 (its ids 10-18)."""
+    s = SchedulerSide(FP, B, ram_blocks=32, fs=None)
     tokens = list(range(8 * B + 1))
     keys, ids = block_keys(FP, tokens, B, 8), list(range(10, 19))
     s._ram_add(keys[0])
     assert s.lookup(request("a", tokens), 0) == (B, False)
     s.after_alloc(request("a", tokens), NS(get_block_ids=lambda: (ids,)), B)
+    return s, tokens, keys, ids
+
+
+def test_with_async_scheduling_a_failure_forgets_the_stores_of_the_step_planned_before_it_was_heard():
+    s, tokens, keys, ids = loading_block_0()
     first = step(s, "a", tokens, ids, B, 3 * B)  # loads block 0, computes 1-3
     ahead = step(s, "a", tokens, ids, 4 * B, 4 * B + 1, new=False)  # planned before step 1's output came back
     assert [x.key for x in first.stores + ahead.stores] == keys[1:] and first.failures == ahead.failures == 0
@@ -763,12 +769,7 @@ def test_a_rank_whose_own_load_fails_drops_its_stores_whatever_other_ranks_faile
 def test_a_request_that_took_a_failed_block_in_a_step_planned_before_the_failure_was_heard_never_stores_past_it():
     # review: vLLM 0.32 recomputes the loader, not a request of the next (async) step that took the block from
     # its prefix cache; that request's later blocks rest on it for good
-    s = SchedulerSide(FP, B, ram_blocks=32, fs=None)
-    tokens = list(range(8 * B + 1))
-    keys, a_ids = block_keys(FP, tokens, B, 8), list(range(10, 19))
-    s._ram_add(keys[0])
-    assert s.lookup(request("a", tokens), 0) == (B, False)
-    s.after_alloc(request("a", tokens), NS(get_block_ids=lambda: (a_ids,)), B)
+    s, tokens, keys, a_ids = loading_block_0()
     step(s, "a", tokens, a_ids, B, 2 * B)  # a loads block 0 into 10
     other = tokens[:B] + list(range(900, 900 + 3 * B + 1))  # b: a's block 0, then its own
     ahead = s.build_meta(new_reqs([("b", other, [10, 30, 31, 32, 33])], computed=B))  # planned before hearing
