@@ -49,7 +49,6 @@ class _Req:
     stored_upto: int = 0  # blocks [0, stored_upto) are in RAM or were handed to the worker for it
     filed_upto: int = 0  # blocks [0, filed_upto) are in files or were handed to the worker for them
     stop: int = 1 << 62  # blocks from here on are never stored: computed on a failed load vLLM does not redo
-    loaded_upto: int = 0  # blocks [0, loaded_upto) come from vLLM's cache or from loads
 
 
 class SchedulerSide:
@@ -77,8 +76,9 @@ class SchedulerSide:
     def _files(self, keys: list[str], start: int) -> list[Filed]:
         """Where the leading blocks from `start` lie in files: one lookup per file. Past a whole file, at the
         first one not found whole, one lookup per block down to start finds the shorter last file of a
-        stored prompt that ended there (a conversation's turn before this one); before any, only the
-        prompt's own last key is looked up (a cold prompt costs one lookup)."""
+        stored prompt that ended there (a conversation's turn before this one); before any, only the first
+        run's last key (a whole file, or the prompt's own last file where it ends within that run): a cold
+        prompt costs one lookup, and a stored prompt shorter than one file is found only by its own."""
         found: list[Filed] = []
         first, n = start - start % self.per_file, len(keys)
         while self.fs is not None and first < n:
@@ -115,7 +115,6 @@ class SchedulerSide:
         if n == 0:
             return
         state = self.reqs[request.request_id]
-        state.loaded_upto = start + n
         block_ids = blocks.get_block_ids()[0]
         from_ram = sum(t == TierName.RAM for t in tiers[:n]) * self.block_size
         self.sources[request.request_id] = (from_ram, n * self.block_size - from_ram)
