@@ -61,7 +61,7 @@ class Fetched(NamedTuple):
     owned: bool = False  # a pool slot the fetcher filled: given back or handed to the RAM tier once used
 
 
-def _files(stores: list[StoreSpec]) -> Iterator[list[StoreSpec]]:
+def _file_groups(stores: list[StoreSpec]) -> Iterator[list[StoreSpec]]:
     """The stores in order, as files: a request's consecutive stores into one file together (a store without
     a file alone)."""
     group: list[StoreSpec] = []
@@ -277,9 +277,9 @@ class WorkerSide:
         """What each load finds, in load order, checked on the host with verify. File reads run on the load
         threads, a file's blocks in one read (reads, hashing and tensor copies release the GIL) while the
         caller uses earlier blocks; with on-device checks about two chunks ahead (whole files), as each block
-        holds a pool slot.
-        Checked RAM hits beside a GPU run on the load threads too; on the CPU here, as the model's threads want
-        the cores (handing the hashing over cost more than it saved); unchecked ones are a lookup, here."""
+        holds a pool slot. Checked RAM hits beside a GPU run on the load threads too; on the CPU here, as the
+        model's threads want the cores (handing the hashing over cost more than it saved); unchecked ones are
+        a lookup, here."""
         ram, fs, loaders = self.ram, self.fs, self.loaders
         assert loaders is not None, "register() first"
         in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
@@ -498,7 +498,7 @@ class WorkerSide:
         if not pending or not self.may_skip_files:
             return stores
         room, kept = self.backlog - pending, []
-        for group in _files(stores):
+        for group in _file_groups(stores):
             size = self.block_bytes() * len(group)
             if any(spec.to_ram for spec in group) or not group[0].to_fs or room >= size:
                 kept += group
@@ -555,7 +555,7 @@ class WorkerSide:
         fs = self.fs
         files: list[Future[int] | None] = []
         at = 0
-        for group in _files(stores):
+        for group in _file_groups(stores):
             items = [(spec.key, blocks[i], digests[i]) for i, spec in enumerate(group, start=at)]
             at += len(group)
             written = self._submit_write(fs, group[0].file_key, items) if group[0].to_fs and fs is not None else None
