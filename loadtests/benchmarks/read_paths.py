@@ -13,7 +13,9 @@ pages ("cold": posix_fadvise DONTNEED on clean pages; no root needed):
   imports; connector-1 the same with one block a file; against per-file and preadv, what the connector's
   work costs;
 - kvikio: KvikIO's pread of the segment into GPU memory (GDS where the host has it, its threaded POSIX path
-  where not) and into pinned host memory, when kvikio imports;
+  where not) and into pinned host memory, when kvikio imports; kvikio-files: the connector's files of --chunk
+  blocks the way a load straight into GPU staging would read them (each header into host memory with
+  os.pread, each file's blocks with KvikIO into GPU memory, all files' reads in flight at once);
 - h2d: one pinned host-to-device copy of the same bytes, the limit beside a GPU.
 Prints the median of --rounds per way in GB/s and against raw, with n and spread, and checks every way read
 the bytes that were written.
@@ -115,6 +117,30 @@ def connector_files(work, src, n, size, pinned, per_file):
     return read, [fs._name(run[-1]) for run in runs]
 
 
+def kvikio_files(kvikio, paths, dev, per_file):
+    """Each file's header into host memory, its blocks (the file's last bytes, at most per_file of them, in
+    order) with KvikIO into dev after the files before it; every read in flight before any is waited for."""
+    files, reads, at = [], [], 0
+    try:
+        for path in paths:
+            files.append(kvikio.CuFile(path, "r"))
+            size = os.path.getsize(path)
+            body = min(per_file, dev.numel() - at)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                exactly(len(os.pread(fd, size - body, 0)), size - body)
+            finally:
+                os.close(fd)
+            reads.append((files[-1].pread(dev[at:at + body], body, size - body), body))
+            at += body
+        for read, body in reads:
+            exactly(read.get(), body)
+        exactly(at, dev.numel())
+    finally:
+        for f in files:
+            f.close()
+
+
 def raw(segment, dst):
     with open(segment, "rb", buffering=0) as f:
         view, got = memoryview(dst.numpy()), 0
@@ -180,6 +206,10 @@ def main() -> None:
                 ways["kvikio-gpu"] = (lambda: kv(dev), [segment])
                 ways["kvikio-host"] = (lambda: kv(dst.numpy()), [segment])
                 on_gpu["kvikio-gpu"] = dev
+                if "connector" in ways:
+                    chunked = ways["connector"][1]
+                    ways["kvikio-files"] = (lambda: kvikio_files(kvikio, chunked, dev, size * args.chunk), chunked)
+                    on_gpu["kvikio-files"] = dev
             except Exception as e:
                 print(f"kvikio not measured: {type(e).__name__}: {e}")
         sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -195,19 +225,23 @@ def main() -> None:
                 if cache == "cold" and not paths:
                     continue
                 times = []
-                for _ in range(args.rounds):
-                    dst.zero_()
-                    if name in on_gpu:
-                        on_gpu[name].zero_()
-                    if cache == "cold":
-                        drop(paths)
-                    elif not times:
-                        fn()  # warm-up: the files in the page cache
-                    sync()
-                    t = time.perf_counter()
-                    fn()
-                    sync()
-                    times.append(time.perf_counter() - t)
+                try:  # a way that fails is reported; the others still run
+                    for _ in range(args.rounds):
+                        dst.zero_()
+                        if name in on_gpu:
+                            on_gpu[name].zero_()
+                        if cache == "cold":
+                            drop(paths)
+                        elif not times:
+                            fn()  # warm-up: the files in the page cache
+                        sync()
+                        t = time.perf_counter()
+                        fn()
+                        sync()
+                        times.append(time.perf_counter() - t)
+                except Exception as e:
+                    print(f"{cache:4} {name:11} failed: {type(e).__name__}: {e}")
+                    continue
                 if name in filled:
                     filled[name]()
                 got = on_gpu[name].cpu() if name in on_gpu else dst
@@ -223,7 +257,9 @@ def main() -> None:
             if (cache, "connector") in rates:
                 print(f"{cache}: connector / per-file {rates[cache, 'connector'] / rates[cache, 'per-file']:.2f}, "
                       f"/ preadv {rates[cache, 'connector'] / rates[cache, 'preadv']:.2f}, "
-                      f"/ connector-1 {rates[cache, 'connector'] / rates[cache, 'connector-1']:.2f}")
+                      f"/ connector-1 {rates[cache, 'connector'] / rates[cache, 'connector-1']:.2f}"
+                      + (f"; kvikio-files / connector {rates[cache, 'kvikio-files'] / rates[cache, 'connector']:.2f}"
+                         if (cache, "kvikio-files") in rates else ""))
     finally:
         shutil.rmtree(work)
 
