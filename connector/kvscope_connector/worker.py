@@ -43,9 +43,9 @@ SAVE_BACKLOG_BYTES = {"cpu": 1 << 30, "cuda": 1 << 32}  # host copies waiting fo
 # backlog holds a few steps, so the forward does not wait for each step's copies (the extra config overrides it)
 SAVE_THREADS = {"cpu": 1, "cuda": 4}  # files written at once per step's save (the write releases the GIL)
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
-LOAD_THREADS = {"cpu": 4, "cuda": 4}  # file reads in flight: four beat two from disk; beside a GPU four beat eight
-# and sixteen (the H200, 2.25 MiB blocks from the page cache: 9.9, 7.9 and 5.3 GB/s): each block's Python on
-# a load thread waits for the interpreter's lock, and more threads wait longer
+LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk. Beside a GPU, with files of
+# 16 blocks (one read each), eight beat four and sixteen (the H200, 2.25 MiB blocks from the page cache: 13,700,
+# 17,393 and 16,568 MiB/s); with one block a file four had won, each block's Python waiting for the interpreter's lock
 LOAD_WAIT_S = 30.0  # the longest a load waits for a read (one that hangs: a dead NFS server); then it and every
 # read not done yet are misses
 
