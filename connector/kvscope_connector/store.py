@@ -370,15 +370,10 @@ class FsTier:
         found = self.get_file(key, [key], 0, 1, verify, None if into is None else [into])
         return None if found is None else found[0]
 
-    def get_file(self, file: str, keys: list[str], first: int, count: int, verify: bool = True,
-                 into: list[Block] | None = None) -> list[tuple[Block, str]] | None:
-        """Read and check blocks first, first + 1, ... (stored under `keys`) of the file of `count` blocks named
-        `file`, None when there is no such file. Its size is checked against the layout before anything is
-        allocated, a link is not followed, and the header is checked whole (a store secret's MACs included);
-        the checksums too, unless the caller checks them itself (on the GPU). The blocks are read into `into`
-        (slots the caller owns, whatever happens), else pool slots where the worker has a pool (the caller
-        then owns them), else buffers of their own: with the header in one read when they begin the file."""
-        layout = self._layout()
+    def _open(self, file: str, count: int) -> tuple[int, int, int] | None:
+        """The file of `count` blocks named `file`, opened for reading: (fd, its size, its header's length), None
+        when there is no such file. A link is not followed, and its type and size are checked against the
+        layout before anything is read; the caller closes the fd."""
         try:  # never blocks: a FIFO planted here would otherwise wait for a writer
             fd = os.open(self._name(file), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
@@ -392,11 +387,29 @@ class FsTier:
             if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder
                 raise CorruptBlock(f"not a regular file (mode {st.st_mode:o})")
             # the header's length follows from the file's size, and the file must then say it
-            size, data = st.st_size, count * layout.nbytes
+            size, data = st.st_size, count * self._layout().nbytes
             n = size - 8 - data
             if not 0 <= n <= MAX_HEADER:
                 raise CorruptBlock(f"{size} bytes, not 8 + a header of at most {MAX_HEADER} + {count} blocks of "
-                                   f"{layout.nbytes} (truncated or padded)")
+                                   f"{self._layout().nbytes} (truncated or padded)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, size, n
+
+    def get_file(self, file: str, keys: list[str], first: int, count: int, verify: bool = True,
+                 into: list[Block] | None = None) -> list[tuple[Block, str]] | None:
+        """Read and check blocks first, first + 1, ... (stored under `keys`) of the file of `count` blocks named
+        `file`, None when there is no such file (_open's checks first), the header checked whole (a store
+        secret's MACs included); the checksums too, unless the caller checks them itself (on the GPU). The
+        blocks are read into `into` (slots the caller owns, whatever happens), else pool slots where the
+        worker has a pool (the caller then owns them), else buffers of their own: with the header in one read
+        when they begin the file."""
+        layout = self._layout()
+        if (opened := self._open(file, count)) is None:
+            return None
+        fd, size, n = opened
+        try:
             head = bytearray(8 + n)
             pool = self.pool if into is None else None  # slots taken here: given back if the read fails
             blocks = into if into is not None else pool.take_many(len(keys)) if pool is not None else [
@@ -412,10 +425,7 @@ class FsTier:
                     got = -1
                 if got != want:
                     raise CorruptBlock("the file shrank while it was read")
-                if (said := struct.unpack_from("<Q", head)[0]) != n:
-                    raise CorruptBlock(f"{size} bytes, expected {8 + said + data} (truncated or padded)")
-                found = decode(bytes(head), blocks, self.fingerprint, file, keys, first, count, layout, self.secret,
-                               self.checksum if verify else None)
+                found = self._decode(head, n, size, blocks, file, keys, first, count, verify)
             except BaseException:
                 if pool is not None:
                     for block in blocks:
@@ -425,6 +435,36 @@ class FsTier:
             os.close(fd)
         self._note(file, size)
         return found
+
+    def get_file_to(self, file: str, keys: list[str], first: int, count: int, into: torch.Tensor,
+                    read: Callable[[int, torch.Tensor, int], int]) -> list[tuple[Block, str]] | None:
+        """get_file's blocks, read by `read(fd, into, offset)` into `into` (one row a block: KvikIO's read into
+        GPU memory) once the file passed _open's checks and its header is read and checked here, each block's
+        key against `keys`; the checksums are returned for the caller to check on the GPU. Not with a store
+        secret, whose MACs are computed over the blocks' bytes on the host."""
+        assert self.secret is None, "a store secret's MACs are checked on the host (get_file)"
+        layout = self._layout()
+        if (opened := self._open(file, count)) is None:
+            return None
+        fd, size, n = opened
+        try:
+            head = bytearray(8 + n)
+            if _read_fully(fd, [head], 0) != len(head):
+                raise CorruptBlock("the file shrank while it was read")
+            found = self._decode(head, n, size, list(into), file, keys, first, count, verify=False)
+            if read(fd, into, len(head) + first * layout.nbytes) != len(keys) * layout.nbytes:
+                raise CorruptBlock("the file shrank while it was read")
+        finally:
+            os.close(fd)
+        self._note(file, size)
+        return found
+
+    def _decode(self, head: bytearray, n: int, size: int, blocks: list[Block], file: str, keys: list[str],
+                first: int, count: int, verify: bool) -> list[tuple[Block, str]]:
+        if (said := struct.unpack_from("<Q", head)[0]) != n:
+            raise CorruptBlock(f"{size} bytes, expected {size - n + said} (truncated or padded)")
+        return decode(bytes(head), blocks, self.fingerprint, file, keys, first, count, self._layout(), self.secret,
+                      self.checksum if verify else None)
 
     def discard(self, key: str) -> None:
         """Move a block that failed verification aside (`.corrupt`): kept for inspection, never looked up."""

@@ -96,8 +96,8 @@ class SlotPool:
         while i < len(slots):
             start = slots[i].data_ptr()
             s = bisect.bisect_right(self.bases, start) - 1
-            row = (start - self.bases[s]) // self.block_bytes if s >= 0 else self.per_segment
-            if row >= self.per_segment:  # a block of its own, not a slot: a run of one
+            row = (start - self.bases[s]) // self.block_bytes if s >= 0 and slots[i].is_cpu else self.per_segment
+            if row >= self.per_segment:  # a block of its own (on the host or a device), not a slot: a run of one
                 yield i, 1, slots[i].view(1, -1)
                 i += 1
                 continue

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from .blocks import CHECKSUMS, Block, CorruptBlock, Layout, digest_hex, mix_digests
+from .devicereads import Read, kvikio_reads
 from .fileformat import writable
 from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
 from .paths import DeviceCopies, HostRows, Saved
@@ -87,10 +88,12 @@ class WorkerSide:
 
     def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None,
                  checksum: str = "xxh3-128", on_device: bool | None = None, backlog: int | None = None,
-                 load_threads: int | None = None):
+                 load_threads: int | None = None, device_reads: bool | None = None):
         """`checksum` is the platform's (CHECKSUMS); `on_device` forces where blocks are checked (None: on
         the GPU beside one, else on the host); `backlog` the bytes of saves that may wait and `load_threads`
-        the file reads in flight (None: the platform's SAVE_BACKLOG_BYTES, LOAD_THREADS)."""
+        the file reads in flight (None: the platform's SAVE_BACKLOG_BYTES, LOAD_THREADS); `device_reads`
+        whether file reads go straight into GPU memory with KvikIO (None: where it imports, beside a GPU,
+        without a store secret; False: never, into pinned host slots; True: required)."""
         self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
         self.checksum_name, self.checksum = checksum, CHECKSUMS[checksum]
         self.forced = on_device
@@ -114,7 +117,8 @@ class WorkerSide:
         if backlog is not None and (type(backlog) is not int or backlog < 0):
             raise ValueError(f"kvscope connector: save_backlog_bytes {backlog!r} is not a number of bytes (an "
                              "integer such as 4294967296; absent: the platform's)")
-        self.wanted_backlog, self.load_threads = backlog, load_threads
+        self.wanted_backlog, self.load_threads, self.wanted_device_reads = backlog, load_threads, device_reads
+        self.reads_to_device: Read | None = None  # KvikIO's file reads into GPU memory; by register()
         self.backlog = SAVE_BACKLOG_BYTES["cpu"]  # the platform's, or the one wanted; by register()
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
@@ -139,8 +143,15 @@ class WorkerSide:
         chunk = max(1, CHUNK_BYTES // self.layout.nbytes)  # blocks per staged chunk
         self.path = (DeviceCopies(self.layers, self.layout, self.side, self.pool, chunk)
                      if self.device.type != "cpu" or self.on_device else HostRows(self.layers, self.layout))
-        self.loaders = ThreadPoolExecutor(max_workers=self.load_threads or LOAD_THREADS[platform],
-                                          thread_name_prefix="kvscope-load")
+        threads = self.load_threads or LOAD_THREADS[platform]
+        self.loaders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-load")
+        # a store secret's MACs are computed over a block's bytes on the host: its files are read there
+        if gpu and self.on_device and self.fs is not None and self.fs.secret is None \
+                and self.wanted_device_reads is not False:
+            self.reads_to_device = kvikio_reads(threads)
+        if self.wanted_device_reads and self.reads_to_device is None:
+            raise ValueError("kvscope connector: reads into GPU memory need kvikio, a GPU beside checks on it, a "
+                             "filesystem tier and no store secret")
         if self.fs is not None:
             self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
         self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]
@@ -204,6 +215,16 @@ class WorkerSide:
             for slot in slots:
                 self._release(Fetched(got[0].outcome, block=slot, owned=True))
         return got
+
+    def _fetch_file_to_device(self, fs: FsTier, specs: list[LoadSpec]) -> list[Fetched]:
+        """Consecutive blocks of one file in one read straight into device memory of their own (KvikIO), the
+        header read and checked on the host; their checksums are checked on the device (_check_and_write)."""
+        assert self.reads_to_device is not None
+        first = specs[0]
+        rows = torch.empty((len(specs), self.layout.nbytes), dtype=torch.uint8, device=self.device)
+        read = partial(fs.get_file_to, first.file_key, [spec.key for spec in specs], first.offset, first.count, rows,
+                       self.reads_to_device)
+        return self._fetch(TierName.FS, read, len(specs))
 
     def _fetch_ram(self, spec: LoadSpec, verify: bool) -> list[Fetched]:
         """A block planned from RAM; from its file when the RAM tier evicted it since the plan (promotions and
@@ -298,6 +319,9 @@ class WorkerSide:
                     job = loaders.submit(self._fetch_ram, group[0], verify)
             elif fs is None or group[0].count == 0:  # in no file: a miss
                 pass
+            elif self.reads_to_device is not None and not any(spec.promote for spec in group):
+                from_files -= len(group)  # a RAM tier takes host blocks: promoted ones are read into slots
+                job = loaders.submit(self._fetch_file_to_device, fs, group)
             elif self.pool is not None:  # neighbouring slots: one copy moves a run (_stage)
                 taken: list[Block] = []
                 while len(taken) < len(group):
@@ -420,12 +444,15 @@ class WorkerSide:
         return written
 
     def _stage(self, chunk: torch.Tensor, staged: list[tuple[LoadSpec, Fetched]]) -> torch.cuda.Event | None:
-        """Copy a chunk's host blocks into its staging buffer on the side stream, once the writes that last
-        read the buffer are done: one copy per run of neighbouring pool slots. Returns the copies' event."""
+        """Copy a chunk's blocks into its staging buffer on the side stream, once the writes that last read
+        the buffer are done: one copy per run of neighbouring pool slots, one per block read into device
+        memory. Returns the copies' event."""
         assert self.pool is not None, "checks on the device hold blocks in pool slots"
         with self.side.after_current():
-            for first, count, host in self.pool.spans([got.block for _, got in staged]):
-                chunk[first:first + count].copy_(host, non_blocking=True)
+            for first, count, src in self.pool.spans([got.block for _, got in staged]):
+                chunk[first:first + count].copy_(src, non_blocking=True)
+                if src.device != torch.device("cpu"):  # read into device memory: not reused under the copy
+                    self.side.keep(src)
         return self.side.mark()
 
     def _failed(self, spec: LoadSpec, first_bad: dict[str, int]) -> None:

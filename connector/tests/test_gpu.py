@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvscope_connector.blocks import mix_digests
+from kvscope_connector.devicereads import kvikio_reads
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import placed
 from kvscope_connector.store import FsTier, RamTier
@@ -12,15 +13,20 @@ from kvscope_connector.worker import WorkerSide
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FP = "g" * 32
+needs_kvikio = pytest.mark.skipif(not torch.cuda.is_available() or kvikio_reads(4) is None, reason="needs KvikIO")
 
 
-def worker(tmp_path, ram=True, per_file=1):
+def caches():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    caches = {f"layer{i}": torch.randn(64, 2, 32, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
-              for i in range(3)}
+    return {f"layer{i}": torch.randn(64, 2, 32, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+            for i in range(3)}
+
+
+def worker(tmp_path, ram=True, per_file=1, device_reads=False):
     w = WorkerSide(FP, 32, RamTier(1 << 30) if ram else None,
-                   None if ram else FsTier(str(tmp_path), FP, None, per_file=per_file), checksum="mix128")
-    w.register(caches)
+                   None if ram else FsTier(str(tmp_path), FP, None, per_file=per_file), checksum="mix128",
+                   device_reads=device_reads)
+    w.register(caches())
     w.device_copies.chunk = 3  # eight loads span three staged chunks
     return w
 
@@ -44,6 +50,41 @@ def test_blocks_saved_from_the_gpu_load_back_exactly_from_pinned_slots(tmp_path,
     torch.cuda.synchronize()
     assert w.take_load_errors() == set()
     assert all(torch.equal(t[16:24], t[:8]) for t in w.layers.values())
+
+
+@needs_kvikio
+def test_files_read_by_kvikio_into_gpu_memory_load_back_exactly_and_a_changed_byte_is_caught(tmp_path):
+    w = worker(tmp_path, ram=False, per_file=3, device_reads=True)
+    where = placed([f"k{i}" for i in range(8)], 3)
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True, file=where[i].file) for i in range(8)]))
+    w.flush()
+    segments = len(w.pool.segments)
+
+    def load(first):
+        w.load(KVScopeMetadata(loads=[LoadSpec(16 + i, f"k{i}", "fs", request_id="r", index=i, file=where[i].file,
+                                               offset=where[i].offset, count=where[i].count)
+                                      for i in range(first, 8)]))
+        torch.cuda.synchronize()
+    load(1)  # from inside the first file
+    assert w.take_load_errors() == set() and w.stats.fs_hits == 7
+    assert all(torch.equal(t[17:24], t[1:8]) for t in w.layers.values())
+    assert len(w.pool.segments) == segments  # no pinned slot was needed
+    path = w.fs.path(where[4].file)
+    data = bytearray(path.read_bytes())
+    data[-w.layout.nbytes - 1] ^= 0x01  # the last byte of block 4
+    path.write_bytes(bytes(data))
+    for t in w.layers.values():
+        t[16:24].zero_()
+    load(0)
+    assert w.take_load_errors() == {20} and w.stats.corrupt == 1 and path.with_suffix(".corrupt").exists()
+    assert all(torch.equal(t[16:20], t[:4]) and not t[20:24].any() for t in w.layers.values())
+
+
+@needs_kvikio
+def test_with_a_store_secret_files_are_read_on_the_host_where_their_macs_are_checked(tmp_path):
+    w = WorkerSide(FP, 32, None, FsTier(str(tmp_path), FP, None, secret=b"s" * 32), checksum="mix128")
+    w.register(caches())
+    assert w.on_device and w.reads_to_device is None
 
 
 def test_a_changed_pinned_slot_is_caught_on_the_gpu_and_stops_its_request(tmp_path):

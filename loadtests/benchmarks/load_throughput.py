@@ -9,7 +9,9 @@ cache, so the ratio to raw measures what verification and injection cost on top 
 of the layouts what fewer, larger files save; with --cold, every file is dropped from the page cache
 (posix_fadvise DONTNEED) before each read, so each reads the disk. With --device cuda the KV caches are on
 the GPU and the worker checks blocks there (mix128, as the connector does beside a GPU); each connector load
-ends with a device synchronize before its timer stops.
+ends with a device synchronize before its timer stops, and where KvikIO imports the files of --file-tokens are
+loaded a second way, read by KvikIO straight into GPU memory (the connector's default there) against read into
+pinned host memory (the other two).
 Goal (issue 5): >= 0.7.
 
     .venv-vllm/bin/python loadtests/benchmarks/load_throughput.py [--dir /path/on/the/fs/under/test] [--device cuda]
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from kvscope_connector.connector import FILE_TOKENS
+from kvscope_connector.devicereads import kvikio_reads
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import placed
 from kvscope_connector.store import FsTier
@@ -69,11 +72,16 @@ def main() -> None:
               for i in range(args.layers)}
     checksum = "mix128" if device.type == "cuda" else "xxh3-128"  # the connector's choice (connector._checksum)
     keys = [f"{i:04x}" + "0" * 36 for i in range(args.blocks)]
-    layouts = {f"{per_file} blocks a file": per_file, "1 block a file": 1}
+    threads = args.threads or LOAD_THREADS[device.type]
+    layouts = {f"{per_file} blocks a file": (per_file, False), "1 block a file": (1, False)}  # into pinned slots
+    kvikio = device.type == "cuda" and kvikio_reads(threads) is not None
+    if kvikio:
+        layouts[f"{per_file} blocks a file, KvikIO"] = (per_file, True)
     workers, metas, files = {}, {}, {}
-    for name, n in layouts.items():
-        fs = FsTier(str(root / f"{n}-per-file"), fp, None, per_file=n)
-        worker = workers[name] = WorkerSide(fp, block, None, fs, checksum=checksum, load_threads=args.threads)
+    for name, (n, to_device) in layouts.items():
+        fs = FsTier(str(root / f"{n}-per-file{'-kvikio' if to_device else ''}"), fp, None, per_file=n)
+        worker = workers[name] = WorkerSide(fp, block, None, fs, checksum=checksum, load_threads=args.threads,
+                                            device_reads=to_device)
         worker.register(caches)
         where = placed(keys, n)
         worker.save(KVScopeMetadata(stores=[StoreSpec(i, k, False, True, file=where[i].file)
@@ -103,7 +111,6 @@ def main() -> None:
                 kv[args.blocks:].zero_()
     mib = 2**20
     cache = "cold: dropped from the page cache" if args.cold else "hot: in the page cache"
-    threads = args.threads or LOAD_THREADS[device.type]
     print(f"{args.blocks} blocks x {total / args.blocks / mib:.2f} MiB under {root}, {args.repeats} rounds, {cache}, "
           f"KV caches on {device}, {threads} load threads")
     medians = {name: float(np.median(r)) for name, r in rates.items()}
@@ -111,10 +118,15 @@ def main() -> None:
         print(f"{name:<34} median {medians[name] / mib:8.0f} MiB/s (min {min(r) / mib:.0f}, max {max(r) / mib:.0f}, "
               f"n {len(r)}); {total / args.blocks / medians[name] * 1e6:.0f} µs a block")
     raw = medians["raw sequential read"]
-    chunked, single = (medians[f"connector, {name}"] for name in layouts)
+    chunked, single = (medians[f"connector, {name}"] for name in list(layouts)[:2])
     print(f"connector / raw = {chunked / raw:.2f} with {per_file} blocks a file, {single / raw:.2f} with one  "
           "(goal >= 0.7)")
     print(f"{per_file} blocks a file / 1 block a file = {chunked / single:.2f}")
+    if kvikio:
+        print(f"KvikIO into GPU memory / reads into pinned memory, {per_file} blocks a file = "
+              f"{medians[f'connector, {per_file} blocks a file, KvikIO'] / chunked:.2f}")
+    else:
+        print("KvikIO not measured" + (" (kvikio does not import)" if device.type == "cuda" else " (no GPU)"))
     if args.dir is None:
         shutil.rmtree(root)
 

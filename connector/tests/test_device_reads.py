@@ -1,0 +1,112 @@
+"""File reads straight into device memory (KvikIO's place in a load checked on the GPU), here on the CPU's
+tensors with a reader that reads as KvikIO's does: one call per file, into the tensor given, at the offset
+given. The same path with KvikIO on a GPU: test_gpu.py."""
+
+import os
+
+import pytest
+import torch
+
+from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.scheduler import placed
+from kvscope_connector.store import FsTier, RamTier
+from kvscope_connector.worker import WorkerSide
+
+FP, B, N = "d" * 32, 4, 8
+
+
+def caches():
+    gen = torch.Generator().manual_seed(1)
+    return {f"layer{i}": torch.randn(2 * N, 2, B, 6, generator=gen) for i in range(2)}
+
+
+def stored(tmp_path, ram=False, per_file=3):
+    """A worker checking on the device whose file reads go to `reads` (a list of (inode, offset, blocks)),
+    with blocks k0..k7 stored in files of per_file; returns it and where each block lies."""
+    w = WorkerSide(FP, B, RamTier(1 << 20) if ram else None, FsTier(str(tmp_path), FP, None, per_file=per_file),
+                   checksum="mix128", on_device=True)
+    w.register(caches())
+    w.device_copies.chunk = 2  # eight loads span four staged chunks
+    where = placed([f"k{i}" for i in range(N)], per_file)  # files of 3 blocks: 0-2, 3-5, 6-7
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True, file=where[i].file) for i in range(N)]))
+    w.flush()
+    w.reads = []
+
+    def read(fd, into, offset):
+        w.reads.append((os.fstat(fd).st_ino, offset, into.shape[0]))
+        return os.preadv(fd, [into.numpy()], offset)
+    w.reads_to_device = read
+    return w, where
+
+
+def loads(where, blocks, promote=False):
+    return KVScopeMetadata(loads=[LoadSpec(N + i, f"k{i}", "fs", promote=promote, request_id="r", index=i,
+                                           file=where[i].file, offset=where[i].offset, count=where[i].count)
+                                  for i in blocks])
+
+
+def slots_in_use(w):
+    return w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned)
+
+
+def test_each_file_is_one_read_into_device_memory_past_its_header_and_no_host_slot_is_taken(tmp_path):
+    w, where = stored(tmp_path)
+    segments = len(w.pool.segments)
+    w.load(loads(where, range(1, N)))  # from block 1: inside the first file
+    assert w.take_load_errors() == set() and w.stats.fs_hits == N - 1
+    assert all(torch.equal(t[N + 1:], t[1:N]) for t in w.layers.values())
+    block, expected = w.layout.nbytes, []
+    for f, first, n in ((where[1], 1, 2), (where[3], 0, 3), (where[6], 0, 2)):  # the first file from its block 1
+        st = w.fs.path(f.file).stat()
+        expected.append((st.st_ino, st.st_size - f.count * block + first * block, n))  # past the header
+    assert sorted(w.reads) == sorted(expected)
+    assert len(w.pool.segments) == segments and slots_in_use(w) == 0
+
+
+def test_a_changed_byte_read_into_device_memory_is_caught_there_and_stops_its_request(tmp_path):
+    w, where = stored(tmp_path)
+    path = w.fs.path(where[4].file)  # the second file: blocks 3-5
+    data = bytearray(path.read_bytes())
+    data[-w.layout.nbytes - 1] ^= 0x01  # the last byte of block 4
+    path.write_bytes(bytes(data))
+    before = w.layers["layer0"][N + 4:].clone()
+    w.load(loads(where, range(N)))
+    assert w.take_load_errors() == {N + 4} and w.stats.corrupt == 1
+    assert all(torch.equal(t[N:N + 4], t[:4]) for t in w.layers.values())
+    assert torch.equal(w.layers["layer0"][N + 4:], before)  # block 4 and every block after it: recomputed
+    assert path.with_suffix(".corrupt").exists()
+
+
+def test_a_read_that_fails_is_a_counted_miss_and_its_file_stays(tmp_path):
+    w, where = stored(tmp_path)
+
+    def failing(fd, into, offset):
+        raise OSError("KvikIO: an I/O error")
+    w.reads_to_device = failing
+    before = w.layers["layer0"][N:].clone()
+    w.load(loads(where, range(N)))
+    assert w.take_load_errors() == set(range(N, 2 * N)) and w.stats.io_errors == N
+    assert torch.equal(w.layers["layer0"][N:], before) and w.fs.path(where[0].file).exists()
+
+
+def test_a_link_or_a_foreign_header_is_refused_before_anything_is_read_into_device_memory(tmp_path):
+    w, where = stored(tmp_path)
+    first, second = w.fs.path(where[0].file), w.fs.path(where[3].file)
+    first.unlink()
+    first.symlink_to(second)  # a link, to a file of the right size
+    w.load(loads(where, range(3)))
+    assert w.take_load_errors() == {N, N + 1, N + 2} and w.reads == [] and w.stats.corrupt == 3
+
+
+def test_blocks_promoted_to_ram_are_read_into_host_slots(tmp_path):
+    w, where = stored(tmp_path, ram=True)
+    w.load(loads(where, range(3), promote=True))
+    assert w.take_load_errors() == set() and w.reads == [] and all(w.ram.contains(f"k{i}") for i in range(3))
+    assert all(torch.equal(t[N:N + 3], t[:3]) for t in w.layers.values())
+
+
+def test_reads_into_device_memory_that_cannot_be_had_are_refused_at_registration(tmp_path):
+    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None), checksum="mix128", on_device=True,
+                   device_reads=True)
+    with pytest.raises(ValueError, match="kvikio"):
+        w.register(caches())  # no GPU here
