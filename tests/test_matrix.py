@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -319,6 +320,20 @@ def test_an_installed_wheel_carries_the_matrix_the_workloads_and_the_locustfile(
                          cwd=tmp_path, check=True).stdout.split()
     assert out[0].startswith(str(tmp_path / "site")), out  # the wheel's package, not the checkout's
     assert int(out[1]) >= 10 and int(out[2]) >= 4 and out[3] == "True", out
+
+
+def test_a_file_reads_setting_the_connector_would_refuse_stops_the_render_before_a_deploy(tmp_path):
+    m = matrix.load(SHIPPED)
+    cfg = m.get("kvscope-fs").model_copy(deep=True)
+    extra = cfg.kv_transfer_config.kv_connector_extra_config
+    for reads, platform in (("host", "cpu"), ("kvikio", "cuda")):
+        extra["file_reads"] = reads
+        render(m, cfg, platform, tmp_path, tmp_path / "stores", "127.0.0.1")
+    for reads, platform, why in (("kvikio", "cpu", "reads into a CUDA GPU's memory, not on platform 'cpu'"),
+                                 ("gds", "cuda", "is not host or kvikio"), (True, "cuda", "is not host or kvikio")):
+        extra["file_reads"] = reads
+        with pytest.raises(matrix.ConfigError, match=re.escape(f"config 'kvscope-fs': file_reads {reads!r} {why}")):
+            render(m, cfg, platform, tmp_path, tmp_path / "stores", "127.0.0.1")
 
 
 def test_file_tokens_that_the_connector_would_refuse_stop_the_render_before_a_deploy(tmp_path):

@@ -17,6 +17,9 @@ kv_connector_extra_config keys:
 - file_tokens (int, optional): the tokens of a prompt each file of the filesystem tier holds, a multiple of
   the block size (default: 256 beside a CUDA GPU, one block elsewhere); fewer, larger files read faster,
   and a prompt that shares only part of a file's run with a stored one loads none of that file.
+- file_reads (str, default "host"): "kvikio" reads the filesystem tier's files with NVIDIA's KvikIO straight
+  into GPU memory (beside a CUDA GPU, with kvikio installed and no store secret: refused at start otherwise),
+  "host" into pinned host memory first.
 - save_backlog_bytes (int, optional): host copies of saved blocks that may wait for the save thread (1 GiB on
   the CPU, 4 GiB beside a GPU); beyond it, file-only saves are skipped and RAM saves waited for (with
   several tensor-parallel ranks nothing is skipped: every save waits).
@@ -143,6 +146,18 @@ def _per_file(file_tokens: object, block_size: int, platform: str) -> int:
     return file_tokens // block_size
 
 
+FILE_READS = {"host": False, "kvikio": True}  # the file_reads extra config: files read into GPU memory?
+
+
+def _file_reads(value: object) -> bool:
+    """Whether the file_reads extra config asks for reads straight into GPU memory (absent: host)."""
+    if value is None:
+        return False
+    if value not in FILE_READS:
+        raise ValueError(f"kvscope connector: file_reads {value!r}, not one of {', '.join(FILE_READS)}")
+    return FILE_READS[value]
+
+
 def _unsupported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str | None:
     """Why this server cannot use the connector, if it cannot: with pipeline parallelism every stage would
     store under one name; a KV cache of sliding-window or chunked local attention frees a running request's
@@ -202,7 +217,8 @@ class KVScopeConnector(KVConnectorBase_V1):
             # the scheduler decides evictions; the slack covers blocks still in flight
             ram = RamTier(int(self.ram_bytes * 1.1)) if self.ram_bytes > 0 else None
             self.worker_side = self.worker_cls(self.fp, self.block_size, ram, fs, checksum,
-                                               backlog=extra("save_backlog_bytes", None))
+                                               backlog=extra("save_backlog_bytes", None),
+                                               device_reads=_file_reads(extra("file_reads", None)))
             self.worker_side.load_log = extra("load_log", None)
             self.worker_side.may_skip_files = vllm_config.parallel_config.tensor_parallel_size == 1
 

@@ -88,12 +88,11 @@ class WorkerSide:
 
     def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None,
                  checksum: str = "xxh3-128", on_device: bool | None = None, backlog: int | None = None,
-                 load_threads: int | None = None, device_reads: bool | None = None):
+                 load_threads: int | None = None, device_reads: bool = False):
         """`checksum` is the platform's (CHECKSUMS); `on_device` forces where blocks are checked (None: on
         the GPU beside one, else on the host); `backlog` the bytes of saves that may wait and `load_threads`
-        the file reads in flight (None: the platform's SAVE_BACKLOG_BYTES, LOAD_THREADS); `device_reads`
-        whether file reads go straight into GPU memory with KvikIO (None: where it imports, beside a GPU,
-        without a store secret; False: never, into pinned host slots; True: required)."""
+        the file reads in flight (None: the platform's SAVE_BACKLOG_BYTES, LOAD_THREADS); with `device_reads`
+        files are read by KvikIO straight into GPU memory (else into pinned host slots)."""
         self.fp, self.block_size, self.ram, self.fs = fingerprint, block_size, ram, fs
         self.checksum_name, self.checksum = checksum, CHECKSUMS[checksum]
         self.forced = on_device
@@ -117,7 +116,7 @@ class WorkerSide:
         if backlog is not None and (type(backlog) is not int or backlog < 0):
             raise ValueError(f"kvscope connector: save_backlog_bytes {backlog!r} is not a number of bytes (an "
                              "integer such as 4294967296; absent: the platform's)")
-        self.wanted_backlog, self.load_threads, self.wanted_device_reads = backlog, load_threads, device_reads
+        self.wanted_backlog, self.load_threads, self.device_reads = backlog, load_threads, device_reads
         self.reads_to_device: Read | None = None  # KvikIO's file reads into GPU memory; by register()
         self.backlog = SAVE_BACKLOG_BYTES["cpu"]  # the platform's, or the one wanted; by register()
         # one save thread keeps stores in order
@@ -145,13 +144,13 @@ class WorkerSide:
                      if self.device.type != "cpu" or self.on_device else HostRows(self.layers, self.layout))
         threads = self.load_threads or LOAD_THREADS[platform]
         self.loaders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-load")
-        # a store secret's MACs are computed over a block's bytes on the host: its files are read there
-        if gpu and self.on_device and self.fs is not None and self.fs.secret is None \
-                and self.wanted_device_reads is not False:
-            self.reads_to_device = kvikio_reads(threads)
-        if self.wanted_device_reads and self.reads_to_device is None:
-            raise ValueError("kvscope connector: reads into GPU memory need kvikio, a GPU beside checks on it, a "
-                             "filesystem tier and no store secret")
+        if self.device_reads:  # a store secret's MACs are computed over a block's bytes on the host
+            if not (gpu and self.on_device and self.fs is not None and self.fs.secret is None):
+                raise ValueError("kvscope connector: file_reads kvikio needs a CUDA GPU that checks the blocks, "
+                                 "a filesystem tier and no store secret")
+            if (reads := kvikio_reads(threads)) is None:
+                raise ValueError("kvscope connector: file_reads kvikio, but kvikio does not import")
+            self.reads_to_device = reads
         if self.fs is not None:
             self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
         self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]

@@ -81,10 +81,11 @@ def test_files_read_by_kvikio_into_gpu_memory_load_back_exactly_and_a_changed_by
 
 
 @needs_kvikio
-def test_with_a_store_secret_files_are_read_on_the_host_where_their_macs_are_checked(tmp_path):
-    w = WorkerSide(FP, 32, None, FsTier(str(tmp_path), FP, None, secret=b"s" * 32), checksum="mix128")
-    w.register(caches())
-    assert w.on_device and w.reads_to_device is None
+def test_with_a_store_secret_reads_into_gpu_memory_are_refused_as_its_macs_are_checked_on_the_host(tmp_path):
+    w = WorkerSide(FP, 32, None, FsTier(str(tmp_path), FP, None, secret=b"s" * 32), checksum="mix128",
+                   device_reads=True)
+    with pytest.raises(ValueError, match="no store secret"):
+        w.register(caches())
 
 
 def test_a_changed_pinned_slot_is_caught_on_the_gpu_and_stops_its_request(tmp_path):

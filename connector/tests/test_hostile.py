@@ -363,6 +363,14 @@ def test_a_file_holds_256_tokens_beside_a_gpu_one_block_elsewhere_or_what_file_t
     assert _per_file(256, 64, "cpu") == 4
 
 
+@pytest.mark.parametrize("value", ["KvikIO", "gds", 1, True])
+def test_a_file_reads_setting_the_connector_does_not_know_is_refused_at_start(value):
+    from kvscope_connector.connector import _file_reads
+    with pytest.raises(ValueError, match="file_reads"):
+        _file_reads(value)
+    assert (_file_reads(None), _file_reads("host"), _file_reads("kvikio")) == (False, False, True)
+
+
 def test_a_kv_cache_that_frees_a_running_requests_blocks_and_pipeline_parallelism_are_refused():
     # review: a sliding window puts vLLM's null block (id 0) where a request's early blocks were; they were
     # planned as stores of the prompt's KV. Pipeline stages would store under one name.

@@ -89,7 +89,8 @@ def render(
                           ".exact), which the config sets too; batch invariance needs the platform's choice")
     if mode and (errors := _override_errors(overrides or {}, mode.flags)):
         raise ConfigError(f"flag overrides in exact mode: {'; '.join(errors)}")
-    if errors := whole_and_key_errors(flags) + attention_backend_errors(flags) + _connector_errors(cfg, flags):
+    errors = whole_and_key_errors(flags) + attention_backend_errors(flags) + _connector_errors(cfg, flags, platform)
+    if errors:
         raise ConfigError(f"config '{cfg.name}': {'; '.join(errors)}")
     if cfg.role in ("golden", "control") and (errors := cache_off_errors(flags)):
         raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
@@ -108,20 +109,25 @@ def render(
                           writer=cfg.writer)
 
 
-def _connector_errors(cfg: StorageConfig, flags: dict) -> list[str]:
-    """kvscope's connector settings its server would refuse at start, judged against the block size vLLM
-    reads from the flags: file_tokens, a whole number of blocks."""
+def _connector_errors(cfg: StorageConfig, flags: dict, platform: str) -> list[str]:
+    """kvscope's connector settings its server would refuse at start: file_tokens, a whole number of the
+    blocks vLLM reads from the flags; file_reads, host or kvikio (KvikIO beside a CUDA GPU)."""
     ktc = cfg.kv_transfer_config
     extra = ktc.kv_connector_extra_config if ktc and ktc.kv_connector_module_path == "kvscope_connector" else {}
+    errors = []
+    if (reads := extra.get("file_reads", "host")) not in ("host", "kvikio"):
+        errors.append(f"file_reads {reads!r} is not host or kvikio")
+    elif reads == "kvikio" and platform != "cuda":
+        errors.append(f"file_reads 'kvikio' reads into a CUDA GPU's memory, not on platform '{platform}'")
     if "file_tokens" not in extra:
-        return []
+        return errors
     tokens = extra["file_tokens"]
     block = next((v for f, v in flags.items() if option_read(f, {"--block-size"})), None)
     block = int(block) if isinstance(block, (int, str)) and str(block).isdigit() else None
     if type(tokens) is int and tokens > 0 and (block is None or (tokens >= block and tokens % block == 0)):
-        return []
-    return [f"file_tokens {tokens!r} is not a multiple of the block size"
-            + (f" ({block} tokens)" if block else "") + " (kvscope's connector stores files of whole blocks)"]
+        return errors
+    return errors + [f"file_tokens {tokens!r} is not a multiple of the block size"
+                     + (f" ({block} tokens)" if block else "") + " (kvscope's connector stores files of whole blocks)"]
 
 
 def _options(flags: dict) -> set[str]:
