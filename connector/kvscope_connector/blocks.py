@@ -9,12 +9,17 @@ can rewrite the store (fileformat.mac is).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NamedTuple, TypeAlias
 
 import numpy as np
 import torch
 import xxhash
+
+from . import fusedmix
+
+log = logging.getLogger("kvscope_connector")
 
 
 class CorruptBlock(ValueError):
@@ -69,7 +74,8 @@ def checksum(block: Block) -> str:
 # bijection of the word, so a change to any one word always changes the digest; other damage (zeroed,
 # torn, stale, shifted or foreign bytes) goes unseen with a chance near 2^-64 per lane. Written in torch
 # integer ops, it runs on whatever device holds the bytes, one batch of blocks at a time; wrapping int64
-# arithmetic gives the same digest on every device (a test checks it against NumPy's uint64).
+# arithmetic gives the same digest on every device (a test checks it against NumPy's uint64). On a CUDA GPU a
+# Triton kernel computes it in one pass (fusedmix.py).
 _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
 _MASK = (1 << 64) - 1
 _keys: dict[tuple[int, str], torch.Tensor] = {}
@@ -103,17 +109,52 @@ def _logical_shift(z: torch.Tensor, bits: int) -> torch.Tensor:
     return out.bitwise_and_((1 << (64 - bits)) - 1)
 
 
-def mix_digests(rows: torch.Tensor) -> torch.Tensor:
+def mix_digests(rows: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """mix128 of each row of a [n, nbytes] uint8 tensor (nbytes a multiple of 8), on the rows' device:
-    [n, 2] int64, left there (reading it back is the caller's synchronisation point)."""
+    [n, 2] int64, left there (reading it back is the caller's synchronisation point). On a CUDA GPU where
+    fusedmix's kernel gave these torch ops' digests, that kernel (fused=False: the torch ops)."""
     words = rows.view(torch.int64)
-    z = words * _device_keys(words.shape[1], rows.device)
+    keys = _device_keys(words.shape[1], rows.device)
+    if fused and words.is_contiguous() and fused_on(rows.device):
+        return fusedmix.digests(words, keys)
+    z = words * keys
     z ^= _logical_shift(z, 32)
     z *= _signed(_M1)
     first = z.sum(dim=1)
     z ^= _logical_shift(z, 29)
     z *= _signed(_M2)
     return torch.stack([first, z.sum(dim=1)], dim=1)
+
+
+_fused: dict[str, bool] = {}  # device -> whether mix_digests runs fusedmix's kernel there
+
+
+def fused_on(device: torch.device) -> bool:
+    """Whether mix_digests runs fusedmix's kernel on this device: a CUDA GPU where it agrees with the torch
+    ops, tried once per device."""
+    if device.type != "cuda":
+        return False
+    if str(device) not in _fused:
+        _fused[str(device)] = agrees(device)
+    return _fused[str(device)]
+
+
+def agrees(device: torch.device) -> bool:
+    """Whether fusedmix's kernel gives the torch ops' digests of random rows on this device (rows longer than
+    its BLOCK and not a multiple of it); False, logged, where it gives others or fails (no Triton, a compile
+    or launch error): the torch ops are then used."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 256, (3, 8 * (2 * fusedmix.BLOCK + 5)), dtype=torch.uint8, generator=gen).to(device)
+    words = rows.view(torch.int64)
+    try:
+        same = torch.equal(fusedmix.digests(words, _device_keys(words.shape[1], device)),
+                           mix_digests(rows, fused=False))
+    except Exception as exc:  # whatever Triton raises: the torch ops are the reference, and they still run
+        log.warning("kvscope connector: mix128's fused kernel does not run on %s (%s): torch ops instead", device, exc)
+        return False
+    if not same:
+        log.warning("kvscope connector: mix128's fused kernel gives other digests on %s: torch ops instead", device)
+    return same
 
 
 def digest_hex(pair: list[int]) -> str:

@@ -142,6 +142,8 @@ class WorkerSide:
         chunk = max(1, CHUNK_BYTES // self.layout.nbytes)  # blocks per staged chunk
         self.path = (DeviceCopies(self.layers, self.layout, self.side, self.pool, chunk)
                      if self.device.type != "cpu" or self.on_device else HostRows(self.layers, self.layout))
+        if self.on_device:  # mix128's way chosen, and its kernel compiled for these blocks, before any request
+            mix_digests(torch.zeros((1, self.layout.nbytes), dtype=torch.uint8, device=self.device))
         threads = self.load_threads or LOAD_THREADS[platform]
         self.loaders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-load")
         if self.device_reads:  # a store secret's MACs are computed over a block's bytes on the host

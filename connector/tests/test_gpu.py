@@ -4,7 +4,7 @@ side stream, pinned pool slots, mix128 on the device, staged and checked loads."
 import pytest
 import torch
 
-from kvscope_connector.blocks import mix_digests
+from kvscope_connector.blocks import fused_on, mix_digests
 from kvscope_connector.devicereads import kvikio_reads
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import placed
@@ -31,9 +31,11 @@ def worker(tmp_path, ram=True, per_file=1, device_reads=False):
     return w
 
 
-def test_mix128_on_the_gpu_is_mix128_on_the_host():
+def test_mix128_on_the_gpu_is_mix128_on_the_host_and_runs_the_fused_kernel():
     rows = torch.randint(0, 256, (6, 1 << 16), dtype=torch.uint8)
     assert torch.equal(mix_digests(rows.cuda()).cpu(), mix_digests(rows))
+    assert torch.equal(mix_digests(rows.cuda(), fused=False).cpu(), mix_digests(rows))
+    assert fused_on(torch.device("cuda")), "mix128's fused kernel does not run here (the log says why)"
 
 
 @pytest.mark.parametrize("ram, per_file", [(True, 1), (False, 1), (False, 3)], ids=["ram", "files", "files-of-3"])

@@ -4,7 +4,8 @@ A KV cache shaped like the Qwen3-4B shape (36 layers x [blocks, 2, 32 tokens, 8 
 per block) on the GPU (or the CPU), and one prompt's blocks (72: ~2.3k tokens; --blocks 512: ~16k). Each
 time is the median of ROUNDS, after one round of warm-up:
 - the limit: one pinned host-to-device copy of the same bytes;
-- each checksum alone: mix128 where the KV cache is, XXH3-128 on one host thread;
+- each checksum alone: mix128 where the KV cache is (beside a GPU its fused kernel, fusedmix.py) and in
+  torch ops, XXH3-128 on one host thread;
 - a RAM hit and a file hit (from the page cache, files of the connector's 256 tokens beside a GPU) through
   WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
   also checked on the host (XXH3-128 on the four load threads, its way before);
@@ -26,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from kvscope_connector.blocks import checksum, mix_digests
+from kvscope_connector.blocks import checksum, fused_on, mix_digests
 from kvscope_connector.connector import FILE_TOKENS
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import Filed, placed
@@ -118,12 +119,15 @@ def main() -> None:
     stores = KVScopeMetadata(stores=[StoreSpec(i, f"s{i}", True, False) for i in range(n)])
 
     limit = "limit: one host-to-device copy of the same bytes" + (" (pinned)" if gpu else "")
+    mix = "checksum: mix128 on the device" + (" (fused kernel)" if fused_on(dev) else "")
+    mix_ops = "checksum: mix128 in torch ops"
     hits = {"load: RAM hit, checked on the GPU (mix128)": (on_gpu, "ram"),
             "load: file hit (page cache), checked on the GPU": (from_file, "fs"),
             "load: RAM hit, checked on the host (XXH3, 4 threads)": (on_host, "ram")}
     steps = {
         limit: lambda: device_copy.copy_(host, non_blocking=True),
-        "checksum: mix128 on the device": lambda: mix_digests(packed).cpu(),
+        mix: lambda: mix_digests(packed).cpu(),
+        mix_ops: lambda: mix_digests(packed, fused=False).cpu(),
         "checksum: XXH3-128 on one host thread": lambda: [checksum(one_block) for _ in range(n)],
         **{name: (lambda w=w, tier=tier: w.load(loads(w, n, tier))) for name, (w, tier) in hits.items()},
         "save: until stored in RAM": lambda: on_gpu.save(stores) or on_gpu.flush(),
@@ -143,6 +147,7 @@ def main() -> None:
     print()
     for name in hits:
         print(f"{name + ': throughput / the copy':<72} = {took[limit] / took[name]:.2f}  (goal >= 0.8)")
+    print(f"{'checksum: mix128 in torch ops / on the device':<72} = {took[mix_ops] / took[mix]:.2f}")
     tmp.cleanup()
 
 
