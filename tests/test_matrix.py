@@ -326,7 +326,8 @@ def test_a_file_reads_setting_the_connector_would_refuse_stops_the_render_before
     m = matrix.load(SHIPPED)
     cfg = m.get("kvscope-fs").model_copy(deep=True)
     extra = cfg.kv_transfer_config.kv_connector_extra_config
-    for reads, platform in (("host", "cpu"), ("kvikio", "cuda")):
+    assert extra["ram_bytes"] == 0
+    for reads, platform in (("host", "cpu"), (None, "cpu"), ("kvikio", "cuda")):  # None: the connector's host
         extra["file_reads"] = reads
         render(m, cfg, platform, tmp_path, tmp_path / "stores", "127.0.0.1")
     for reads, platform, why in (("kvikio", "cpu", "reads into a CUDA GPU's memory, not on platform 'cpu'"),
@@ -334,6 +335,16 @@ def test_a_file_reads_setting_the_connector_would_refuse_stops_the_render_before
         extra["file_reads"] = reads
         with pytest.raises(matrix.ConfigError, match=re.escape(f"config 'kvscope-fs': file_reads {reads!r} {why}")):
             render(m, cfg, platform, tmp_path, tmp_path / "stores", "127.0.0.1")
+    # a RAM tier takes every file hit into host memory, where KvikIO would read none; the canary is the connector
+    for name, ram in (("kvscope-fs", 16777216), ("kvscope-fs", None), ("canary", 268435456)):
+        cfg = m.get(name).model_copy(deep=True)
+        extra = cfg.kv_transfer_config.kv_connector_extra_config
+        extra["file_reads"] = "kvikio"
+        extra.pop("ram_bytes")
+        if ram is not None:
+            extra["ram_bytes"] = ram
+        with pytest.raises(matrix.ConfigError, match=f"config '{name}': file_reads 'kvikio' reads file hits into GPU"):
+            render(m, cfg, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1")
 
 
 def test_file_tokens_that_the_connector_would_refuse_stop_the_render_before_a_deploy(tmp_path):

@@ -18,8 +18,8 @@ kv_connector_extra_config keys:
   the block size (default: 256 beside a CUDA GPU, one block elsewhere); fewer, larger files read faster,
   and a prompt that shares only part of a file's run with a stored one loads none of that file.
 - file_reads (str, default "host"): "kvikio" reads the filesystem tier's files with NVIDIA's KvikIO straight
-  into GPU memory (beside a CUDA GPU, with kvikio installed and no store secret: refused at start otherwise),
-  "host" into pinned host memory first.
+  into GPU memory (beside a CUDA GPU, with kvikio installed, ram_bytes 0 and no store secret: refused at start
+  otherwise), "host" into pinned host memory first.
 - save_backlog_bytes (int, optional): host copies of saved blocks that may wait for the save thread (1 GiB on
   the CPU, 4 GiB beside a GPU); beyond it, file-only saves are skipped and RAM saves waited for (with
   several tensor-parallel ranks nothing is skipped: every save waits).
@@ -153,7 +153,7 @@ def _file_reads(value: object) -> bool:
     """Whether the file_reads extra config asks for reads straight into GPU memory (absent: host)."""
     if value is None:
         return False
-    if value not in FILE_READS:
+    if not isinstance(value, str) or value not in FILE_READS:
         raise ValueError(f"kvscope connector: file_reads {value!r}, not one of {', '.join(FILE_READS)}")
     return FILE_READS[value]
 

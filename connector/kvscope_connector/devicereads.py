@@ -27,6 +27,7 @@ def kvikio_reads(threads: int) -> Read | None:
         try:  # the file the caller opened and checked, through its fd: its name is not looked up again
             with kvikio.CuFile(f"/proc/self/fd/{fd}", "r") as f:
                 return f.pread(into, into.nbytes, offset).get()
-        except RuntimeError as exc:  # KvikIO's I/O and CUDA errors: a failed read, not a corrupt file
-            raise OSError(f"KvikIO: {exc}") from exc
+        except Exception as exc:  # KvikIO's I/O and CUDA errors, whatever their type: a failed read (store.py
+            # judges a file that changed size under it), never a file judged corrupt by the error's type
+            raise OSError(f"KvikIO: {type(exc).__name__}: {exc}") from exc
     return read

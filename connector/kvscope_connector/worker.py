@@ -21,6 +21,7 @@ stored until the scheduler has heard of the failure (vLLM recomputes them too, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import deque
@@ -118,6 +119,7 @@ class WorkerSide:
                              "integer such as 4294967296; absent: the platform's)")
         self.wanted_backlog, self.load_threads, self.device_reads = backlog, load_threads, device_reads
         self.reads_to_device: Read | None = None  # KvikIO's file reads into GPU memory; by register()
+        self.read_stream: torch.cuda.Stream | None = None  # where their device memory is allocated; by register()
         self.backlog = SAVE_BACKLOG_BYTES["cpu"]  # the platform's, or the one wanted; by register()
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
@@ -147,12 +149,16 @@ class WorkerSide:
         threads = self.load_threads or LOAD_THREADS[platform]
         self.loaders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-load")
         if self.device_reads:  # a store secret's MACs are computed over a block's bytes on the host
+            if self.ram is not None:
+                raise ValueError("kvscope connector: file_reads kvikio reads file hits into GPU memory, but a RAM tier "
+                                 "takes every file hit into host memory: ram_bytes 0")
             if not (gpu and self.on_device and self.fs is not None and self.fs.secret is None):
                 raise ValueError("kvscope connector: file_reads kvikio needs a CUDA GPU that checks the blocks, "
                                  "a filesystem tier and no store secret")
             if (reads := kvikio_reads(threads)) is None:
                 raise ValueError("kvscope connector: file_reads kvikio, but kvikio does not import")
             self.reads_to_device = reads
+            self.read_stream = torch.cuda.Stream(self.device)  # nothing runs on it (_device_rows)
         if self.fs is not None:
             self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
         self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]
@@ -196,7 +202,7 @@ class WorkerSide:
         hit = Outcome.RAM_HIT if name == TierName.RAM else Outcome.FS_HIT
         try:
             found = read()
-        except OSError as exc:
+        except (OSError, torch.OutOfMemoryError) as exc:  # the file stays: nothing says it is wrong
             return [Fetched(Outcome.IO, name, why=str(exc))] * n
         except Exception as exc:  # CorruptBlock, or anything an unforeseen file makes the parser raise
             why = str(exc) if isinstance(exc, CorruptBlock) else f"{type(exc).__name__}: {exc}"
@@ -220,12 +226,21 @@ class WorkerSide:
     def _fetch_file_to_device(self, fs: FsTier, specs: list[LoadSpec]) -> list[Fetched]:
         """Consecutive blocks of one file in one read straight into device memory of their own (KvikIO), the
         header read and checked on the host; their checksums are checked on the device (_check_and_write)."""
-        assert self.reads_to_device is not None
-        first = specs[0]
-        rows = torch.empty((len(specs), self.layout.nbytes), dtype=torch.uint8, device=self.device)
-        read = partial(fs.get_file_to, first.file_key, [spec.key for spec in specs], first.offset, first.count, rows,
-                       self.reads_to_device)
+        reads_to_device, first = self.reads_to_device, specs[0]
+        assert reads_to_device is not None
+
+        def read() -> list[tuple[Block, str]] | None:
+            rows = self._device_rows(len(specs))
+            return fs.get_file_to(first.file_key, [spec.key for spec in specs], first.offset, first.count, rows,
+                                  reads_to_device)
         return self._fetch(TierName.FS, read, len(specs))
+
+    def _device_rows(self, n: int) -> torch.Tensor:
+        """Device memory for n blocks read by KvikIO, allocated on a stream nothing runs on: memory the caching
+        allocator hands back there is free of queued kernels (GPUDirect Storage writes it outside any stream's
+        order). No room for it beside vLLM's KV cache is a failed read (_fetch), not a crash."""
+        with torch.cuda.stream(self.read_stream) if self.read_stream is not None else contextlib.nullcontext():
+            return torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device)
 
     def _fetch_ram(self, spec: LoadSpec, verify: bool) -> list[Fetched]:
         """A block planned from RAM; from its file when the RAM tier evicted it since the plan (promotions and
@@ -320,8 +335,7 @@ class WorkerSide:
                     job = loaders.submit(self._fetch_ram, group[0], verify)
             elif fs is None or group[0].count == 0:  # in no file: a miss
                 pass
-            elif self.reads_to_device is not None and not any(spec.promote for spec in group):
-                from_files -= len(group)  # a RAM tier takes host blocks: promoted ones are read into slots
+            elif self.reads_to_device is not None:  # no RAM tier (register): no block is promoted to host memory
                 job = loaders.submit(self._fetch_file_to_device, fs, group)
             elif self.pool is not None:  # neighbouring slots: one copy moves a run (_stage)
                 taken: list[Block] = []

@@ -3,10 +3,13 @@ tensors with a reader that reads as KvikIO's does: one call per file, into the t
 given. The same path with KvikIO on a GPU: test_gpu.py."""
 
 import os
+import sys
+import types
 
 import pytest
 import torch
 
+from kvscope_connector.devicereads import kvikio_reads
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import placed
 from kvscope_connector.store import FsTier, RamTier
@@ -20,11 +23,11 @@ def caches():
     return {f"layer{i}": torch.randn(2 * N, 2, B, 6, generator=gen) for i in range(2)}
 
 
-def stored(tmp_path, ram=False, per_file=3):
+def stored(tmp_path, per_file=3):
     """A worker checking on the device whose file reads go to `reads` (a list of (inode, offset, blocks)),
     with blocks k0..k7 stored in files of per_file; returns it and where each block lies."""
-    w = WorkerSide(FP, B, RamTier(1 << 20) if ram else None, FsTier(str(tmp_path), FP, None, per_file=per_file),
-                   checksum="mix128", on_device=True)
+    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None, per_file=per_file), checksum="mix128",
+                   on_device=True)
     w.register(caches())
     w.device_copies.chunk = 2  # eight loads span four staged chunks
     where = placed([f"k{i}" for i in range(N)], per_file)  # files of 3 blocks: 0-2, 3-5, 6-7
@@ -39,8 +42,8 @@ def stored(tmp_path, ram=False, per_file=3):
     return w, where
 
 
-def loads(where, blocks, promote=False):
-    return KVScopeMetadata(loads=[LoadSpec(N + i, f"k{i}", "fs", promote=promote, request_id="r", index=i,
+def loads(where, blocks):
+    return KVScopeMetadata(loads=[LoadSpec(N + i, f"k{i}", "fs", request_id="r", index=i,
                                            file=where[i].file, offset=where[i].offset, count=where[i].count)
                                   for i in blocks])
 
@@ -98,15 +101,109 @@ def test_a_link_or_a_foreign_header_is_refused_before_anything_is_read_into_devi
     assert w.take_load_errors() == {N, N + 1, N + 2} and w.reads == [] and w.stats.corrupt == 3
 
 
-def test_blocks_promoted_to_ram_are_read_into_host_slots(tmp_path):
-    w, where = stored(tmp_path, ram=True)
-    w.load(loads(where, range(3), promote=True))
-    assert w.take_load_errors() == set() and w.reads == [] and all(w.ram.contains(f"k{i}") for i in range(3))
-    assert all(torch.equal(t[N:N + 3], t[:3]) for t in w.layers.values())
-
-
 def test_reads_into_device_memory_that_cannot_be_had_are_refused_at_registration(tmp_path):
     w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None), checksum="mix128", on_device=True,
                    device_reads=True)
     with pytest.raises(ValueError, match="kvikio"):
         w.register(caches())  # no GPU here
+
+
+def test_a_ram_tier_beside_reads_into_device_memory_is_refused_at_registration(tmp_path):
+    w = WorkerSide(FP, B, RamTier(1 << 20), FsTier(str(tmp_path), FP, None), checksum="mix128", on_device=True,
+                   device_reads=True)
+    with pytest.raises(ValueError, match="RAM tier takes every file hit into host memory"):
+        w.register(caches())  # its promotions would read every file hit into host slots: KvikIO would read none
+
+
+def test_no_device_memory_to_read_into_is_a_counted_miss_and_the_file_stays(tmp_path, monkeypatch):
+    w, where = stored(tmp_path)
+
+    def no_room(n):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(w, "_device_rows", no_room)
+    w.load(loads(where, range(N)))
+    assert w.take_load_errors() == set(range(N, 2 * N)) and w.stats.io_errors == N and w.stats.corrupt == 0
+    assert w.fs.path(where[0].file).exists() and w.reads == []
+
+
+def test_a_file_that_changes_size_under_a_failing_read_is_corrupt_and_moved_aside(tmp_path):
+    w, where = stored(tmp_path)
+
+    def truncated(fd, into, offset):  # KvikIO raises at a file's end rather than count bytes
+        os.truncate(f"/proc/self/fd/{fd}", offset)  # the file itself, as another host would
+        raise OSError("KvikIO: POSIX error on pread: EOF")
+    w.reads_to_device = truncated
+    w.load(loads(where, range(3)))
+    assert w.take_load_errors() == {N, N + 1, N + 2} and w.stats.corrupt == 3 and w.stats.io_errors == 0
+    assert w.fs.path(where[0].file).with_suffix(".corrupt").exists()
+
+
+def test_a_file_swapped_at_its_name_during_the_read_still_loads_the_file_that_was_checked(tmp_path):
+    w, where = stored(tmp_path)
+    mine, other = w.fs.path(where[0].file), w.fs.path(where[3].file)
+
+    def swapping(fd, into, offset):  # as KvikIO opens it: by /proc/self/fd, after the name points elsewhere
+        os.replace(other, mine)
+        with open(f"/proc/self/fd/{fd}", "rb") as f:
+            return os.preadv(f.fileno(), [into.numpy()], offset)
+    w.reads_to_device = swapping
+    w.load(loads(where, range(3)))
+    assert w.take_load_errors() == set() and w.stats.fs_hits == 3
+    assert all(torch.equal(t[N:N + 3], t[:3]) for t in w.layers.values())
+
+
+class _CuFile:
+    """KvikIO's CuFile as the connector uses it: opened by path, pread into a tensor, a future's get()."""
+    opened: list[str] = []
+    fails: Exception | None = None
+
+    def __init__(self, path, mode):
+        assert mode == "r"
+        self.f = open(path, "rb")
+        _CuFile.opened.append(path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def pread(self, buf, size, offset):
+        if _CuFile.fails is not None:
+            raise _CuFile.fails
+        got = os.preadv(self.f.fileno(), [buf.numpy()[:size]], offset)
+        return types.SimpleNamespace(get=lambda: got)
+
+
+@pytest.fixture
+def fake_kvikio(monkeypatch):
+    settings = {}
+    kvikio, defaults = types.ModuleType("kvikio"), types.ModuleType("kvikio.defaults")
+    defaults.set = settings.__setitem__
+    kvikio.defaults, kvikio.CuFile = defaults, _CuFile
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    monkeypatch.setattr(_CuFile, "opened", [])
+    return settings
+
+
+def test_kvikios_read_opens_the_checked_descriptor_not_the_name_and_any_error_is_a_failed_read(tmp_path,
+                                                                                                fake_kvikio,
+                                                                                                monkeypatch):
+    monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
+    read = kvikio_reads(8)
+    assert fake_kvikio == {"num_threads": 8}
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 4)
+    into = torch.zeros(16, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        assert read(f.fileno(), into, 100) == 16 and _CuFile.opened == [f"/proc/self/fd/{f.fileno()}"]
+        assert into.tolist() == list(range(100, 116))
+        monkeypatch.setattr(_CuFile, "fails", ValueError("cuFile: bad argument"))
+        with pytest.raises(OSError, match="ValueError: cuFile: bad argument"):
+            read(f.fileno(), into, 0)
+
+
+def test_kvikios_thread_count_from_its_environment_is_left_alone(fake_kvikio, monkeypatch):
+    monkeypatch.setenv("KVIKIO_NTHREADS", "3")
+    assert kvikio_reads(8) is not None and fake_kvikio == {}

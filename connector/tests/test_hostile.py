@@ -363,7 +363,7 @@ def test_a_file_holds_256_tokens_beside_a_gpu_one_block_elsewhere_or_what_file_t
     assert _per_file(256, 64, "cpu") == 4
 
 
-@pytest.mark.parametrize("value", ["KvikIO", "gds", 1, True])
+@pytest.mark.parametrize("value", ["KvikIO", "gds", 1, True, ["kvikio"]])
 def test_a_file_reads_setting_the_connector_does_not_know_is_refused_at_start(value):
     from kvscope_connector.connector import _file_reads
     with pytest.raises(ValueError, match="file_reads"):

@@ -109,16 +109,22 @@ def render(
                           writer=cfg.writer)
 
 
+KVSCOPE_CONNECTOR = {"kvscope_connector", "kvscope_connector.canary"}  # modules of kvscope's connector
+
+
 def _connector_errors(cfg: StorageConfig, flags: dict, platform: str) -> list[str]:
     """kvscope's connector settings its server would refuse at start: file_tokens, a whole number of the
-    blocks vLLM reads from the flags; file_reads, host or kvikio (KvikIO beside a CUDA GPU)."""
+    blocks vLLM reads from the flags; file_reads, host or kvikio (KvikIO beside a CUDA GPU, no RAM tier)."""
     ktc = cfg.kv_transfer_config
-    extra = ktc.kv_connector_extra_config if ktc and ktc.kv_connector_module_path == "kvscope_connector" else {}
+    extra = ktc.kv_connector_extra_config if ktc and ktc.kv_connector_module_path in KVSCOPE_CONNECTOR else {}
     errors = []
-    if (reads := extra.get("file_reads", "host")) not in ("host", "kvikio"):
+    if (reads := extra.get("file_reads")) not in (None, "host", "kvikio"):
         errors.append(f"file_reads {reads!r} is not host or kvikio")
     elif reads == "kvikio" and platform != "cuda":
         errors.append(f"file_reads 'kvikio' reads into a CUDA GPU's memory, not on platform '{platform}'")
+    elif reads == "kvikio" and extra.get("ram_bytes") not in (0, "0"):
+        errors.append("file_reads 'kvikio' reads file hits into GPU memory, but a RAM tier (ram_bytes absent or "
+                      "above 0) takes every one into host memory: set ram_bytes: 0")
     if "file_tokens" not in extra:
         return errors
     tokens = extra["file_tokens"]
