@@ -336,6 +336,7 @@ class WorkerSide:
             elif fs is None or group[0].count == 0:  # in no file: a miss
                 pass
             elif self.reads_to_device is not None:  # no RAM tier (register): no block is promoted to host memory
+                assert not verify, "blocks read into device memory are checked there (_check_and_write)"
                 job = loaders.submit(self._fetch_file_to_device, fs, group)
             elif self.pool is not None:  # neighbouring slots: one copy moves a run (_stage)
                 taken: list[Block] = []
