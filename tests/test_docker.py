@@ -18,7 +18,7 @@ from conftest import MATRIX, REPO
 from kvscope.deploy import images
 
 VENV_BIN = REPO / ".venv" / "bin"
-GPU_CONFIGS = ["offload-cpu", "offload-cpu-tier", "lmcache-cpu", "lmcache-disk", "lmcache-mp", "ucm-pipeline", "ucm-nfs", "ucm-blend", "ucm-blend-shim"]
+GPU_CONFIGS = ["kvscope-fs-kvikio", "offload-cpu", "offload-cpu-tier", "lmcache-cpu", "lmcache-disk", "lmcache-mp", "ucm-pipeline", "ucm-nfs", "ucm-blend", "ucm-blend-shim"]
 TUNABLES = {"BASE", "MAX_JOBS", "NVCC_THREADS", "TORCH_INDEX_URL"}  # build knobs, not version pins
 
 spec = importlib.util.spec_from_file_location("verify_image", REPO / "docker" / "verify_image.py")

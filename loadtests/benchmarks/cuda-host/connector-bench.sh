@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the CUDA host, from the repository root: kvscope's connector against vLLM's own CPU offload and
 # recomputing, on the Qwen3-4B shape in bf16 served with CUDA graphs (no --enforce-eager), in one run:
-# connector_ttft.py (the prompt-length sweep; misses under load on kvscope-ram, kvscope-fs and offload-cpu-tier),
+# connector_ttft.py (the prompt-length sweep; misses under load on kvscope-ram, kvscope-fs and offload-cpu-tier;
+# kvscope-fs-kvikio beside them where kvikio imports),
 # the connector's GPU tests, load_throughput.py (file loads into the GPU's KV cache, hot and cold, on the host's
 # disk under runs/; then hot at the Qwen3-4B shape's 2.25 MiB blocks on 4, 8 and 16 load threads), copy_paths.py
 # (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
@@ -12,6 +13,10 @@ set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}
 . "$(dirname "$0")/env.sh"
 configs=baseline,control,offload-cpu-tier,kvscope-ram,kvscope-fs
+candidates=kvscope-ram,kvscope-fs
+if python3 -c 'import kvikio' 2>/dev/null; then  # kvscope-fs's files read by KvikIO too, where it is installed
+  configs+=,kvscope-fs-kvikio; candidates+=,kvscope-fs-kvikio
+fi
 overrides=$(long_context 6442450944)  # 6 GiB of GPU KV: one 32k-token prompt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
@@ -26,8 +31,8 @@ sys.exit(len(d["failed"]) > 0)' "$run_dir/deployment.json"; then  # CUDA graphs 
 fi
 cp "$run_dir/deployment.json" "$out/"
 python3 loadtests/benchmarks/connector_ttft.py --deployment "$run_dir/deployment.json" \
-  --configs kvscope-ram,kvscope-fs --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
-  --pause 0.3 --load-users 8 --load-configs kvscope-ram,kvscope-fs --load-peers offload-cpu-tier \
+  --configs "$candidates" --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
+  --pause 0.3 --load-users 8 --load-configs "$candidates" --load-peers offload-cpu-tier \
   > "$out/connector_ttft.txt" 2>&1
 echo "connector_ttft exit $?"
 python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
