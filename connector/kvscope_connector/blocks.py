@@ -112,10 +112,11 @@ def _logical_shift(z: torch.Tensor, bits: int) -> torch.Tensor:
 def mix_digests(rows: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """mix128 of each row of a [n, nbytes] uint8 tensor (nbytes a multiple of 8), on the rows' device:
     [n, 2] int64, left there (reading it back is the caller's synchronisation point). On a CUDA GPU where
-    fusedmix's kernel gave these torch ops' digests, that kernel (fused=False: the torch ops)."""
+    fusedmix's kernel gave these torch ops' digests for rows of this size, that kernel (fused=False: the torch
+    ops)."""
     words = rows.view(torch.int64)
     keys = _device_keys(words.shape[1], rows.device)
-    if fused and words.is_contiguous() and fused_on(rows.device):
+    if fused and words.is_contiguous() and words.data_ptr() % 16 == 0 and fused_on(rows.device, rows.shape[1]):
         return fusedmix.digests(words, keys)
     z = words * keys
     z ^= _logical_shift(z, 32)
@@ -126,25 +127,27 @@ def mix_digests(rows: torch.Tensor, fused: bool = True) -> torch.Tensor:
     return torch.stack([first, z.sum(dim=1)], dim=1)
 
 
-_fused: dict[str, bool] = {}  # device -> whether mix_digests runs fusedmix's kernel there
+_fused: dict[tuple[str, int], bool] = {}  # (device, bytes a row) -> whether mix_digests runs fusedmix's kernel
 
 
-def fused_on(device: torch.device) -> bool:
-    """Whether mix_digests runs fusedmix's kernel on this device: a CUDA GPU where it agrees with the torch
-    ops, tried once per device."""
+def fused_on(device: torch.device, nbytes: int) -> bool:
+    """Whether mix_digests runs fusedmix's kernel on rows of nbytes on this device: a CUDA GPU where it agreed
+    with the torch ops on such rows, tried once per device and size (the worker tries its blocks' size when
+    vLLM registers the KV caches)."""
     if device.type != "cuda":
         return False
-    if str(device) not in _fused:
-        _fused[str(device)] = agrees(device)
-    return _fused[str(device)]
+    if (str(device), nbytes) not in _fused:
+        _fused[str(device), nbytes] = agrees(device, nbytes)
+    return _fused[str(device), nbytes]
 
 
-def agrees(device: torch.device) -> bool:
-    """Whether fusedmix's kernel gives the torch ops' digests of random rows on this device (rows longer than
-    its BLOCK and not a multiple of it); False, logged, where it gives others or fails (no Triton, a compile
-    or launch error): the torch ops are then used."""
+def agrees(device: torch.device, nbytes: int) -> bool:
+    """Whether fusedmix's kernel gives the torch ops' digests of random rows of nbytes on this device, freshly
+    allocated as every batch mix_digests passes it is: the kernel Triton compiles for such rows (it specializes
+    on a size's divisibility and a pointer's alignment). False, logged, where it gives others or fails (no
+    Triton, a compile or launch error): the torch ops are then used."""
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, 256, (3, 8 * (2 * fusedmix.BLOCK + 5)), dtype=torch.uint8, generator=gen).to(device)
+    rows = torch.randint(0, 256, (3, nbytes), dtype=torch.uint8, generator=gen).to(device)
     words = rows.view(torch.int64)
     try:
         same = torch.equal(fusedmix.digests(words, _device_keys(words.shape[1], device)),

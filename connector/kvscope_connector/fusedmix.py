@@ -4,17 +4,19 @@ blocks.mix_digests in torch ops reads and writes a batch's words about 23 times 
 2.4 GB, 186 GB/s, copy_paths-512.txt of 2026-12-05), GPU time every save and load spends beside the
 forward. This kernel reads each word and its position key once and writes one pair of partial sums per
 BLOCK words; the partials are summed in torch (both wrap mod 2^64, as the torch ops do). blocks.py uses it
-on a device only once it has given the torch ops' digests there.
+on a device only for rows of a size it has given the torch ops' digests of there.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no Triton: blocks.py keeps the torch ops
+except Exception:  # no Triton, or one that does not load: blocks.py keeps the torch ops
     triton = None
 
 BLOCK = 4096  # words a program reads (32 KiB)
@@ -48,5 +50,6 @@ def digests(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     parts = triton.cdiv(width, BLOCK)
     out = torch.empty((n, parts, 2), dtype=torch.int64, device=words.device)
     if n:
-        _partial_sums[(n, parts)](words, keys, out, width, parts, BLOCK=BLOCK)
+        with torch.cuda.device(words.device) if words.is_cuda else contextlib.nullcontext():  # Triton launches
+            _partial_sums[(n, parts)](words, keys, out, width, parts, BLOCK=BLOCK)  # on the current device
     return out.sum(dim=1)

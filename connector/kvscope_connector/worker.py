@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import CHECKSUMS, Block, CorruptBlock, Layout, digest_hex, mix_digests
+from .blocks import CHECKSUMS, Block, CorruptBlock, Layout, digest_hex, fused_on, mix_digests
 from .devicereads import Read, kvikio_reads
 from .fileformat import writable
 from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
@@ -144,8 +144,8 @@ class WorkerSide:
         chunk = max(1, CHUNK_BYTES // self.layout.nbytes)  # blocks per staged chunk
         self.path = (DeviceCopies(self.layers, self.layout, self.side, self.pool, chunk)
                      if self.device.type != "cpu" or self.on_device else HostRows(self.layers, self.layout))
-        if self.on_device:  # mix128's way chosen, and its kernel compiled for these blocks, before any request
-            mix_digests(torch.zeros((1, self.layout.nbytes), dtype=torch.uint8, device=self.device))
+        if self.on_device:  # mix128's kernel compiled and checked for these blocks before any request
+            fused_on(self.device, self.layout.nbytes)
         threads = self.load_threads or LOAD_THREADS[platform]
         self.loaders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-load")
         if self.device_reads:  # a store secret's MACs are computed over a block's bytes on the host

@@ -31,11 +31,13 @@ def worker(tmp_path, ram=True, per_file=1, device_reads=False):
     return w
 
 
-def test_mix128_on_the_gpu_is_mix128_on_the_host_and_runs_the_fused_kernel():
-    rows = torch.randint(0, 256, (6, 1 << 16), dtype=torch.uint8)
+@pytest.mark.parametrize("words", [589_824, 294_912, 8192, 2 * 4096 + 5, 16], ids=lambda w: f"{w}-words")
+def test_mix128_on_the_gpu_is_mix128_on_the_host_and_runs_the_fused_kernel(words):
+    # the Qwen3-4B shape's blocks of 32 and 16 tokens, and widths Triton compiles differently
+    rows = torch.randint(0, 256, (6, 8 * words), dtype=torch.uint8)
     assert torch.equal(mix_digests(rows.cuda()).cpu(), mix_digests(rows))
     assert torch.equal(mix_digests(rows.cuda(), fused=False).cpu(), mix_digests(rows))
-    assert fused_on(torch.device("cuda")), "mix128's fused kernel does not run here (the log says why)"
+    assert fused_on(torch.device("cuda"), 8 * words), "mix128's fused kernel does not run here (the log says why)"
 
 
 @pytest.mark.parametrize("ram, per_file", [(True, 1), (False, 1), (False, 3)], ids=["ram", "files", "files-of-3"])

@@ -119,7 +119,7 @@ def main() -> None:
     stores = KVScopeMetadata(stores=[StoreSpec(i, f"s{i}", True, False) for i in range(n)])
 
     limit = "limit: one host-to-device copy of the same bytes" + (" (pinned)" if gpu else "")
-    mix = "checksum: mix128 on the device" + (" (fused kernel)" if fused_on(dev) else "")
+    mix = "checksum: mix128 on the device" + (" (fused kernel)" if fused_on(dev, on_gpu.block_bytes()) else "")
     mix_ops = "checksum: mix128 in torch ops"
     hits = {"load: RAM hit, checked on the GPU (mix128)": (on_gpu, "ram"),
             "load: file hit (page cache), checked on the GPU": (from_file, "fs"),
