@@ -19,7 +19,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Protocol
@@ -370,14 +370,17 @@ class FsTier:
         found = self.get_file(key, [key], 0, 1, verify, None if into is None else [into])
         return None if found is None else found[0]
 
-    def _open(self, file: str, count: int) -> tuple[int, int, int] | None:
+    @contextlib.contextmanager
+    def _opened(self, file: str, count: int) -> Iterator[tuple[int, int, int] | None]:
         """The file of `count` blocks named `file`, opened for reading: (fd, its size, its header's length), None
         when there is no such file. A link is not followed, and its type and size are checked against the
-        layout before anything is read; the caller closes the fd."""
+        layout before anything is read. The fd is closed after the block, and a read that raised nothing is
+        noted (_note)."""
         try:  # never blocks: a FIFO planted here would otherwise wait for a writer
             fd = os.open(self._name(file), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
-            return None
+            yield None
+            return
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptBlock("a symbolic link, not a block file") from exc
@@ -395,21 +398,25 @@ class FsTier:
         except BaseException:
             os.close(fd)
             raise
-        return fd, size, n
+        try:
+            yield fd, size, n
+        finally:
+            os.close(fd)
+        self._note(file, size)
 
     def get_file(self, file: str, keys: list[str], first: int, count: int, verify: bool = True,
                  into: list[Block] | None = None) -> list[tuple[Block, str]] | None:
         """Read and check blocks first, first + 1, ... (stored under `keys`) of the file of `count` blocks named
-        `file`, None when there is no such file (_open's checks first), the header checked whole (a store
+        `file`, None when there is no such file (_opened's checks first), the header checked whole (a store
         secret's MACs included); the checksums too, unless the caller checks them itself (on the GPU). The
         blocks are read into `into` (slots the caller owns, whatever happens), else pool slots where the
         worker has a pool (the caller then owns them), else buffers of their own: with the header in one read
         when they begin the file."""
         layout = self._layout()
-        if (opened := self._open(file, count)) is None:
-            return None
-        fd, size, n = opened
-        try:
+        with self._opened(file, count) as opened:
+            if opened is None:
+                return None
+            fd, size, n = opened
             head = bytearray(8 + n)
             pool = self.pool if into is None else None  # slots taken here: given back if the read fails
             blocks = into if into is not None else pool.take_many(len(keys)) if pool is not None else [
@@ -425,29 +432,25 @@ class FsTier:
                     got = -1
                 if got != want:
                     raise CorruptBlock("the file shrank while it was read")
-                found = self._decode(head, n, size, blocks, file, keys, first, count, verify)
+                return self._decode(head, n, size, blocks, file, keys, first, count, verify)
             except BaseException:
                 if pool is not None:
                     for block in blocks:
                         pool.give_back(block)
                 raise
-        finally:
-            os.close(fd)
-        self._note(file, size)
-        return found
 
     def get_file_to(self, file: str, keys: list[str], first: int, count: int, into: torch.Tensor,
                     read: Callable[[int, torch.Tensor, int], int]) -> list[tuple[Block, str]] | None:
         """get_file's blocks, read by `read(fd, into, offset)` into `into` (one row a block: KvikIO's read into
-        GPU memory) once the file passed _open's checks and its header is read and checked here, each block's
+        GPU memory) once the file passed _opened's checks and its header is read and checked here, each block's
         key against `keys`; the checksums are returned for the caller to check on the GPU. Not with a store
         secret, whose MACs are computed over the blocks' bytes on the host."""
         assert self.secret is None, "a store secret's MACs are checked on the host (get_file)"
         layout = self._layout()
-        if (opened := self._open(file, count)) is None:
-            return None
-        fd, size, n = opened
-        try:
+        with self._opened(file, count) as opened:
+            if opened is None:
+                return None
+            fd, size, n = opened
             head = bytearray(8 + n)
             if _read_fully(fd, [head], 0) != len(head):
                 raise CorruptBlock("the file shrank while it was read")
@@ -460,10 +463,7 @@ class FsTier:
                 raise
             if got != len(keys) * layout.nbytes:
                 raise CorruptBlock("the file shrank while it was read")
-        finally:
-            os.close(fd)
-        self._note(file, size)
-        return found
+            return found
 
     def _decode(self, head: bytearray, n: int, size: int, blocks: list[Block], file: str, keys: list[str],
                 first: int, count: int, verify: bool) -> list[tuple[Block, str]]:

@@ -467,7 +467,7 @@ class WorkerSide:
         with self.side.after_current():
             for first, count, src in self.pool.spans([got.block for _, got in staged]):
                 chunk[first:first + count].copy_(src, non_blocking=True)
-                if src.device != torch.device("cpu"):  # read into device memory: not reused under the copy
+                if not src.is_cpu:  # read into device memory: not reused under the copy
                     self.side.keep(src)
         return self.side.mark()
 

@@ -10,8 +10,8 @@ of the layouts what fewer, larger files save; with --cold, every file is dropped
 (posix_fadvise DONTNEED) before each read, so each reads the disk. With --device cuda the KV caches are on
 the GPU and the worker checks blocks there (mix128, as the connector does beside a GPU); each connector load
 ends with a device synchronize before its timer stops, and where KvikIO imports the files of --file-tokens are
-loaded a second way, read by KvikIO straight into GPU memory (the connector's default there) against read into
-pinned host memory (the other two).
+loaded a second way, read by KvikIO straight into GPU memory (the connector's opt-in `file_reads: kvikio`)
+against read into pinned host memory (its default, the other two).
 Goal (issue 5): >= 0.7.
 
     .venv-vllm/bin/python loadtests/benchmarks/load_throughput.py [--dir /path/on/the/fs/under/test] [--device cuda]
