@@ -8,11 +8,20 @@
 # (a 2.3k- and a 16k-token hit against a pinned copy), then a bench of the same servers
 # (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR, the
 # bench's run folder too (OUT_DIR/RUN_ID: a lent host that re-syncs the checkout removes what lies in results/).
-#   loadtests/benchmarks/cuda-host/connector-bench.sh OUT_DIR [TOKENS=2048,8192,16384,32768] [RUN_ID]
+# PARTS picks parts, in this order (all by default): ttft, tests, load (load_throughput.py), copy (copy_paths.py),
+# bench; control, the bench's noise floor, is served only for the bench.
+#   [PARTS=ttft,tests,load,copy,bench] loadtests/benchmarks/cuda-host/connector-bench.sh OUT_DIR
+#     [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}
+all=ttft,tests,load,copy,bench; parts=,${PARTS:-$all},
+want() { [[ $parts == *,$1,* ]]; }
+for part in ${parts//,/ }; do
+  [[ ,$all, == *,$part,* ]] || { echo "connector-bench: no part '$part' ($all)" >&2; exit 2; }
+done
 . "$(dirname "$0")/env.sh"
-configs=baseline,control,offload-cpu-tier,kvscope-ram,kvscope-fs
+configs=baseline,offload-cpu-tier,kvscope-ram,kvscope-fs
+want bench && configs=baseline,control,offload-cpu-tier,kvscope-ram,kvscope-fs
 candidates=kvscope-ram,kvscope-fs
 if python3 -c 'import kvikio' 2>/dev/null; then  # kvscope-fs's files read by KvikIO too, where it is installed
   configs+=,kvscope-fs-kvikio; candidates+=,kvscope-fs-kvikio
@@ -35,31 +44,42 @@ sys.exit(len(d["failed"]) > 0)' "$run_dir/deployment.json"; then  # CUDA graphs 
   deploy "$configs" "${overrides/\"enforce-eager\": false/\"enforce-eager\": true}" > "$out/deploy-eager.log" 2>&1
 fi
 cp "$run_dir/deployment.json" "$out/"
-python3 loadtests/benchmarks/connector_ttft.py --deployment "$run_dir/deployment.json" \
-  --configs "$candidates" --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
-  --pause 0.3 --load-users 8 --load-configs "$candidates" --load-peers offload-cpu-tier \
-  > "$out/connector_ttft.txt" 2>&1
-echo "connector_ttft exit $?"
-python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
-echo "GPU tests exit $?"
-files="$PWD/runs/load-throughput"  # the host's disk, not /tmp (it may be tmpfs)
-for mode in hot cold; do
-  rm -rf "$files" && mkdir -p "$files"
-  { echo "filesystem under $files: $(stat -f -c %T "$files")"
-    python3 loadtests/benchmarks/load_throughput.py --device cuda --dir "$files" $([ "$mode" = cold ] && echo --cold)
-  } > "$out/load_throughput-$mode.txt" 2>&1
-  echo "load_throughput $mode exit $?"
-done
-rc=0
-for threads in 4 8 16; do  # the Qwen3-4B shape's 2.25 MiB blocks: what a block's load costs, by load threads
-  rm -rf "$files" && mkdir -p "$files"
-  python3 loadtests/benchmarks/load_throughput.py --device cuda --dir "$files" --layers 36 --block 16 --blocks 512 \
-    --threads "$threads" || rc=$?
-done > "$out/load_threads.txt" 2>&1
-echo "load_throughput by threads exit $rc"
-rm -rf "$files"
-for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
-python3 -m kvscope.cli bench --deployment "$run_dir/deployment.json" --configs "$configs" \
-  --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report --results "$out" > "$out/bench.log" 2>&1
-echo "bench exit $?"
+if want ttft; then
+  python3 loadtests/benchmarks/connector_ttft.py --deployment "$run_dir/deployment.json" \
+    --configs "$candidates" --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
+    --pause 0.3 --load-users 8 --load-configs "$candidates" --load-peers offload-cpu-tier \
+    > "$out/connector_ttft.txt" 2>&1
+  echo "connector_ttft exit $?"
+fi
+if want tests; then
+  python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
+  echo "GPU tests exit $?"
+fi
+if want load; then
+  files="$PWD/runs/load-throughput"  # the host's disk, not /tmp (it may be tmpfs)
+  for mode in hot cold; do
+    rm -rf "$files" && mkdir -p "$files"
+    { echo "filesystem under $files: $(stat -f -c %T "$files")"
+      python3 loadtests/benchmarks/load_throughput.py --device cuda --dir "$files" $([ "$mode" = cold ] && echo --cold)
+    } > "$out/load_throughput-$mode.txt" 2>&1
+    echo "load_throughput $mode exit $?"
+  done
+  rc=0
+  for threads in 4 8 16; do  # the Qwen3-4B shape's 2.25 MiB blocks: what a block's load costs, by load threads
+    rm -rf "$files" && mkdir -p "$files"
+    python3 loadtests/benchmarks/load_throughput.py --device cuda --dir "$files" --layers 36 --block 16 --blocks 512 \
+      --threads "$threads" || rc=$?
+  done > "$out/load_threads.txt" 2>&1
+  echo "load_throughput by threads exit $rc"
+  rm -rf "$files"
+fi
+if want copy; then
+  for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
+  echo "copy_paths done"
+fi
+if want bench; then
+  python3 -m kvscope.cli bench --deployment "$run_dir/deployment.json" --configs "$configs" \
+    --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report --results "$out" > "$out/bench.log" 2>&1
+  echo "bench exit $?"
+fi
 teardown > /dev/null 2>&1
