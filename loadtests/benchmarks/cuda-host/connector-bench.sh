@@ -9,7 +9,7 @@
 # (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR, the
 # bench's run folder too (OUT_DIR/RUN_ID: a lent host that re-syncs the checkout removes what lies in results/).
 # PARTS picks parts, in this order (all by default): ttft, tests, load (load_throughput.py), copy (copy_paths.py),
-# bench; control, the bench's noise floor, is served only for the bench.
+# bench; control, the bench's noise floor, is served only for the bench, and nothing without ttft or bench.
 #   [PARTS=ttft,tests,load,copy,bench] loadtests/benchmarks/cuda-host/connector-bench.sh OUT_DIR
 #     [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
@@ -29,21 +29,23 @@ fi
 overrides=$(long_context 6442450944)  # 6 GiB of GPU KV: one 32k-token prompt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
-model qwen3-4b
-deploy "$configs" "$overrides" > "$out/deploy.log" 2>&1
-tail -1 "$out/deploy.log"
-if python3 -c 'import json, sys
+if want ttft || want bench; then  # the parts that measure servers
+  model qwen3-4b
+  deploy "$configs" "$overrides" > "$out/deploy.log" 2>&1
+  tail -1 "$out/deploy.log"
+  if python3 -c 'import json, sys
 sys.exit([f["config"] for f in json.load(open(sys.argv[1]))["failed"]] != ["kvscope-fs-kvikio"])' \
-    "$run_dir/deployment.json"; then  # KvikIO's server alone did not start: the others are measured without it
-  echo "kvscope-fs-kvikio did not start (deploy.log says why); measuring the others" | tee "$out/KVIKIO-FAILED"
-  configs=${configs%,kvscope-fs-kvikio}; candidates=${candidates%,kvscope-fs-kvikio}
-elif ! python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+      "$run_dir/deployment.json"; then  # KvikIO's server alone did not start: the others are measured without it
+    echo "kvscope-fs-kvikio did not start (deploy.log says why); measuring the others" | tee "$out/KVIKIO-FAILED"
+    configs=${configs%,kvscope-fs-kvikio}; candidates=${candidates%,kvscope-fs-kvikio}
+  elif ! python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
 sys.exit(len(d["failed"]) > 0)' "$run_dir/deployment.json"; then  # CUDA graphs failed somewhere: measure in eager mode, and say so
-  echo "a server did not start with CUDA graphs; deploying again with --enforce-eager" | tee "$out/EAGER"
-  teardown > /dev/null 2>&1
-  deploy "$configs" "${overrides/\"enforce-eager\": false/\"enforce-eager\": true}" > "$out/deploy-eager.log" 2>&1
+    echo "a server did not start with CUDA graphs; deploying again with --enforce-eager" | tee "$out/EAGER"
+    teardown > /dev/null 2>&1
+    deploy "$configs" "${overrides/\"enforce-eager\": false/\"enforce-eager\": true}" > "$out/deploy-eager.log" 2>&1
+  fi
+  cp "$run_dir/deployment.json" "$out/"
 fi
-cp "$run_dir/deployment.json" "$out/"
 if want ttft; then
   python3 loadtests/benchmarks/connector_ttft.py --deployment "$run_dir/deployment.json" \
     --configs "$candidates" --peers offload-cpu-tier --tokens "$tokens" --prompts 3 --repeats 3 \
@@ -82,4 +84,4 @@ if want bench; then
     --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report --results "$out" > "$out/bench.log" 2>&1
   echo "bench exit $?"
 fi
-teardown > /dev/null 2>&1
+{ want ttft || want bench; } && teardown > /dev/null 2>&1
