@@ -157,3 +157,16 @@ def test_the_long_context_flags_reach_the_deploy_whole(tmp_path):
     text = out.stdout + out.stderr
     assert '"kv-cache-memory-bytes": 6442450944, "gpu-memory-utilization": 0.15}}' in text, text[-3000:]
     assert "unexpected EOF" not in text and "nvidia-smi" in text  # the whole command ran, to the GPU preflight
+
+
+def test_connector_bench_refuses_an_unknown_part_and_deploys_nothing_for_the_parts_without_servers(tmp_path):
+    env = {**os.environ, "PATH": f"{REPO / '.venv-vllm' / 'bin'}:{os.environ['PATH']}", "RUN_DIR": str(tmp_path / "run")}
+    script = "loadtests/benchmarks/cuda-host/connector-bench.sh"
+    bad = subprocess.run(["bash", script, str(tmp_path / "bad")], cwd=REPO, env={**env, "PARTS": "tests,sweep"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no part 'sweep' (ttft,tests,load,copy,bench)" in bad.stderr
+    out = subprocess.run(["bash", script, str(tmp_path / "out")], cwd=REPO, env={**env, "PARTS": "tests"},
+                         capture_output=True, text=True, timeout=600)
+    assert "GPU tests exit" in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "out" / "test_gpu.txt").exists() and not (tmp_path / "out" / "deploy.log").exists()
+    assert not (tmp_path / "run").exists() and "connector_ttft" not in out.stdout  # no deploy, no sweep
