@@ -167,6 +167,6 @@ def test_connector_bench_refuses_an_unknown_part_and_deploys_nothing_for_the_par
     assert bad.returncode == 2 and "no part 'sweep' (ttft,tests,load,copy,bench)" in bad.stderr
     out = subprocess.run(["bash", script, str(tmp_path / "out")], cwd=REPO, env={**env, "PARTS": "tests"},
                          capture_output=True, text=True, timeout=600)
-    assert "GPU tests exit" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "GPU tests exit" in out.stdout, out.stdout + out.stderr
     assert (tmp_path / "out" / "test_gpu.txt").exists() and not (tmp_path / "out" / "deploy.log").exists()
     assert not (tmp_path / "run").exists() and "connector_ttft" not in out.stdout  # no deploy, no sweep

@@ -20,8 +20,8 @@ for part in ${parts//,/ }; do
   [[ ,$all, == *,$part,* ]] || { echo "connector-bench: no part '$part' ($all)" >&2; exit 2; }
 done
 . "$(dirname "$0")/env.sh"
-configs=baseline,offload-cpu-tier,kvscope-ram,kvscope-fs
-want bench && configs=baseline,control,offload-cpu-tier,kvscope-ram,kvscope-fs
+servers=false; { want ttft || want bench; } && servers=true  # the parts that measure servers
+configs=baseline$(want bench && echo ,control),offload-cpu-tier,kvscope-ram,kvscope-fs
 candidates=kvscope-ram,kvscope-fs
 if python3 -c 'import kvikio' 2>/dev/null; then  # kvscope-fs's files read by KvikIO too, where it is installed
   configs+=,kvscope-fs-kvikio; candidates+=,kvscope-fs-kvikio
@@ -29,7 +29,7 @@ fi
 overrides=$(long_context 6442450944)  # 6 GiB of GPU KV: one 32k-token prompt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
-if want ttft || want bench; then  # the parts that measure servers
+if $servers; then
   model qwen3-4b
   deploy "$configs" "$overrides" > "$out/deploy.log" 2>&1
   tail -1 "$out/deploy.log"
@@ -84,4 +84,4 @@ if want bench; then
     --scenarios rag-zipf,rag-long --users 4 --run-id "$run_id" --report --results "$out" > "$out/bench.log" 2>&1
   echo "bench exit $?"
 fi
-{ want ttft || want bench; } && teardown > /dev/null 2>&1
+if $servers; then teardown > /dev/null 2>&1; fi
