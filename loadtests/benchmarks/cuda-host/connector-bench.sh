@@ -14,12 +14,9 @@
 #     [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}
-all=ttft,tests,load,copy,bench; parts=,${PARTS:-$all},
-want() { [[ $parts == *,$1,* ]]; }
-for part in ${parts//,/ }; do
-  [[ ,$all, == *,$part,* ]] || { echo "connector-bench: no part '$part' ($all)" >&2; exit 2; }
-done
 . "$(dirname "$0")/env.sh"
+. "$(dirname "$0")/parts.sh"
+pick_parts connector-bench ttft,tests,load,copy,bench
 servers=false; { want ttft || want bench; } && servers=true  # the parts that measure servers
 configs=baseline$(want bench && echo ,control),offload-cpu-tier,kvscope-ram,kvscope-fs
 candidates=kvscope-ram,kvscope-fs

@@ -20,13 +20,10 @@
 #     OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
-here=$(dirname "$0"); all=tiny,exact,lmcache-repro,normal,failed-load; parts=,${PARTS:-$all},
-want() { [[ $parts == *,$1,* ]]; }
+here=$(dirname "$0"); . "$here/parts.sh"
+pick_parts exact-bench tiny,exact,lmcache-repro,normal,failed-load
 [[ ${ATTENTION:-X} =~ ^[A-Z0-9_]+$ ]] || { echo "exact-bench: ATTENTION '$ATTENTION' is not a backend name" >&2; exit 2; }
 tag=${ATTENTION:+-${ATTENTION,,}}
-for part in ${parts//,/ }; do
-  [[ ,$all, == *,$part,* ]] || { echo "exact-bench: no part '$part' ($all)" >&2; exit 2; }
-done
 export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries RESULTS=$out/results
 correct=baseline,control,apc,offload-cpu-tier,kvscope-ram,kvscope-fs
 exact_configs=${CONFIGS:-$correct,canary,lmcache-mp,lmcache-cpu,ucm-nfs}
