@@ -165,6 +165,10 @@ def test_connector_bench_refuses_an_unknown_part_and_deploys_nothing_for_the_par
     bad = subprocess.run(["bash", script, str(tmp_path / "bad")], cwd=REPO, env={**env, "PARTS": "tests,sweep"},
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no part 'sweep' (ttft,tests,load,copy,bench)" in bad.stderr
+    for pattern in ("t*", "?ests", "[t]ests"):  # a glob is no part's name, whatever the folder holds
+        bad = subprocess.run(["bash", script, str(tmp_path / "bad")], cwd=REPO, env={**env, "PARTS": pattern},
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and f"no part '{pattern}'" in bad.stderr, bad.stdout + bad.stderr
     out = subprocess.run(["bash", script, str(tmp_path / "out")], cwd=REPO, env={**env, "PARTS": "tests"},
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "GPU tests exit" in out.stdout, out.stdout + out.stderr
