@@ -164,7 +164,7 @@ def test_connector_bench_refuses_an_unknown_part_and_deploys_nothing_for_the_par
     script = "loadtests/benchmarks/cuda-host/connector-bench.sh"
     bad = subprocess.run(["bash", script, str(tmp_path / "bad")], cwd=REPO, env={**env, "PARTS": "tests,sweep"},
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "no part 'sweep' (ttft,tests,load,copy,bench)" in bad.stderr
+    assert bad.returncode == 2 and "no part 'sweep' (tests,load,copy,ttft,bench)" in bad.stderr
     for pattern in ("t*", "?ests", "[t]ests"):  # a glob is no part's name, whatever the folder holds
         bad = subprocess.run(["bash", script, str(tmp_path / "bad")], cwd=REPO, env={**env, "PARTS": pattern},
                              capture_output=True, text=True, timeout=60)
@@ -174,3 +174,23 @@ def test_connector_bench_refuses_an_unknown_part_and_deploys_nothing_for_the_par
     assert out.returncode == 0 and "GPU tests exit" in out.stdout, out.stdout + out.stderr
     assert (tmp_path / "out" / "test_gpu.txt").exists() and not (tmp_path / "out" / "deploy.log").exists()
     assert not (tmp_path / "run").exists() and "connector_ttft" not in out.stdout  # no deploy, no sweep
+
+
+def test_connector_bench_runs_the_parts_without_servers_before_it_deploys(tmp_path):
+    """On an 80 GB card the five servers filled the GPU: the GPU tests and copy_paths.py ran out of its memory
+    beside them. Here `make` stands in for the deploy and says whether the GPU tests had run by then."""
+    tree, bin_dir, log = tmp_path / "tree", tmp_path / "bin", tmp_path / "make.log"
+    for name in ("loadtests", "connector"):
+        (tree / name).parent.mkdir(exist_ok=True)
+        (tree / name).symlink_to(REPO / name)
+    (tree / "models" / "qwen3-4b").mkdir(parents=True)
+    (tree / "models" / "qwen3-4b" / "model.safetensors").touch()  # the script's model() builds none
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f'#!/bin/sh\necho "$2" $(ls {tmp_path / "out"}) >> {log}\nexit 1\n')
+    (bin_dir / "make").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{REPO / '.venv-vllm' / 'bin'}:{os.environ['PATH']}",
+           "RUN_DIR": str(tmp_path / "run"), "PARTS": "ttft,tests"}
+    subprocess.run(["bash", "loadtests/benchmarks/cuda-host/connector-bench.sh", str(tmp_path / "out")], cwd=tree,
+                   env=env, capture_output=True, text=True, timeout=600)
+    first = log.read_text().splitlines()[0].split()
+    assert first[0] == "deploy" and "test_gpu.txt" in first[1:], log.read_text()
