@@ -50,3 +50,19 @@ def test_a_hit_ratio_on_a_partial_hit_says_how_much_was_cached():
         "tokens cached)"]
     cached[32768]["kvscope-fs"] = 32736  # all but the last, partial block: a whole hit
     assert [line.endswith("NOT met)") for line in connector_ttft.goal_lines(goals, medians, cached)] == [True, True]
+
+
+def test_kvscope_ram_against_cold_at_16k_is_judged_against_the_peers_own_ratio():
+    # issue 33's goal is the peer's ratio; the script judged it against a fixed 0.3 and printed "NOT met" on the
+    # H100 run of 2026-12-05, where kvscope-ram's 0.376 was under offload-cpu-tier's 0.394
+    goals = connector_ttft.GOALS["cuda"]
+    medians = {16384: {"kvscope-ram": 159.7, "offload-cpu-tier": 167.2, connector_ttft.COLD: 424.4}}
+    cached = {16384: {"kvscope-ram": 16352, "offload-cpu-tier": 16384, connector_ttft.COLD: 0}}
+    lines = [line for line in connector_ttft.goal_lines(goals, medians, cached) if "/ cold" in line]
+    assert lines == ["kvscope-ram / cold baseline at 16384 tokens: 0.38 (goal <= offload-cpu-tier's 0.39: met)"]
+    medians[16384]["kvscope-ram"] = 170.0
+    assert connector_ttft.goal_lines(goals, medians, cached)[-1].endswith("(goal <= offload-cpu-tier's 0.39: NOT met)")
+    del medians[16384]["offload-cpu-tier"]  # no peer measured: nothing to judge against, and said so
+    assert connector_ttft.goal_lines(goals, medians, cached) == [
+        "kvscope-ram / cold baseline at 16384 tokens: 0.40 (goal <= offload-cpu-tier's ratio: not judged, "
+        "offload-cpu-tier not measured)"]

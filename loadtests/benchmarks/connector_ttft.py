@@ -14,11 +14,11 @@ a miss, every one saved) against baseline, each config and each peer in turn: wh
 cost a miss, next to what the peer's cost.
 
 Prints medians with the interquartile range and n, the ratios, and the goals against what was measured: on
-a GPU kvscope-ram <= 1.2x offload-cpu-tier at every length >= 8k and <= 0.3x cold at 16k, kvscope-fs (and
-kvscope-fs-kvikio) <= 1.3x offload-cpu-tier at >= 8k and <= 0.5x cold at >= 16k; on the CPU kvscope-ram <=
-1.15x apc, kvscope-ram and kvscope-fs (files only) <= 0.35x cold; everywhere a miss under load <= 1.05x
-baseline's and no worse, against baseline's, than each peer's miss under load (not judged, and said so, where
-a peer was not loaded).
+a GPU kvscope-ram <= 1.2x offload-cpu-tier at every length >= 8k and, at 16k, no more of cold than
+offload-cpu-tier's own ratio; kvscope-fs (and kvscope-fs-kvikio) <= 1.3x offload-cpu-tier at >= 8k and <= 0.5x
+cold at >= 16k; on the CPU kvscope-ram <= 1.15x apc, kvscope-ram and kvscope-fs (files only) <= 0.35x cold;
+everywhere a miss under load <= 1.05x baseline's and no worse, against baseline's, than each peer's miss under
+load (not judged, and said so, where a peer was not loaded).
 
     .venv/bin/python loadtests/benchmarks/connector_ttft.py [--configs kvscope-ram,kvscope-fs] [--peers apc]
 """
@@ -42,9 +42,11 @@ from kvscope.run.records import new_record, parse_stream, request_body
 
 CHARS_PER_TOKEN = 3.9  # pydoc's prose in the tiny model's tokenizer, where the model's tokenizer is not at hand
 COLD = "cold baseline"
-# (config, against, shortest length, longest length, the most the ratio may be): the goals of docs/benchmarks.md
-GOALS: dict[str, list[tuple[str, str, int, int | None, float]]] = {
-    "cuda": [("kvscope-ram", "offload-cpu-tier", 8000, None, 1.2), ("kvscope-ram", COLD, 16000, 17000, 0.3),
+# (config, against, shortest length, longest length, the most the ratio may be: a number, or a peer whose own
+# ratio against the same server at that length is the most): the goals of docs/benchmarks.md (issue 33)
+GOALS: dict[str, list[tuple[str, str, int, int | None, float | str]]] = {
+    "cuda": [("kvscope-ram", "offload-cpu-tier", 8000, None, 1.2),
+             ("kvscope-ram", COLD, 16000, 17000, "offload-cpu-tier"),
              ("kvscope-fs", "offload-cpu-tier", 8000, None, 1.3), ("kvscope-fs", COLD, 16000, None, 0.5),
              ("kvscope-fs-kvikio", "offload-cpu-tier", 8000, None, 1.3), ("kvscope-fs-kvikio", COLD, 16000, None, 0.5)],
     "cpu": [("kvscope-ram", "apc", 0, None, 1.15), ("kvscope-ram", COLD, 0, None, 0.35),
@@ -157,8 +159,13 @@ def goal_lines(goals, medians: dict[int, dict[str, float]], cached: dict[int, di
             if config in med and other in med and tokens >= shortest and (longest is None or tokens <= longest):
                 ratio, held = med[config] / med[other], cached[tokens][config]
                 partial = f"; a partial hit: {held} of {tokens} tokens cached" if held < 0.9 * tokens else ""
-                lines.append(f"{config} / {other} at {tokens} tokens: {ratio:.2f} (goal <= {most}: "
-                             f"{'met' if ratio <= most else 'NOT met'}{partial})")
+                head = f"{config} / {other} at {tokens} tokens: {ratio:.2f}"
+                if isinstance(most, str) and most not in med:
+                    lines.append(f"{head} (goal <= {most}'s ratio: not judged, {most} not measured{partial})")
+                    continue
+                limit = med[most] / med[other] if isinstance(most, str) else most
+                said = f"{most}'s {limit:.2f}" if isinstance(most, str) else f"{most}"
+                lines.append(f"{head} (goal <= {said}: {'met' if ratio <= limit else 'NOT met'}{partial})")
     return lines
 
 
