@@ -186,11 +186,16 @@ def test_connector_bench_runs_the_parts_without_servers_before_it_deploys(tmp_pa
     (tree / "models" / "qwen3-4b").mkdir(parents=True)
     (tree / "models" / "qwen3-4b" / "model.safetensors").touch()  # the script's model() builds none
     bin_dir.mkdir()
-    (bin_dir / "make").write_text(f'#!/bin/sh\necho "$2" $(ls {tmp_path / "out"}) >> {log}\nexit 1\n')
+    (bin_dir / "make").write_text(f'#!/bin/sh\necho "$2" $(ls "{tmp_path / "out"}") >> "{log}"\nexit 1\n')
     (bin_dir / "make").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{REPO / '.venv-vllm' / 'bin'}:{os.environ['PATH']}",
            "RUN_DIR": str(tmp_path / "run"), "PARTS": "ttft,tests"}
-    subprocess.run(["bash", "loadtests/benchmarks/cuda-host/connector-bench.sh", str(tmp_path / "out")], cwd=tree,
-                   env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(["bash", "loadtests/benchmarks/cuda-host/connector-bench.sh", str(tmp_path / "out")],
+                         cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert log.exists(), run.stdout + run.stderr
     first = log.read_text().splitlines()[0].split()
-    assert first[0] == "deploy" and "test_gpu.txt" in first[1:], log.read_text()
+    assert first[0] == "deploy" and "test_gpu.txt" in first[1:], log.read_text() + run.stdout + run.stderr
+    # load_throughput.py and copy_paths.py, too slow to run here, stand before the deploy like the tests
+    script = (REPO / "loadtests/benchmarks/cuda-host/connector-bench.sh").read_text()
+    assert script.index("if want load") < script.index("if $servers") and script.index("if want copy") < \
+        script.index("if $servers")

@@ -26,7 +26,7 @@ fi
 overrides=$(long_context 6442450944)  # 6 GiB of GPU KV: one 32k-token prompt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
-# the parts without servers first, with the whole GPU: on an 80 GB card five servers leave them no memory
+# the parts without servers first, with the whole GPU: on an 80 GB card the servers leave them no memory
 if want tests; then
   python3 -m pytest -q -p no:cacheprovider connector/tests/test_gpu.py > "$out/test_gpu.txt" 2>&1
   echo "GPU tests exit $?"
