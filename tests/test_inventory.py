@@ -180,8 +180,8 @@ def test_connector_bench_runs_the_parts_without_servers_before_it_deploys(tmp_pa
     """On an 80 GB card the five servers filled the GPU: the GPU tests and copy_paths.py ran out of its memory
     beside them. Here `make` stands in for the deploy and says whether the GPU tests had run by then."""
     tree, bin_dir, log = tmp_path / "tree", tmp_path / "bin", tmp_path / "make.log"
+    tree.mkdir()
     for name in ("loadtests", "connector"):
-        (tree / name).parent.mkdir(exist_ok=True)
         (tree / name).symlink_to(REPO / name)
     (tree / "models" / "qwen3-4b").mkdir(parents=True)
     (tree / "models" / "qwen3-4b" / "model.safetensors").touch()  # the script's model() builds none

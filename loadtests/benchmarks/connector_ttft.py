@@ -160,11 +160,14 @@ def goal_lines(goals, medians: dict[int, dict[str, float]], cached: dict[int, di
                 ratio, held = med[config] / med[other], cached[tokens][config]
                 partial = f"; a partial hit: {held} of {tokens} tokens cached" if held < 0.9 * tokens else ""
                 head = f"{config} / {other} at {tokens} tokens: {ratio:.2f}"
-                if isinstance(most, str) and most not in med:
+                if not isinstance(most, str):
+                    limit, said = most, f"{most}"
+                elif most in med:  # a peer: its own ratio against the same server is the most
+                    limit = med[most] / med[other]
+                    said = f"{most}'s {limit:.2f}"
+                else:
                     lines.append(f"{head} (goal <= {most}'s ratio: not judged, {most} not measured{partial})")
                     continue
-                limit = med[most] / med[other] if isinstance(most, str) else most
-                said = f"{most}'s {limit:.2f}" if isinstance(most, str) else f"{most}"
                 lines.append(f"{head} (goal <= {said}: {'met' if ratio <= limit else 'NOT met'}{partial})")
     return lines
 
