@@ -66,3 +66,12 @@ def test_kvscope_ram_against_cold_at_16k_is_judged_against_the_peers_own_ratio()
     assert connector_ttft.goal_lines(goals, medians, cached) == [
         "kvscope-ram / cold baseline at 16384 tokens: 0.40 (goal <= offload-cpu-tier's ratio: not judged, "
         "offload-cpu-tier not measured)"]
+
+
+def test_the_connector_line_splits_the_forward_threads_time_per_request():
+    d = {"kvscope:connector_fs_hits_total": 4599, "kvscope:connector_load_seconds_total": 1.8,
+         "kvscope:connector_load_read_wait_seconds_total": 0.9, "kvscope:connector_load_device_wait_seconds_total": 0.45,
+         "kvscope:connector_save_forward_seconds_total": 0.09}
+    line = connector_ttft.connector_line(d, 9)
+    assert line.startswith("ram 0, fs 4599; saves skipped 0, forward waited 0.00 s for saves;")
+    assert line.endswith("ms a request (n=9): load 200.0 (waiting for reads 100.0, for the GPU 50.0), save 10.0")

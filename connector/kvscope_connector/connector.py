@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 COUNTERS = ("ram_hits", "fs_hits", "misses", "corrupt", "io_errors", "saves", "save_errors", "saves_skipped",
-            "load_bytes", "save_bytes", "load_seconds", "save_seconds", "save_wait_seconds", "evictions")
+            "load_bytes", "save_bytes", "load_seconds", "load_read_wait_seconds", "load_device_wait_seconds",
+            "save_seconds", "save_forward_seconds", "save_wait_seconds", "evictions")
 
 
 @dataclass

@@ -359,12 +359,14 @@ class WorkerSide:
             group, job = queued.popleft()
             in_flight -= len(group)
             if job is not None:
+                waited = time.perf_counter()
                 try:
                     results = job.result(timeout=wait_s)
                 except TimeoutError:  # the read goes on in its thread: the slots it fills go back when it ends
                     job.add_done_callback(self._release_late)
                     results = [Fetched(Outcome.IO, why=f"no answer in {LOAD_WAIT_S:g} s")] * len(group)
                     wait_s = 0
+                self.stats.load_read_wait_seconds += time.perf_counter() - waited
             elif ram is not None and group[0].key in in_ram:
                 results = self._fetch_ram(group[0], verify)
             else:
@@ -482,9 +484,11 @@ class WorkerSide:
         blocks that match, up to each request's first failure, into the KV cache."""
         if not staged:
             return 0
+        waited = time.perf_counter()
         Side.wait(arrived)
         rows = chunk[:len(staged)]
         found = [digest_hex(pair) for pair in mix_digests(rows).tolist()]
+        self.stats.load_device_wait_seconds += time.perf_counter() - waited
         keep, ids = [], []
         for row, ((spec, got), digest) in enumerate(zip(staged, found)):
             if digest != got.digest:
@@ -529,6 +533,7 @@ class WorkerSide:
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
+        self.stats.save_forward_seconds += time.perf_counter() - started
 
     def _shed_files(self, stores: list[StoreSpec]) -> list[StoreSpec]:
         """With the save thread behind, the files of file-only saves beyond the backlog's room, skipped whole

@@ -7,7 +7,8 @@ prompts, one request at a time: each prompt is primed on every config and peer, 
 baseline (cold) and to each of them (warm), in turn, so a noisy moment falls on all of them. Priming right
 before the warm requests keeps the prompt in every cache whatever its capacity. With --eviction, CONFIG's
 RAM tier is then pushed past capacity with other prompts and every prompt sent again ("after eviction":
-hits from its filesystem tier). The connector's tier hits of each phase come from its /metrics. Each
+hits from its filesystem tier). The connector's tier hits of each phase come from its /metrics, and with
+them where the forward thread's time in the connector went (load: waiting for reads, for the GPU; save). Each
 measured request waits PAUSE seconds first (on a 2-core CPU, OpenMP threads still spinning in another
 server would slow it). Then, with --load-users U, U closed-loop streams of distinct fresh prompts (every one
 a miss, every one saved) against baseline, each config and each peer in turn: what the connector's saves
@@ -96,13 +97,25 @@ class Prompts:
         return head + self.tok.decode(ids[start:start + need])
 
 
-def tier_hits(server: Manifest, before: dict[str, float]) -> str:
-    """Blocks each tier served, file saves skipped while the save thread was behind (later misses), and the
-    seconds the forward waited for it (its backlog full)."""
-    d = delta(before, scrape(f"http://{server.host}:{server.port}"))
-    return ", ".join(f"{t} {int(d.get(f'kvscope:connector_{t}_hits_total', 0))}" for t in ("ram", "fs")) + \
-        f"; saves skipped {int(d.get('kvscope:connector_saves_skipped_total', 0))}" + \
-        f", forward waited {d.get('kvscope:connector_save_wait_seconds_total', 0):.2f} s for saves"
+def tier_hits(server: Manifest, before: dict[str, float], requests: int) -> str:
+    return connector_line(delta(before, scrape(f"http://{server.host}:{server.port}")), requests)
+
+
+def connector_line(d: dict[str, float], requests: int) -> str:
+    """From a phase's counter deltas: blocks each tier served, file saves skipped while the save thread was
+    behind (later misses), the seconds the forward waited for it (its backlog full), and the forward thread's
+    time in the connector per request of the phase: in load(), of it waiting for the load threads' reads
+    and for the GPU (copies, checksums), and in save()."""
+    def count(name: str) -> float:
+        return d.get(f"kvscope:connector_{name}_total", 0.0)
+
+    def ms(name: str) -> str:
+        return f"{count(name) / max(requests, 1) * 1000:.1f}"
+    return ", ".join(f"{t} {int(count(f'{t}_hits'))}" for t in ("ram", "fs")) + \
+        f"; saves skipped {int(count('saves_skipped'))}, forward waited {count('save_wait_seconds'):.2f} s for " \
+        f"saves; ms a request (n={requests}): load {ms('load_seconds')} (waiting for reads " \
+        f"{ms('load_read_wait_seconds')}, for the GPU {ms('load_device_wait_seconds')}), " \
+        f"save {ms('save_forward_seconds')}"
 
 
 def spread(xs) -> str:
@@ -130,7 +143,8 @@ def measure(args, base: Manifest, peers: list[Manifest], configs: list[Manifest]
             phases[COLD].append(measured(base, p))
             for s in servers:
                 phases[s.config].append(measured(s, p))
-    hits = {s.config: tier_hits(s, before[s.config]) for s in configs}  # primes included
+    # primes included (misses: they save, and load nothing)
+    hits = {s.config: tier_hits(s, before[s.config], len(texts) * args.repeats) for s in configs}
     if args.eviction:
         for s in configs:
             for i in range(4):
@@ -138,7 +152,7 @@ def measure(args, base: Manifest, peers: list[Manifest], configs: list[Manifest]
                     ttft(s, f"[evict {i}] {p}")
             before = {s.config: scrape(f"http://{s.host}:{s.port}")}
             phases[f"{s.config} (after eviction)"] = [measured(s, p) for p in texts]
-            hits[f"{s.config} (after eviction)"] = tier_hits(s, before[s.config])
+            hits[f"{s.config} (after eviction)"] = tier_hits(s, before[s.config], len(texts))
     print(f"\n== {tokens} tokens: {len(texts)} prompts, {args.repeats} requests each per server")
     for name, got in phases.items():
         print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}"
@@ -242,7 +256,7 @@ def main() -> None:
             for server in loaded[r % len(loaded):] + loaded[:r % len(loaded)]:
                 misses.setdefault(server.config, []).extend(under_load(args, server, prompts, f"round {r}"))
         for name, got in misses.items():
-            hits = f"; connector: {tier_hits(deployed[name], before[name])}" if name in before else ""
+            hits = f"; connector: {tier_hits(deployed[name], before[name], len(got))}" if name in before else ""
             print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}"
                   f"{hits}")
     print("\n== goals (measured in this run)")
