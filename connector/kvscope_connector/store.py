@@ -50,9 +50,9 @@ class Stats:
     saves_skipped: int = 0  # files not written because the save thread was behind: later misses
     load_bytes: int = 0
     save_bytes: int = 0
-    load_seconds: float = 0.0  # the forward thread in load(), of which:
-    load_read_wait_seconds: float = 0.0  # waiting for the load threads' reads (and their host checks)
-    load_device_wait_seconds: float = 0.0  # waiting for the GPU: a chunk's copies and its checksums read back
+    load_seconds: float = 0.0  # the forward thread in load(), once the loaded keys' pending saves are in; of it
+    load_read_wait_seconds: float = 0.0  # waiting for the load threads (their reads, and checks on the host)
+    load_device_wait_seconds: float = 0.0  # waiting for the GPU: its queue up to a chunk's checksums, read back
     save_seconds: float = 0.0  # copies issued and stored, on either thread
     save_forward_seconds: float = 0.0  # the forward thread in save() (backlog waits included)
     save_wait_seconds: float = 0.0  # the forward thread waiting for the save thread (its backlog full)

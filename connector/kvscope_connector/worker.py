@@ -512,6 +512,13 @@ class WorkerSide:
     # Saves
 
     def save(self, meta: KVScopeMetadata) -> None:
+        entered = time.perf_counter()
+        try:
+            self._save(meta)
+        finally:
+            self.stats.save_forward_seconds += time.perf_counter() - entered
+
+    def _save(self, meta: KVScopeMetadata) -> None:
         """Send this step's new blocks towards the host, then hand them to the save thread. None in a step
         with a failed load, nor in the next unless the scheduler planned it after hearing of the failure
         (async scheduling plans it before): any of them may have been computed on a failed block, the
@@ -533,7 +540,6 @@ class WorkerSide:
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
-        self.stats.save_forward_seconds += time.perf_counter() - started
 
     def _shed_files(self, stores: list[StoreSpec]) -> list[StoreSpec]:
         """With the save thread behind, the files of file-only saves beyond the backlog's room, skipped whole

@@ -97,25 +97,25 @@ class Prompts:
         return head + self.tok.decode(ids[start:start + need])
 
 
-def tier_hits(server: Manifest, before: dict[str, float], requests: int) -> str:
-    return connector_line(delta(before, scrape(f"http://{server.host}:{server.port}")), requests)
+def tier_hits(server: Manifest, before: dict[str, float], loads: int, saves: int) -> str:
+    return connector_line(delta(before, scrape(f"http://{server.host}:{server.port}")), loads, saves)
 
 
-def connector_line(d: dict[str, float], requests: int) -> str:
+def connector_line(d: dict[str, float], loads: int, saves: int) -> str:
     """From a phase's counter deltas: blocks each tier served, file saves skipped while the save thread was
     behind (later misses), the seconds the forward waited for it (its backlog full), and the forward thread's
-    time in the connector per request of the phase: in load(), of it waiting for the load threads' reads
-    and for the GPU (copies, checksums), and in save()."""
+    time in the connector in ms a request: in load() over the `loads` requests that loaded (of it waiting for
+    the load threads and for the GPU), in save() over the `saves` that stored."""
     def count(name: str) -> float:
         return d.get(f"kvscope:connector_{name}_total", 0.0)
 
-    def ms(name: str) -> str:
-        return f"{count(name) / max(requests, 1) * 1000:.1f}"
+    def ms(name: str, n: int) -> str:
+        return f"{count(name) / max(n, 1) * 1000:.1f}"
     return ", ".join(f"{t} {int(count(f'{t}_hits'))}" for t in ("ram", "fs")) + \
         f"; saves skipped {int(count('saves_skipped'))}, forward waited {count('save_wait_seconds'):.2f} s for " \
-        f"saves; ms a request (n={requests}): load {ms('load_seconds')} (waiting for reads " \
-        f"{ms('load_read_wait_seconds')}, for the GPU {ms('load_device_wait_seconds')}), " \
-        f"save {ms('save_forward_seconds')}"
+        f"saves; ms a request: load {ms('load_seconds', loads)} (n={loads}; waiting for reads " \
+        f"{ms('load_read_wait_seconds', loads)}, for the GPU {ms('load_device_wait_seconds', loads)}), " \
+        f"save {ms('save_forward_seconds', saves)} (n={saves})"
 
 
 def spread(xs) -> str:
@@ -143,8 +143,8 @@ def measure(args, base: Manifest, peers: list[Manifest], configs: list[Manifest]
             phases[COLD].append(measured(base, p))
             for s in servers:
                 phases[s.config].append(measured(s, p))
-    # primes included (misses: they save, and load nothing)
-    hits = {s.config: tier_hits(s, before[s.config], len(texts) * args.repeats) for s in configs}
+    # primes included: misses, the phase's saves (they load nothing)
+    hits = {s.config: tier_hits(s, before[s.config], len(texts) * args.repeats, len(texts)) for s in configs}
     if args.eviction:
         for s in configs:
             for i in range(4):
@@ -152,7 +152,7 @@ def measure(args, base: Manifest, peers: list[Manifest], configs: list[Manifest]
                     ttft(s, f"[evict {i}] {p}")
             before = {s.config: scrape(f"http://{s.host}:{s.port}")}
             phases[f"{s.config} (after eviction)"] = [measured(s, p) for p in texts]
-            hits[f"{s.config} (after eviction)"] = tier_hits(s, before[s.config], len(texts))
+            hits[f"{s.config} (after eviction)"] = tier_hits(s, before[s.config], len(texts), len(texts))
     print(f"\n== {tokens} tokens: {len(texts)} prompts, {args.repeats} requests each per server")
     for name, got in phases.items():
         print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}"
@@ -256,7 +256,8 @@ def main() -> None:
             for server in loaded[r % len(loaded):] + loaded[:r % len(loaded)]:
                 misses.setdefault(server.config, []).extend(under_load(args, server, prompts, f"round {r}"))
         for name, got in misses.items():
-            hits = f"; connector: {tier_hits(deployed[name], before[name], len(got))}" if name in before else ""
+            n = len(got)
+            hits = f"; connector: {tier_hits(deployed[name], before[name], n, n)}" if name in before else ""
             print(f"{name:<36} {spread([t for t, _ in got])}  cached tokens {int(np.median([c for _, c in got]))}"
                   f"{hits}")
     print("\n== goals (measured in this run)")
