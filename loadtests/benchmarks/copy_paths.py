@@ -12,8 +12,9 @@ time is the median of ROUNDS, after one round of warm-up:
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on), split into the gather
   alone and copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save thread's
   hand-off), each as host time, and the whole save (the blocks stored in RAM).
-Prints ms and GB/s per step and each load's throughput against the copy's (goal >= 0.8, issue 33), and checks that
-every load wrote the saved blocks' bytes.
+Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
+load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
+and the rest), and checks that every load wrote the saved blocks' bytes.
 
     python loadtests/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
 """
@@ -31,7 +32,7 @@ from kvscope_connector.blocks import checksum, fused_on, mix_digests
 from kvscope_connector.connector import FILE_TOKENS
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import Filed, placed
-from kvscope_connector.store import FsTier, RamTier
+from kvscope_connector.store import FsTier, RamTier, Stats
 from kvscope_connector.worker import WorkerSide
 
 FP = "f" * 32
@@ -134,7 +135,14 @@ def main() -> None:
     }
     print(f"{n} blocks x {on_gpu.block_bytes() / 1e6:.1f} MB = {total / 1e6:.0f} MB on {dev}"
           + (f" ({torch.cuda.get_device_name(dev)})" if gpu else "") + f"; median of {args.rounds} rounds")
-    took = {name: timed(fn, args.rounds, sync) for name, fn in steps.items()}
+    took, split = {}, {}
+    for name, fn in steps.items():
+        w = hits[name][0] if name in hits else None
+        if w is not None:
+            w.take_stats()
+        took[name] = timed(fn, args.rounds, sync)
+        if w is not None:
+            split[name] = load_split(w.take_stats(), args.rounds + 1)
     took["save: the forward thread's part"] = forward_part(on_gpu, stores, args.rounds)
     paths, ids = on_gpu.device_copies, list(range(n))
     took["save, forward thread: the gather alone"] = host_time(lambda: paths.gather(ids), args.rounds, sync)
@@ -148,7 +156,20 @@ def main() -> None:
     for name in hits:
         print(f"{name + ': throughput / the copy':<72} = {took[limit] / took[name]:.2f}  (goal >= 0.8)")
     print(f"{'checksum: mix128 in torch ops / on the device':<72} = {took[mix_ops] / took[mix]:.2f}")
+    print()
+    for name, line in split.items():
+        print(f"{name}: {line}")
     tmp.cleanup()
+
+
+def load_split(stats: Stats, loads: int) -> str:
+    """The connector's counters of a step's loads (warm-up included), a mean per load: the forward thread's
+    time in load(), waiting for the load threads, waiting for the GPU, and the rest (its own work and any
+    contention with the load threads)."""
+    reads, device = stats.load_read_wait_seconds / loads, stats.load_device_wait_seconds / loads
+    total = stats.load_seconds / loads
+    return (f"load {total * 1e3:.1f} ms: waiting for the load threads {reads * 1e3:.1f}, for the GPU "
+            f"{device * 1e3:.1f}, the rest {(total - reads - device) * 1e3:.1f} (mean of {loads})")
 
 
 def forward_part(w: WorkerSide, stores: KVScopeMetadata, rounds: int) -> float:

@@ -1,0 +1,26 @@
+"""loadtests/benchmarks/copy_paths.py on the CPU at a toy size: it runs, every load writes the saved bytes (it
+checks that itself), and each load's time is split by the connector's counters."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_copy_paths_runs_and_splits_each_loads_time():
+    out = subprocess.run([sys.executable, str(REPO / "loadtests" / "benchmarks" / "copy_paths.py"), "--device", "cpu",
+                          "--blocks", "8", "--layers", "2", "--rounds", "2"], capture_output=True, text=True,
+                         timeout=300, env={"PYTHONPATH": f"{REPO / 'connector'}:{REPO / 'loadtests'}",
+                                           "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    split = re.findall(r"^(load: [^:]+): load ([\d.]+) ms: waiting for the load threads ([\d.]+), for the GPU "
+                       r"([\d.]+), the rest (-?[\d.]+) \(mean of 3\)$", out.stdout, re.M)
+    assert [name for name, *_ in split] == ["load: RAM hit, checked on the GPU (mix128)",
+                                            "load: file hit (page cache), checked on the GPU",
+                                            "load: RAM hit, checked on the host (XXH3, 4 threads)"], out.stdout
+    for name, total, reads, device, rest in split:
+        assert float(total) > 0 and float(rest) >= 0, name
+        assert abs(float(reads) + float(device) + float(rest) - float(total)) <= 0.15, name  # rounding
+    assert float(split[0][2]) == 0  # RAM hits checked on the GPU are looked up on the forward thread
