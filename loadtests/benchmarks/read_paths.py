@@ -15,7 +15,8 @@ pages ("cold": posix_fadvise DONTNEED on clean pages; no root needed):
 - kvikio: KvikIO's pread of the segment into GPU memory (GDS where the host has it, its threaded POSIX path
   where not) and into pinned host memory, when kvikio imports; kvikio-files: the connector's files of --chunk
   blocks the way a load straight into GPU staging would read them (each header into host memory with
-  os.pread, each file's blocks with KvikIO into GPU memory, all files' reads in flight at once);
+  os.pread, each file's blocks with KvikIO into GPU memory, all files' reads in flight at once); KvikIO reads
+  on its own threads, as many as KVIKIO_NTHREADS says (its default: one), not --threads;
 - h2d: one pinned host-to-device copy of the same bytes, the limit beside a GPU.
 Prints the median of --rounds per way in GB/s and against raw, with n and spread, and checks every way read
 the bytes that were written.
