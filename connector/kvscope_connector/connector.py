@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -44,16 +44,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from .keys import fingerprint, secret_id, store_secret, weights_identity
 from .messages import KVScopeMetadata
 from .scheduler import SchedulerSide
-from .store import FsTier, RamTier
+from .store import FsTier, RamTier, Stats
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-COUNTERS = ("ram_hits", "fs_hits", "misses", "corrupt", "io_errors", "saves", "save_errors", "saves_skipped",
-            "load_bytes", "save_bytes", "load_seconds", "load_read_wait_seconds", "load_device_wait_seconds",
-            "save_seconds", "save_forward_seconds", "save_wait_seconds", "evictions")
+COUNTERS = tuple(f.name for f in fields(Stats) if f.name != "logged")  # each a counter on /metrics
 
 
 @dataclass
