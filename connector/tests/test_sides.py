@@ -839,7 +839,8 @@ def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, ch
     w.load(loads)
     slow_reads = w.take_stats()
     assert slow_reads.fs_hits == 2 and all(torch.equal(t[5 + i], t[i]) for t in w.layers.values() for i in (1, 2))
-    assert slow_reads.load_read_wait_seconds >= 0.3 and slow_reads.load_device_wait_seconds < 0.2
+    # the reads start when queued, a moment before the forward thread waits: most of their 0.3 s is waited for
+    assert slow_reads.load_read_wait_seconds >= 0.25 and slow_reads.load_device_wait_seconds < 0.2
 
     monkeypatch.setattr(FsTier, "get_file", get_file)
     if checks == "device":
