@@ -14,16 +14,21 @@ time is the median of ROUNDS, after one round of warm-up:
   hand-off), each as host time, and the whole save (the blocks stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
-and the rest), and checks that every load wrote the saved blocks' bytes.
+and the rest), and checks that every load wrote the saved blocks' bytes. With --profile, the file hit's
+forward thread under cProfile (the functions it spent most time in, a mean per load): what "the rest" is.
 
-    python loadtests/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda]
+    python loadtests/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda] [--load-threads N]
+        [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -66,7 +71,8 @@ def host_time(fn, rounds: int, sync, after=lambda _: None) -> float:
 
 
 def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide:
-    """A worker on its own Qwen3-4B-shaped KV cache of 3 x blocks, the first third random, and one tier."""
+    """A worker on its own Qwen3-4B-shaped KV cache of 3 x blocks, the first third random, and one tier (files
+    read on --load-threads)."""
     n = args.blocks
     gen = torch.Generator(device=dev).manual_seed(0)
     caches = {f"model.layers.{i}.self_attn.attn":
@@ -74,7 +80,8 @@ def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide
               for i in range(args.layers)}
     ram, fs = ((None, FsTier(fs_root, FP, None, per_file=max(1, FILE_TOKENS["cuda"] // BLOCK))) if fs_root
                else (RamTier(1 << 40), None))
-    w = WorkerSide(FP, BLOCK, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device)
+    w = WorkerSide(FP, BLOCK, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device,
+                   load_threads=args.load_threads)
     w.register(caches)
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", fs is None, fs is not None, file=f.file)
                                    for i, f in enumerate(files(w, n))]))
@@ -103,6 +110,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--load-threads", type=int, default=None, help="the connector's file reads in flight "
+                    "(default: its own, LOAD_THREADS)")
+    ap.add_argument("--profile", action="store_true", help="also profile the file hit's forward thread")
     args = ap.parse_args()
     dev = torch.device(args.device)
     gpu = dev.type == "cuda"
@@ -159,7 +169,29 @@ def main() -> None:
     print()
     for name, line in split.items():
         print(f"{name}: {line}")
+    if args.profile:
+        print()
+        print(profiled(lambda: from_file.load(loads(from_file, n, "fs")), args.rounds, sync))
     tmp.cleanup()
+
+
+def profiled(load, rounds: int, sync, top: int = 15) -> str:
+    """The calling (forward) thread's time in a load by function, under cProfile, a mean per load, most own
+    time first (waits for the load threads show as a lock's acquire; cProfile adds its own cost)."""
+    sync()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(rounds):
+        load()
+        sync()
+    profile.disable()
+    rows = sorted(pstats.Stats(profile).stats.items(), key=lambda item: -item[1][2])[:top]
+    lines = [f"file hit, the forward thread by function (cProfile, ms per load, mean of {rounds}):",
+             f"{'own':>8} {'with callees':>12} {'calls':>7}  function"]
+    for (path, line, name), (_, calls, own, cumulative, _) in rows:
+        where = f"{Path(path).name}:{line} {name}" if line else name
+        lines.append(f"{own / rounds * 1e3:8.2f} {cumulative / rounds * 1e3:12.2f} {calls / rounds:7.0f}  {where}")
+    return "\n".join(lines)
 
 
 def load_split(stats: Stats, loads: int) -> str:
