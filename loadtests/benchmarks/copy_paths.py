@@ -9,9 +9,10 @@ time is the median of ROUNDS, after one round of warm-up:
 - a RAM hit and a file hit (from the page cache, files of the connector's 256 tokens beside a GPU) through
   WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
   also checked on the host (XXH3-128 on the four load threads, its way before);
-- a save: the forward thread's part (WorkerSide.save returning; the copies run on), split into the gather
-  alone and copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save thread's
-  hand-off), each as host time, and the whole save (the blocks stored in RAM).
+- a save: the forward thread's part (WorkerSide.save returning; the copies run on), also while the RAM tier
+  fills (new keys each round: the slot pool grows), split into the gather alone and copy_out (the gather,
+  the checksum's launch and the copies' issue; the rest is the save thread's hand-off), each as host time,
+  and the whole save (the blocks stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
 and the rest), and checks that every load wrote the saved blocks' bytes. With --profile, the file hit's
@@ -28,6 +29,7 @@ import cProfile
 import pstats
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -153,7 +155,10 @@ def main() -> None:
         took[name] = timed(fn, args.rounds, sync)
         if w is not None:
             split[name] = load_split(w.take_stats(), args.rounds + 1)
-    took["save: the forward thread's part"] = forward_part(on_gpu, stores, args.rounds)
+    took["save: the forward thread's part"] = forward_part(on_gpu, lambda _: stores, args.rounds)
+    took["save: the forward thread's part, the RAM tier filling"] = forward_part(
+        on_gpu, lambda r: KVScopeMetadata(stores=[StoreSpec(i, f"fill{r}-{i}", True, False) for i in range(n)]),
+        args.rounds)
     paths, ids = on_gpu.device_copies, list(range(n))
     took["save, forward thread: the gather alone"] = host_time(lambda: paths.gather(ids), args.rounds, sync)
     took["save, forward thread: copy_out (gather, checksum, copies)"] = host_time(
@@ -204,13 +209,15 @@ def load_split(stats: Stats, loads: int) -> str:
             f"{device * 1e3:.1f}, the rest {(total - reads - device) * 1e3:.1f} (mean of {loads})")
 
 
-def forward_part(w: WorkerSide, stores: KVScopeMetadata, rounds: int) -> float:
-    """How long save() holds the forward thread (the copies to the host and the save thread run on)."""
+def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds: int) -> float:
+    """How long save() holds the forward thread (the copies to the host and the save thread run on), saving
+    stores(round): the same keys each round (the RAM tier replaces them: its slots are reused), or new ones
+    (the tier keeps them: the pool takes more host memory)."""
     out = []
-    for _ in range(rounds + 1):
+    for r in range(rounds + 1):
         w.flush()
         t = time.perf_counter()
-        w.save(stores)
+        w.save(stores(r))
         out.append(time.perf_counter() - t)
     w.flush()
     return float(np.median(out[1:]))
