@@ -1,6 +1,6 @@
 """loadtests/benchmarks/copy_paths.py on the CPU at a toy size: it runs, every load writes the saved bytes (it
-checks that itself), each load's time is split by the connector's counters, and --profile tells the file hit's
-forward thread's time by function."""
+checks that itself), each load's time is split by the connector's counters, and --profile tells the forward thread's
+time by function in a file hit, a RAM hit and a save."""
 
 import re
 import subprocess
@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_copy_paths_runs_and_splits_each_loads_time():
     out = subprocess.run([sys.executable, str(REPO / "loadtests" / "benchmarks" / "copy_paths.py"), "--device", "cpu",
-                          "--blocks", "8", "--layers", "2", "--rounds", "2", "--load-threads", "2", "--profile"], capture_output=True, text=True,
+                          "--blocks", "8", "--layers", "2", "--rounds", "2",
+                          "--load-threads", "2", "--profile"], capture_output=True, text=True,
                          timeout=300, env={"PYTHONPATH": f"{REPO / 'connector'}:{REPO / 'loadtests'}",
                                            "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -25,8 +26,9 @@ def test_copy_paths_runs_and_splits_each_loads_time():
         assert float(total) > 0 and float(rest) >= 0, name
         assert abs(float(reads) + float(device) + float(rest) - float(total)) <= 0.15, name  # rounding
     assert float(split[0][2]) == 0  # RAM hits checked on the GPU are looked up on the forward thread
-    profile = out.stdout.split("file hit, the forward thread by function (cProfile, ms per load, mean of 2):\n")
+    profile = out.stdout.split("file hit, the forward thread by function (cProfile, ms per step, mean of 2):\n")
     assert len(profile) == 2, out.stdout
     rows = re.findall(r"^ *([\d.]+) +([\d.]+) +(\d+)  (.+)$", profile[1], re.M)
     assert any(name.endswith("_load_on_device") for *_, name in rows), profile[1]  # the load's own frames
+    assert "RAM hit, the forward thread by function" in profile[1] and "save, the forward thread" in profile[1]
     assert "the RAM tier filling" in out.stdout

@@ -16,7 +16,8 @@ time is the median of ROUNDS, after one round of warm-up:
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
 and the rest), and checks that every load wrote the saved blocks' bytes. With --profile, the file hit's
-forward thread under cProfile (the functions it spent most time in, a mean per load): what "the rest" is.
+forward thread under cProfile (the functions it spent most time in, a mean per step), the RAM hit's and the
+save's: what "the rest" is.
 
     python loadtests/benchmarks/copy_paths.py [--blocks 72] [--layers 36] [--device cuda] [--load-threads N]
         [--profile]
@@ -175,23 +176,27 @@ def main() -> None:
     for name, line in split.items():
         print(f"{name}: {line}")
     if args.profile:
-        print()
-        print(profiled(lambda: from_file.load(loads(from_file, n, "fs")), args.rounds, sync))
+        for name, fn in {"file hit": lambda: from_file.load(loads(from_file, n, "fs")),
+                         "RAM hit": lambda: on_gpu.load(loads(on_gpu, n, "ram")),
+                         "save": lambda: on_gpu.save(stores)}.items():
+            print()
+            print(profiled(name, fn, args.rounds, sync, on_gpu.flush))
     tmp.cleanup()
 
 
-def profiled(load, rounds: int, sync, top: int = 15) -> str:
-    """The calling (forward) thread's time in a load by function, under cProfile, a mean per load, most own
-    time first (waits for the load threads show as a lock's acquire; cProfile adds its own cost)."""
-    sync()
+def profiled(name: str, step, rounds: int, sync, settle, top: int = 15) -> str:
+    """The calling (forward) thread's time in a step by function, under cProfile, a mean per step, most own
+    time first (waits for the load threads show as a lock's acquire; cProfile adds its own cost); the device
+    and the save thread idle (settle) before each step, as in the timings above."""
     profile = cProfile.Profile()
-    profile.enable()
     for _ in range(rounds):
-        load()
         sync()
-    profile.disable()
+        settle()
+        profile.enable()
+        step()
+        profile.disable()
     rows = sorted(pstats.Stats(profile).stats.items(), key=lambda item: -item[1][2])[:top]
-    lines = [f"file hit, the forward thread by function (cProfile, ms per load, mean of {rounds}):",
+    lines = [f"{name}, the forward thread by function (cProfile, ms per step, mean of {rounds}):",
              f"{'own':>8} {'with callees':>12} {'calls':>7}  function"]
     for (path, line, name), (_, calls, own, cumulative, _) in rows:
         where = f"{Path(path).name}:{line} {name}" if line else name
