@@ -184,7 +184,7 @@ def main() -> None:
     tmp.cleanup()
 
 
-def profiled(name: str, step, rounds: int, sync, settle, top: int = 15) -> str:
+def profiled(name: str, step, rounds: int, sync, settle, top: int = 25) -> str:
     """The calling (forward) thread's time in a step by function, under cProfile, a mean per step, most own
     time first (waits for the load threads show as a lock's acquire; cProfile adds its own cost); the device
     and the save thread idle (settle) before each step, as in the timings above."""

@@ -3,7 +3,8 @@
 # recomputing, on the Qwen3-4B shape in bf16 served with CUDA graphs (no --enforce-eager), in one run. First
 # what needs no server, with the whole GPU: the connector's GPU tests, load_throughput.py (file loads into the
 # GPU's KV cache, hot and cold, on the host's disk under runs/; then hot at the Qwen3-4B shape's 2.25 MiB blocks
-# on 4, 8 and 16 load threads), copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy); then, on
+# on 4, 8 and 16 load threads), copy_paths.py (a 2.3k- and a 16k-token hit against a pinned copy, the 16k one
+# with the forward thread profiled, on 8 load threads and on 16); then, on
 # servers, connector_ttft.py (the prompt-length sweep; misses under load on kvscope-ram, kvscope-fs and
 # offload-cpu-tier; kvscope-fs-kvikio beside them where kvikio imports) and a bench of the same servers
 # (rag-zipf and rag-long: fidelity under the run's own noise floor, TTFT under load). Writes OUT_DIR, the
@@ -50,7 +51,11 @@ if want load; then
   rm -rf "$files"
 fi
 if want copy; then
-  for blocks in 72 512; do python3 loadtests/benchmarks/copy_paths.py --blocks "$blocks" > "$out/copy_paths-$blocks.txt" 2>&1; done
+  python3 loadtests/benchmarks/copy_paths.py --blocks 72 > "$out/copy_paths-72.txt" 2>&1
+  for threads in 8 16; do  # a 16k-token hit, the forward thread profiled, on the connector's 8 load threads and on 16
+    python3 loadtests/benchmarks/copy_paths.py --blocks 512 --load-threads "$threads" --profile \
+      > "$out/copy_paths-512$([ "$threads" = 16 ] && echo -16threads).txt" 2>&1
+  done
   echo "copy_paths done"
 fi
 if $servers; then
