@@ -81,7 +81,9 @@ class SlotPool:
         """n slots, in address order: slots that lie side by side in a segment can be filled by one copy
         (spans). The free slots are kept sorted, so a run of free neighbours is taken whole."""
         with self.lock:
-            while self.returned and (self.returned[0][1] is None or self.returned[0][1].query()):
+            done = None  # the last event found done: slots given back together share one
+            while self.returned and ((event := self.returned[0][1]) is None or event is done or event.query()):
+                done = event
                 bisect.insort(self.free, self.returned.popleft()[0], key=torch.Tensor.data_ptr)
             while len(self.free) < n:
                 self._grow()
@@ -108,10 +110,11 @@ class SlotPool:
             yield i, j - i, self.rows[s][row:row + j - i]
             i = j
 
-    def give_back(self, slot: Block) -> None:
+    def give_back(self, *slots: Block) -> None:
+        """Slots to reuse once the side stream's queued copies are done: under one event, however many."""
         event = self.side.mark()
         with self.lock:
-            self.returned.append((slot, event))
+            self.returned.extend((slot, event) for slot in slots)
 
     def _grow(self) -> None:
         size = self.per_segment * self.block_bytes

@@ -218,9 +218,8 @@ class WorkerSide:
         read = partial(fs.get_file, first.file_key, [spec.key for spec in specs], first.offset, first.count, verify,
                        slots)
         got = self._fetch(TierName.FS, read, len(specs), owned=self.pool is not None)
-        if slots is not None and got[0].block is None:
-            for slot in slots:
-                self._release(Fetched(got[0].outcome, block=slot, owned=True))
+        if slots is not None and got[0].block is None and self.pool is not None:
+            self.pool.give_back(*slots)
         return got
 
     def _fetch_file_to_device(self, fs: FsTier, specs: list[LoadSpec]) -> list[Fetched]:
@@ -252,9 +251,10 @@ class WorkerSide:
             return self._fetch_file(self.fs, [spec], verify, None)
         return got
 
-    def _settle(self, spec: LoadSpec, result: Fetched) -> Block | None:
+    def _settle(self, spec: LoadSpec, result: Fetched, back: list[Block] | None = None) -> Block | None:
         """Count an outcome; discard what failed verification; promote filesystem hits to RAM (handing an
-        owned slot over, or giving it back). Returns the block, or None for a miss."""
+        owned slot over, or giving it back: into `back`, when the caller gives a chunk's back together).
+        Returns the block, or None for a miss."""
         outcome, why = result.outcome, result.why
         tier = {Outcome.RAM_HIT: "ram", Outcome.FS_HIT: "disk"}.get(outcome, "missed")
         served = self.served.setdefault(spec.request_id, {})
@@ -267,7 +267,7 @@ class WorkerSide:
             if spec.promote and self.ram is not None:  # verified already: no second pass
                 self.stats.evictions += self.ram.put(spec.key, result.block, result.digest, owned=result.owned)
             elif result.owned:
-                self._release(result)
+                self._release(result, back)
         elif outcome == Outcome.MISS:
             self.stats.misses += 1
         elif outcome == Outcome.IO:
@@ -284,9 +284,13 @@ class WorkerSide:
         for result in job.result():
             self._release(result)
 
-    def _release(self, result: Fetched) -> None:
+    def _release(self, result: Fetched, back: list[Block] | None = None) -> None:
+        """Give an owned slot back to the pool, or put it in `back` to be given back with others."""
         if result.owned and self.pool is not None and result.block is not None:
-            self.pool.give_back(result.block)
+            if back is None:
+                self.pool.give_back(result.block)
+            else:
+                back.append(result.block)
 
     def _tier(self, name: TierName | None) -> Tier:
         tier = self.ram if name == TierName.RAM else self.fs
@@ -466,6 +470,8 @@ class WorkerSide:
         the buffer are done: one copy per run of neighbouring pool slots, one per block read into device
         memory. Returns the copies' event."""
         assert self.pool is not None, "checks on the device hold blocks in pool slots"
+        if not staged:
+            return None
         with self.side.after_current():
             for first, count, src in self.pool.spans([got.block for _, got in staged]):
                 chunk[first:first + count].copy_(src, non_blocking=True)
@@ -490,19 +496,22 @@ class WorkerSide:
         found = [digest_hex(pair) for pair in mix_digests(rows).tolist()]
         self.stats.load_device_wait_seconds += time.perf_counter() - waited
         keep, ids = [], []
+        back: list[Block] = []  # slots to give back, under one event
         for row, ((spec, got), digest) in enumerate(zip(staged, found)):
             if digest != got.digest:
-                self._release(got)
+                self._release(got, back)
                 self._settle(spec, got._replace(outcome=Outcome.CORRUPT, why="checksum mismatch (on the GPU)"))
                 self._failed(spec, first_bad)
             elif _past_failure(spec, first_bad):
-                self._release(got)
+                self._release(got, back)
             else:
-                self._settle(spec, got)
+                self._settle(spec, got, back)
                 keep.append(row)
                 ids.append(spec.block_id)
         if ids:
             self.device_copies.write(rows if len(keep) == len(staged) else rows[keep], ids)
+        if back and self.pool is not None:
+            self.pool.give_back(*back)
         return len(ids)
 
     def take_load_errors(self) -> set[int]:

@@ -514,6 +514,21 @@ def test_checked_on_the_gpu_a_chunk_of_file_hits_lands_in_neighbouring_slots_one
     assert all(torch.equal(t[4:8], t[:4]) for t in w.layers.values())
 
 
+def test_checked_on_the_gpu_a_chunk_of_file_hits_gives_its_slots_back_under_one_event(tmp_path):
+    # Each file hit's slot went back to the pool under an event of its own: beside a GPU an event created and
+    # recorded per block, then queried per block before reuse, on the forward thread (535 a 16k-token hit).
+    w = worker(tmp_path, ram=False, checks="device")
+    w.device_copies.chunk = 2
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
+    w.flush()
+    marks, mark = [], w.side.mark
+    w.side.mark = lambda: marks.append(1) or mark()
+    w.load(KVScopeMetadata(loads=[LoadSpec(4 + i, f"k{i}", "fs", request_id="r", index=i) for i in range(4)]))
+    assert w.take_load_errors() == set() and all(torch.equal(t[4:8], t[:4]) for t in w.layers.values())
+    assert len(marks) == 4  # per chunk: its staging copies' event, and one for its slots given back
+    assert slots_out(w) == 0
+
+
 def test_block_ids_outside_the_kv_cache_are_refused_not_clipped(tmp_path):
     w = worker(tmp_path, checks="device")
     for ids in ([6, 7, 8], [-1, 0]):
