@@ -92,16 +92,22 @@ class SlotPool:
         return taken
 
     def spans(self, slots: list[Block]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Runs of consecutive slots of the list that lie side by side in one segment, as (first index,
-        count, one [count, block_bytes] tensor over them): one copy fills a run."""
+        """Runs of consecutive blocks of the list that lie side by side, in one segment of the pool or in one
+        tensor of their own (a file read into device memory), as (first index, count, one [count,
+        block_bytes] tensor over them): one copy moves a run."""
         i = 0
         while i < len(slots):
             start = slots[i].data_ptr()
             s = bisect.bisect_right(self.bases, start) - 1
             row = (start - self.bases[s]) // self.block_bytes if s >= 0 and slots[i].is_cpu else self.per_segment
-            if row >= self.per_segment:  # a block of its own (on the host or a device), not a slot: a run of one
-                yield i, 1, slots[i].view(1, -1)
-                i += 1
+            if row >= self.per_segment:  # not a slot: a run within the tensor it lies in
+                storage = slots[i].untyped_storage().data_ptr()
+                j = i + 1
+                while (j < len(slots) and slots[j].data_ptr() == start + (j - i) * self.block_bytes
+                       and slots[j].device == slots[i].device and slots[j].untyped_storage().data_ptr() == storage):
+                    j += 1
+                yield i, j - i, slots[i].as_strided((j - i, self.block_bytes), (self.block_bytes, 1))
+                i = j
                 continue
             j = i + 1
             while (j < len(slots) and row + j - i < self.per_segment

@@ -207,3 +207,16 @@ def test_kvikios_read_opens_the_checked_descriptor_not_the_name_and_any_error_is
 def test_kvikios_thread_count_from_its_environment_is_left_alone(fake_kvikio, monkeypatch):
     monkeypatch.setenv("KVIKIO_NTHREADS", "3")
     assert kvikio_reads(8) is not None and fake_kvikio == {}
+
+
+def test_a_files_blocks_read_into_device_memory_are_staged_by_one_copy(tmp_path):
+    # Each block read into device memory went to the staging buffer in a copy of its own, with a
+    # record_stream of its own, on the forward thread (535 of each for a 16k-token hit): a file's blocks lie
+    # side by side in the one tensor its read filled, so one copy moves them.
+    w, where = stored(tmp_path)
+    w.device_copies.chunk = 4  # chunks k0-k3 and k4-k7; files k0-k2, k3-k5, k6-k7
+    copies, spans = [], w.pool.spans
+    w.pool.spans = lambda slots: (copies.append(n) or (i, n, t) for i, n, t in spans(slots))
+    w.load(loads(where, range(N)))
+    assert w.take_load_errors() == set() and all(torch.equal(t[N:], t[:N]) for t in w.layers.values())
+    assert copies == [3, 1, 2, 2]
