@@ -136,31 +136,38 @@ class RamTier:
             return key in self.blocks
 
     def put(self, key: str, block: Block, digest: str, owned: bool = False) -> int:
-        """Store a block; returns how many blocks were evicted to make room. An owned block (a pool slot the
-        caller hands over) is kept as it is, or given back to the pool when it is not kept; any other block
-        is copied (with numpy: torch would start an OpenMP team on the save thread, and with more OpenMP threads
-        than cores libgomp stops spinning in every team, the model's too: its forward on 2 cores went from
-        12.6 to 18.5 ms)."""
-        size = block.numel()
+        """Store a block; returns how many blocks were evicted to make room (put_many)."""
+        return self.put_many([(key, block, digest)], owned)
+
+    def put_many(self, items: list[tuple[str, Block, str]], owned: bool = False) -> int:
+        """Store blocks (key, block, checksum) in order; returns how many blocks were evicted to make room. An
+        owned block (a pool slot the caller hands over) is kept as it is, or given back to the pool when it
+        is not kept, with the evicted ones, under one event; any other block is copied (with numpy: torch
+        would start an OpenMP team on the save thread, and with more OpenMP threads than cores libgomp stops
+        spinning in every team, the model's too: its forward on 2 cores went from 12.6 to 18.5 ms)."""
+        evicted, back = 0, []
         with self.lock:
-            if size > self.capacity or key in self.blocks:
-                if key in self.blocks:
-                    self.blocks.move_to_end(key)
-                if owned and self.pool is not None:
-                    self.pool.give_back(block)
-                return 0
-            evicted = 0
-            while self.used + size > self.capacity:
-                self._drop(next(iter(self.blocks)))
-                evicted += 1
-            if not owned:
-                into = self.pool.take() if self.pool is not None else torch.empty(size, dtype=torch.uint8,
-                                                                                  pin_memory=self.pin)
-                np.copyto(into.numpy(), block.numpy())
-                block = into
-            self.blocks[key] = (block, digest)
-            self.used += size
-            return evicted
+            for key, block, digest in items:
+                size = block.numel()
+                if size > self.capacity or key in self.blocks:
+                    if key in self.blocks:
+                        self.blocks.move_to_end(key)
+                    if owned:
+                        back.append(block)
+                    continue
+                while self.used + size > self.capacity:
+                    back.append(self._drop(next(iter(self.blocks))))
+                    evicted += 1
+                if not owned:
+                    into = self.pool.take() if self.pool is not None else torch.empty(size, dtype=torch.uint8,
+                                                                                      pin_memory=self.pin)
+                    np.copyto(into.numpy(), block.numpy())
+                    block = into
+                self.blocks[key] = (block, digest)
+                self.used += size
+            if back and self.pool is not None:
+                self.pool.give_back(*back)
+        return evicted
 
     def get(self, key: str, verify: bool = True) -> tuple[Block, str] | None:
         """The block and its checksum; with verify, only if its bytes still match that checksum (a stray
@@ -185,20 +192,24 @@ class RamTier:
 
     def drop(self, key: str) -> bool:
         with self.lock:
-            return self._drop(key)
-
-    def _drop(self, key: str) -> bool:
-        entry = self.blocks.pop(key, None)
-        if entry is not None:
-            self.used -= entry[0].numel()
+            if key not in self.blocks:
+                return False
+            block = self._drop(key)
             if self.pool is not None:
-                self.pool.give_back(entry[0])
-        return entry is not None
+                self.pool.give_back(block)
+            return True
+
+    def _drop(self, key: str) -> Block:
+        """Forget a stored block; the caller gives its slot back (with others, under one event)."""
+        block, _ = self.blocks.pop(key)
+        self.used -= block.numel()
+        return block
 
     def clear(self) -> None:
         with self.lock:
-            for key in list(self.blocks):
-                self._drop(key)
+            back = [self._drop(key) for key in list(self.blocks)]
+            if back and self.pool is not None:
+                self.pool.give_back(*back)
 
 
 class FsTier:

@@ -589,6 +589,8 @@ class WorkerSide:
             digests = [self.checksum(block) for block in saved.blocks]
         files = self._write_files(stores, saved.blocks, digests)
         counted: set[int] = set()  # files whose evictions are counted (errors and saves count blocks)
+        to_ram: list[tuple[str, Block, str]] = []
+        back: list[Block] = []  # slots stored in no RAM: given back together
         for spec, block, digest, written in zip(stores, saved.blocks, digests, files):
             stored = True
             if written is not None:
@@ -601,13 +603,17 @@ class WorkerSide:
                 else:
                     stats.evictions += 0 if id(written) in counted else evicted
                     counted.add(id(written))
-            if spec.to_ram and self.ram is not None:  # last: the tier may give an owned slot back at once
-                stats.evictions += self.ram.put(spec.key, block, digest, owned=self.pool is not None)
-            elif self.pool is not None:
-                self.pool.give_back(block)
+            if spec.to_ram and self.ram is not None:
+                to_ram.append((spec.key, block, digest))
+            else:
+                back.append(block)
             if stored:
                 stats.saves += 1
                 stats.save_bytes += block.numel()
+        if to_ram and self.ram is not None:  # once the files are written: the tier may give owned slots back
+            stats.evictions += self.ram.put_many(to_ram, owned=self.pool is not None)
+        if back and self.pool is not None:
+            self.pool.give_back(*back)
         stats.save_seconds = seconds + time.perf_counter() - started
         return stats
 

@@ -470,6 +470,21 @@ def test_checked_on_the_gpu_saves_carry_the_checksum_computed_there_and_ram_keep
     assert w.ram.contains("k2") and slots_out(w) == 2 and all(torch.equal(t[5], t[2]) for t in w.layers.values())
 
 
+def test_checked_on_the_gpu_a_saves_ram_evictions_give_their_slots_back_under_one_event(tmp_path):
+    # A full RAM tier gave each evicted block's slot back under an event of its own (the save thread created
+    # and recorded one per block, the forward thread queried each before reusing the slot): one a save now.
+    w = worker(tmp_path, fs=False, checks="device")
+    w.ram.capacity = 2 * w.block_bytes()
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1)]))
+    w.flush()
+    marks, mark = [], w.side.mark
+    w.side.mark = lambda: marks.append(1) or mark()
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (2, 3)]))
+    w.flush()
+    assert set(w.ram.blocks) == {"k2", "k3"} and w.stats.evictions == 2 and slots_out(w) == 2
+    assert len(marks) == 2  # the copies to the host, and the evicted slots given back
+
+
 def test_a_key_stored_and_evicted_in_one_step_is_not_kept_by_the_worker(tmp_path):
     # A prompt longer than the RAM tier: the scheduler stores its first block and evicts it within the step.
     # The worker applied the eviction before the stores, so it kept a block the scheduler's index had dropped:
