@@ -45,6 +45,8 @@ SAVE_BACKLOG_BYTES = {"cpu": 1 << 30, "cuda": 1 << 32}  # host copies waiting fo
 # backlog holds a few steps, so the forward does not wait for each step's copies (the extra config overrides it)
 SAVE_THREADS = {"cpu": 1, "cuda": 4}  # files written at once per step's save (the write releases the GIL)
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
+AHEAD_CHUNKS = 2  # with on-device checks, the blocks a load reads ahead, in chunks: each holds a pool slot. At
+# the Qwen3-4B shape's 4.5 MiB blocks that is 56 blocks, 7 files of 8: no more reads in flight, whatever the threads
 LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk. Beside a GPU, with files of
 # 16 blocks (one read each), eight beat four and sixteen (the H200, 2.25 MiB blocks from the page cache: 13,700,
 # 17,393 and 16,568 MiB/s); with one block a file four had won, each block's Python waiting for the interpreter's lock
@@ -317,7 +319,7 @@ class WorkerSide:
     def fetch_all(self, loads: list[LoadSpec], verify: bool = True) -> Iterator[tuple[LoadSpec, Fetched]]:
         """What each load finds, in load order, checked on the host with verify. File reads run on the load
         threads, a file's blocks in one read (reads, hashing and tensor copies release the GIL) while the
-        caller uses earlier blocks; with on-device checks about two chunks ahead (whole files), as each block
+        caller uses earlier blocks; with on-device checks AHEAD_CHUNKS ahead (whole files), as each block
         holds a pool slot. Checked RAM hits beside a GPU run on the load threads too; on the CPU here, as the
         model's threads want the cores (handing the hashing over cost more than it saved); unchecked ones are
         a lookup, here."""
@@ -325,7 +327,7 @@ class WorkerSide:
         assert loaders is not None, "register() first"
         in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
         threaded_ram = verify and self.transfer.ram_checks_on_load_threads
-        ahead = 2 * self.device_copies.chunk if self.on_device else len(loads)
+        ahead = AHEAD_CHUNKS * self.device_copies.chunk if self.on_device else len(loads)
         queued: deque[tuple[list[LoadSpec], Future | None]] = deque()
         from_files = sum(spec.key not in in_ram and spec.count > 0 for spec in loads) if fs is not None else 0
         slots: list[Block] = []  # with a pool: slots for file reads, taken a chunk at a time, in load order
