@@ -158,15 +158,16 @@ class RamTier:
                 while self.used + size > self.capacity:
                     back.append(self._drop(next(iter(self.blocks))))
                     evicted += 1
-                if not owned:
+                if not owned:  # the slot it evicted may take the copy
+                    self._give_back(back)
+                    back = []
                     into = self.pool.take() if self.pool is not None else torch.empty(size, dtype=torch.uint8,
                                                                                       pin_memory=self.pin)
                     np.copyto(into.numpy(), block.numpy())
                     block = into
                 self.blocks[key] = (block, digest)
                 self.used += size
-            if back and self.pool is not None:
-                self.pool.give_back(*back)
+            self._give_back(back)
         return evicted
 
     def get(self, key: str, verify: bool = True) -> tuple[Block, str] | None:
@@ -191,13 +192,13 @@ class RamTier:
         self.drop(key)
 
     def drop(self, key: str) -> bool:
+        return self.drop_many([key]) == 1
+
+    def drop_many(self, keys: list[str]) -> int:
+        """Forget the blocks stored under keys, their slots given back under one event; returns how many
+        were stored."""
         with self.lock:
-            if key not in self.blocks:
-                return False
-            block = self._drop(key)
-            if self.pool is not None:
-                self.pool.give_back(block)
-            return True
+            return self._give_back([self._drop(key) for key in keys if key in self.blocks])
 
     def _drop(self, key: str) -> Block:
         """Forget a stored block; the caller gives its slot back (with others, under one event)."""
@@ -205,11 +206,14 @@ class RamTier:
         self.used -= block.numel()
         return block
 
+    def _give_back(self, slots: list[Block]) -> int:
+        if slots and self.pool is not None:
+            self.pool.give_back(*slots)
+        return len(slots)
+
     def clear(self) -> None:
         with self.lock:
-            back = [self._drop(key) for key in list(self.blocks)]
-            if back and self.pool is not None:
-                self.pool.give_back(*back)
+            self._give_back([self._drop(key) for key in list(self.blocks)])
 
 
 class FsTier:

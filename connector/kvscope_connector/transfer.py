@@ -101,12 +101,11 @@ class SlotPool:
             s = bisect.bisect_right(self.bases, start) - 1
             row = (start - self.bases[s]) // self.block_bytes if s >= 0 and slots[i].is_cpu else self.per_segment
             if row >= self.per_segment:  # not a slot: a run within the tensor it lies in
-                storage = slots[i].untyped_storage().data_ptr()
                 j = i + 1
-                while (j < len(slots) and slots[j].data_ptr() == start + (j - i) * self.block_bytes
-                       and slots[j].device == slots[i].device and slots[j].untyped_storage().data_ptr() == storage):
+                while j < len(slots) and self._follows(slots[j - 1], slots[j]):
                     j += 1
-                yield i, j - i, slots[i].as_strided((j - i, self.block_bytes), (self.block_bytes, 1))
+                yield i, j - i, (slots[i].view(1, -1) if j == i + 1 else
+                                 slots[i].as_strided((j - i, self.block_bytes), (self.block_bytes, 1)))
                 i = j
                 continue
             j = i + 1
@@ -115,6 +114,12 @@ class SlotPool:
                 j += 1
             yield i, j - i, self.rows[s][row:row + j - i]
             i = j
+
+    def _follows(self, block: Block, after: Block) -> bool:
+        """Whether two blocks of their own (not slots), each one whole row, lie side by side in one tensor."""
+        return all(b.is_contiguous() and b.numel() == self.block_bytes for b in (block, after)) and \
+            after.data_ptr() == block.data_ptr() + self.block_bytes and after.device == block.device and \
+            after.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
 
     def give_back(self, *slots: Block) -> None:
         """Slots to reuse once the side stream's queued copies are done: under one event, however many."""

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
@@ -63,6 +64,15 @@ class Fetched(NamedTuple):
     digest: str = ""
     why: str = ""
     owned: bool = False  # a pool slot the fetcher filled: given back or handed to the RAM tier once used
+
+
+@dataclass
+class Batch:
+    """A chunk's pool slots to give back and blocks to promote to RAM, each done once for the chunk: one event
+    on the side stream, not one per block."""
+
+    back: list[Block] = field(default_factory=list)
+    promote: list[tuple[str, Block, str]] = field(default_factory=list)
 
 
 def _file_groups(stores: list[StoreSpec]) -> Iterator[list[StoreSpec]]:
@@ -253,9 +263,9 @@ class WorkerSide:
             return self._fetch_file(self.fs, [spec], verify, None)
         return got
 
-    def _settle(self, spec: LoadSpec, result: Fetched, back: list[Block] | None = None) -> Block | None:
+    def _settle(self, spec: LoadSpec, result: Fetched, batch: Batch | None = None) -> Block | None:
         """Count an outcome; discard what failed verification; promote filesystem hits to RAM (handing an
-        owned slot over, or giving it back: into `back`, when the caller gives a chunk's back together).
+        owned slot over, or giving it back), into `batch` when the caller settles a chunk's together.
         Returns the block, or None for a miss."""
         outcome, why = result.outcome, result.why
         tier = {Outcome.RAM_HIT: "ram", Outcome.FS_HIT: "disk"}.get(outcome, "missed")
@@ -267,9 +277,12 @@ class WorkerSide:
             self.stats.fs_hits += 1
             assert result.block is not None
             if spec.promote and self.ram is not None:  # verified already: no second pass
-                self.stats.evictions += self.ram.put(spec.key, result.block, result.digest, owned=result.owned)
+                if batch is not None and result.owned:
+                    batch.promote.append((spec.key, result.block, result.digest))
+                else:
+                    self.stats.evictions += self.ram.put(spec.key, result.block, result.digest, owned=result.owned)
             elif result.owned:
-                self._release(result, back)
+                self._release(result, batch)
         elif outcome == Outcome.MISS:
             self.stats.misses += 1
         elif outcome == Outcome.IO:
@@ -286,13 +299,13 @@ class WorkerSide:
         for result in job.result():
             self._release(result)
 
-    def _release(self, result: Fetched, back: list[Block] | None = None) -> None:
-        """Give an owned slot back to the pool, or put it in `back` to be given back with others."""
+    def _release(self, result: Fetched, batch: Batch | None = None) -> None:
+        """Give an owned slot back to the pool, or to `batch`, to be given back with others."""
         if result.owned and self.pool is not None and result.block is not None:
-            if back is None:
+            if batch is None:
                 self.pool.give_back(result.block)
             else:
-                back.append(result.block)
+                batch.back.append(result.block)
 
     def _tier(self, name: TierName | None) -> Tier:
         tier = self.ram if name == TierName.RAM else self.fs
@@ -469,8 +482,8 @@ class WorkerSide:
 
     def _stage(self, chunk: torch.Tensor, staged: list[tuple[LoadSpec, Fetched]]) -> torch.cuda.Event | None:
         """Copy a chunk's blocks into its staging buffer on the side stream, once the writes that last read
-        the buffer are done: one copy per run of neighbouring pool slots, one per block read into device
-        memory. Returns the copies' event."""
+        the buffer are done: one copy per run of blocks side by side (neighbouring pool slots, or a file's
+        blocks read into device memory). Returns the copies' event (None for no block)."""
         assert self.pool is not None, "checks on the device hold blocks in pool slots"
         if not staged:
             return None
@@ -497,23 +510,26 @@ class WorkerSide:
         rows = chunk[:len(staged)]
         found = [digest_hex(pair) for pair in mix_digests(rows).tolist()]
         self.stats.load_device_wait_seconds += time.perf_counter() - waited
-        keep, ids = [], []
-        back: list[Block] = []  # slots to give back, under one event
-        for row, ((spec, got), digest) in enumerate(zip(staged, found)):
-            if digest != got.digest:
-                self._release(got, back)
-                self._settle(spec, got._replace(outcome=Outcome.CORRUPT, why="checksum mismatch (on the GPU)"))
-                self._failed(spec, first_bad)
-            elif _past_failure(spec, first_bad):
-                self._release(got, back)
-            else:
-                self._settle(spec, got, back)
-                keep.append(row)
-                ids.append(spec.block_id)
-        if ids:
-            self.device_copies.write(rows if len(keep) == len(staged) else rows[keep], ids)
-        if back and self.pool is not None:
-            self.pool.give_back(*back)
+        keep, ids, batch = [], [], Batch()  # the chunk's slots given back, and its promotions, together
+        try:
+            for row, ((spec, got), digest) in enumerate(zip(staged, found)):
+                if digest != got.digest:
+                    self._release(got, batch)
+                    self._settle(spec, got._replace(outcome=Outcome.CORRUPT, why="checksum mismatch (on the GPU)"))
+                    self._failed(spec, first_bad)
+                elif _past_failure(spec, first_bad):
+                    self._release(got, batch)
+                else:
+                    self._settle(spec, got, batch)
+                    keep.append(row)
+                    ids.append(spec.block_id)
+            if ids:
+                self.device_copies.write(rows if len(keep) == len(staged) else rows[keep], ids)
+        finally:
+            if batch.promote and self.ram is not None:
+                self.stats.evictions += self.ram.put_many(batch.promote, owned=True)
+            if batch.back and self.pool is not None:
+                self.pool.give_back(*batch.back)
         return len(ids)
 
     def take_load_errors(self) -> set[int]:
@@ -584,18 +600,20 @@ class WorkerSide:
         if saved.ready is not None:
             saved.ready.synchronize()
         digests = None if saved.digests is None else [digest_hex(pair) for pair in saved.digests.tolist()]
-        for key in evict:
-            if self.ram is not None and self.ram.drop(key):
-                stats.evictions += 1
+        if evict and self.ram is not None:
+            stats.evictions += self.ram.drop_many(evict)
         if digests is None:
             digests = [self.checksum(block) for block in saved.blocks]
         files = self._write_files(stores, saved.blocks, digests)
         counted: set[int] = set()  # files whose evictions are counted (errors and saves count blocks)
-        to_ram: list[tuple[str, Block, str]] = []
+        to_ram: list[tuple[str, Block, str]] = []  # blocks whose files are written, for the RAM tier together
         back: list[Block] = []  # slots stored in no RAM: given back together
         for spec, block, digest, written in zip(stores, saved.blocks, digests, files):
             stored = True
             if written is not None:
+                if not written.done() and to_ram and self.ram is not None:  # stored before a file that hangs
+                    stats.evictions += self.ram.put_many(to_ram, owned=self.pool is not None)
+                    to_ram = []
                 try:
                     evicted = written.result()
                 except OSError as exc:
@@ -612,7 +630,7 @@ class WorkerSide:
             if stored:
                 stats.saves += 1
                 stats.save_bytes += block.numel()
-        if to_ram and self.ram is not None:  # once the files are written: the tier may give owned slots back
+        if to_ram and self.ram is not None:  # once their files are written: the tier may give a slot back
             stats.evictions += self.ram.put_many(to_ram, owned=self.pool is not None)
         if back and self.pool is not None:
             self.pool.give_back(*back)

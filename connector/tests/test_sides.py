@@ -106,6 +106,23 @@ def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key
     assert w.take_load_errors() == set() and (w.stats.saves, w.stats.ram_hits) == (1, 1)
 
 
+def test_a_ram_save_before_a_file_that_hangs_is_stored_while_the_file_is_written(tmp_path, checks):
+    # A step's blocks go to RAM together, once their files are written: not those before a file still being
+    # written (a hung filesystem: each RAM-only block before it would wait for it, a miss meanwhile).
+    w = worker(tmp_path, checks=checks)
+    gate, put_file = threading.Event(), w.fs.put_file
+    w.fs.put_file = lambda *args: gate.wait() and put_file(*args)
+    w.save(KVScopeMetadata(stores=[StoreSpec(0, "k0", to_ram=True, to_fs=False),
+                                   StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    deadline = time.monotonic() + 10
+    while not w.ram.contains("k0") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stored = w.ram.contains("k0")
+    gate.set()
+    w.flush()
+    assert stored and w.fs.contains("k1") and w.stats.saves == 2
+
+
 def in_background(fn) -> threading.Event:
     """Set once fn has returned."""
     done = threading.Event()
@@ -483,6 +500,37 @@ def test_checked_on_the_gpu_a_saves_ram_evictions_give_their_slots_back_under_on
     w.flush()
     assert set(w.ram.blocks) == {"k2", "k3"} and w.stats.evictions == 2 and slots_out(w) == 2
     assert len(marks) == 2  # the copies to the host, and the evicted slots given back
+
+
+def test_checked_on_the_gpu_the_schedulers_evictions_of_a_save_give_their_slots_back_under_one_event(tmp_path):
+    # In a server the scheduler decides evictions (its index is smaller than the worker's tier): each key of
+    # meta.ram_evict went back under an event of its own.
+    w = worker(tmp_path, fs=False, checks="device")
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in range(4)]))
+    w.flush()
+    marks, mark = [], w.side.mark
+    w.side.mark = lambda: marks.append(1) or mark()
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (4, 5)],
+                           ram_evict=["k0", "k1", "k2", "k3"]))
+    w.flush()
+    assert set(w.ram.blocks) == {"k4", "k5"} and w.stats.evictions == 4 and slots_out(w) == 2
+    assert len(marks) == 2  # the copies to the host, and the evicted slots given back
+
+
+def test_checked_on_the_gpu_promotions_into_a_full_ram_tier_give_slots_back_under_one_event_a_chunk(tmp_path):
+    w = worker(tmp_path, checks="device")
+    w.device_copies.chunk = 4
+    w.ram.capacity = 4 * w.block_bytes()
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", i < 4, i >= 4) for i in range(8)]))  # RAM full
+    w.flush()
+    marks, mark = [], w.side.mark
+    w.side.mark = lambda: marks.append(1) or mark()
+    w.load(KVScopeMetadata(loads=[LoadSpec(i - 4, f"k{i}", "fs", promote=True, request_id="r", index=i - 4)
+                                  for i in range(4, 8)]))
+    assert w.take_load_errors() == set() and w.stats.evictions == 4
+    assert set(w.ram.blocks) == {"k4", "k5", "k6", "k7"} and slots_out(w) == 4
+    assert all(torch.equal(t[i - 4], t[i]) for t in w.layers.values() for i in range(4, 8))
+    assert len(marks) == 2  # the chunk's staging copies, and its evicted slots given back
 
 
 def test_a_key_stored_and_evicted_in_one_step_is_not_kept_by_the_worker(tmp_path):

@@ -403,3 +403,36 @@ def test_ram_tier_in_pool_slots_keeps_owned_blocks_and_gives_back_what_it_drops(
     assert held() == 2 and not ram.contains("k1")
     ram.clear()
     assert held() == 0 and ram.used == 0
+
+
+def test_spans_run_blocks_of_their_own_only_within_one_allocation_and_never_past_a_block():
+    # Blocks that are not pool slots (reads into device memory) lying side by side in one tensor are one
+    # run; never blocks of two allocations that merely touch, and a short or strided block stays its own
+    # bytes (a view past it would read another block's).
+    bb = 1 << 16
+    pool = SlotPool(bb, Side(torch.device("cpu")), pinned=False)
+    pool.take()  # a segment exists
+    buf = bytearray(4 * bb)
+    a = torch.frombuffer(memoryview(buf)[:2 * bb], dtype=torch.uint8).view(2, bb)
+    b = torch.frombuffer(memoryview(buf)[2 * bb:], dtype=torch.uint8).view(2, bb)
+    assert b.data_ptr() == a.data_ptr() + 2 * bb and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    runs = list(pool.spans([a[0], a[1], b[0], b[1]]))
+    assert [n for _, n, _ in runs] == [2, 2] and torch.equal(runs[0][2], a) and torch.equal(runs[1][2], b)
+    base = torch.arange(4 * bb, dtype=torch.int64).to(torch.uint8)
+    short, strided = base[:bb // 2], base[:2 * bb:2]
+    for block in (short, strided):
+        [(_, n, t)] = list(pool.spans([block]))
+        assert n == 1 and torch.equal(t.reshape(-1), block)
+    two = base[:2 * bb].view(2, bb)
+    assert [n for _, n, _ in pool.spans([two[0], short, two[1]])] == [1, 1, 1]
+
+
+def test_a_non_owned_put_into_a_full_ram_tier_reuses_the_slot_it_evicted():
+    bb = 1 << 16
+    ram = RamTier(bb)
+    ram.attach(SlotPool(bb, Side(torch.device("cpu")), pinned=False), checksum, pin=False)
+    block = torch.ones(bb, dtype=torch.uint8)
+    ram.put("k1", block, "d")
+    held = ram.pool.take_many(len(ram.pool.free))  # no free slot left
+    assert ram.put("k2", block, "d") == 1
+    assert len(ram.pool.segments) == 1 and held and list(ram.blocks) == ["k2"]
