@@ -124,6 +124,7 @@ class RamTier:
         self.checksum: Callable[[Block], str] = checksum  # the platform's (keys.fingerprint names it)
         self.used = 0
         self.blocks: OrderedDict[str, tuple[Block, str]] = OrderedDict()
+        self.dropped: list[Block] = []  # slots it no longer holds, given back by the forward thread (release)
         self.lock = threading.Lock()
 
     def attach(self, pool: SlotPool | None, checksum: Callable[[Block], str], pin: bool) -> None:
@@ -142,7 +143,7 @@ class RamTier:
     def put_many(self, items: list[tuple[str, Block, str]], owned: bool = False) -> int:
         """Store blocks (key, block, checksum) in order; returns how many blocks were evicted to make room. An
         owned block (a pool slot the caller hands over) is kept as it is, or given back to the pool when it
-        is not kept, with the evicted ones, under one event; any other block is copied (with numpy: torch
+        is not kept, with the evicted ones (release); any other block is copied (with numpy: torch
         would start an OpenMP team on the save thread, and with more OpenMP threads than cores libgomp stops
         spinning in every team, the model's too: its forward on 2 cores went from 12.6 to 18.5 ms)."""
         evicted, back = 0, []
@@ -158,9 +159,7 @@ class RamTier:
                 while self.used + size > self.capacity:
                     back.append(self._drop(next(iter(self.blocks))))
                     evicted += 1
-                if not owned:  # the slot it evicted may take the copy
-                    self._give_back(back)
-                    back = []
+                if not owned:
                     into = self.pool.take() if self.pool is not None else torch.empty(size, dtype=torch.uint8,
                                                                                       pin_memory=self.pin)
                     np.copyto(into.numpy(), block.numpy())
@@ -207,9 +206,19 @@ class RamTier:
         return block
 
     def _give_back(self, slots: list[Block]) -> int:
-        if slots and self.pool is not None:
-            self.pool.give_back(*slots)
+        """Slots the tier no longer holds, kept until release(): a load may have looked one up and not yet
+        queued its copy."""
+        if self.pool is not None:
+            self.dropped += slots
         return len(slots)
+
+    def release(self) -> None:
+        """Give the slots dropped so far back to the pool, under one event: on the forward thread, once the
+        copies of every block it looked up are queued (the end of a load, a save)."""
+        with self.lock:
+            dropped, self.dropped = self.dropped, []
+        if dropped and self.pool is not None:
+            self.pool.give_back(*dropped)
 
     def clear(self) -> None:
         with self.lock:

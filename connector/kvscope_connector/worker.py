@@ -417,6 +417,8 @@ class WorkerSide:
             written = self.transfer.inject(self.to_write(meta, self._verified(meta.loads)))
         if self.broken:  # this step and the next (planned before vLLM reports this one, with async scheduling)
             self.failed_plan, self.unheard = meta.failures, 2
+        if self.ram is not None:  # every looked-up block's copy is queued: what the tier dropped may go back
+            self.ram.release()
         self.stats.load_bytes += self.block_bytes() * written
         self.stats.load_seconds += time.perf_counter() - started
         if self.load_log and self.served:
@@ -542,6 +544,8 @@ class WorkerSide:
         entered = time.perf_counter()
         try:
             self._save(meta)
+            if self.ram is not None:  # no load in flight: what the tier dropped since may go back
+                self.ram.release()
         finally:
             self.stats.save_forward_seconds += time.perf_counter() - entered
 

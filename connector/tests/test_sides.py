@@ -498,6 +498,7 @@ def test_checked_on_the_gpu_a_saves_ram_evictions_give_their_slots_back_under_on
     w.side.mark = lambda: marks.append(1) or mark()
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (2, 3)]))
     w.flush()
+    w.save(KVScopeMetadata())  # the next step gives back what the save thread evicted
     assert set(w.ram.blocks) == {"k2", "k3"} and w.stats.evictions == 2 and slots_out(w) == 2
     assert len(marks) == 2  # the copies to the host, and the evicted slots given back
 
@@ -513,6 +514,7 @@ def test_checked_on_the_gpu_the_schedulers_evictions_of_a_save_give_their_slots_
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (4, 5)],
                            ram_evict=["k0", "k1", "k2", "k3"]))
     w.flush()
+    w.save(KVScopeMetadata())  # the next step gives back what the save thread evicted
     assert set(w.ram.blocks) == {"k4", "k5"} and w.stats.evictions == 4 and slots_out(w) == 2
     assert len(marks) == 2  # the copies to the host, and the evicted slots given back
 
@@ -531,6 +533,38 @@ def test_checked_on_the_gpu_promotions_into_a_full_ram_tier_give_slots_back_unde
     assert set(w.ram.blocks) == {"k4", "k5", "k6", "k7"} and slots_out(w) == 4
     assert all(torch.equal(t[i - 4], t[i]) for t in w.layers.values() for i in range(4, 8))
     assert len(marks) == 2  # the chunk's staging copies, and its evicted slots given back
+
+
+def test_checked_on_the_gpu_a_ram_hits_slot_is_not_reused_before_its_copy_is_queued(tmp_path):
+    # A RAM hit's slot was not held between its lookup and its copy's queueing: the save thread evicting the
+    # key in between gave the slot back, and the next file read could take it and write another block's
+    # bytes under the copy (the GPU's checksum then failed the hit: a spurious miss). Evicted slots now go
+    # back on the forward thread, once the step's copies are queued.
+    w = WorkerSide(FP, B, RamTier(1 << 20), FsTier(str(tmp_path), FP, None), checksum="mix128", on_device=True)
+    w.register(caches(num_blocks=16))
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(1, 8)] +
+                          [StoreSpec(0, "k0", True, True)]))  # k0 last: the highest slot, taken first once free
+    w.flush()
+    w.device_copies.chunk = 2
+    get = w.ram.get
+
+    def racing_get(key, verify=True):
+        found = get(key, verify)
+        if key == "k0":
+            w.ram.drop("k0")  # the save thread applying an eviction right now
+        return found
+    w.ram.get = racing_get
+    k0_slot = w.ram.blocks["k0"][0].data_ptr()
+    log, take_many, stage = [], w.pool.take_many, w._stage
+    w.pool.take_many = lambda n: (lambda got: log.append(("take", {s.data_ptr() for s in got})) or got)(take_many(n))
+    w._stage = lambda chunk, staged: log.append(("stage", {g.block.data_ptr() for _, g in staged})) or \
+        stage(chunk, staged)
+    w.load(KVScopeMetadata(loads=[LoadSpec(8, "k0", "ram", request_id="r", index=0)] +
+                          [LoadSpec(7 + i, f"k{i}", "fs", request_id=f"s{i}", index=0) for i in range(1, 8)]))
+    assert w.take_load_errors() == set() and w.stats.corrupt == 0
+    staged_at = next(i for i, (what, ptrs) in enumerate(log) if what == "stage" and k0_slot in ptrs)
+    assert not any(what == "take" and k0_slot in ptrs for what, ptrs in log[:staged_at]), log
+    assert slots_out(w) == 0  # given back once the load had queued its copies
 
 
 def test_a_key_stored_and_evicted_in_one_step_is_not_kept_by_the_worker(tmp_path):
