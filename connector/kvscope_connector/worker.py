@@ -530,6 +530,8 @@ class WorkerSide:
         finally:
             if batch.promote and self.ram is not None:
                 self.stats.evictions += self.ram.put_many(batch.promote, owned=True)
+            if self.ram is not None:  # every RAM hit looked up so far is staged (the next chunk before this one
+                self.ram.release()  # is checked): what the tier dropped may go back, with the chunk's slots
             if batch.back and self.pool is not None:
                 self.pool.give_back(*batch.back)
         return len(ids)
@@ -543,9 +545,9 @@ class WorkerSide:
     def save(self, meta: KVScopeMetadata) -> None:
         entered = time.perf_counter()
         try:
-            self._save(meta)
             if self.ram is not None:  # no load in flight: what the tier dropped since may go back
                 self.ram.release()
+            self._save(meta)
         finally:
             self.stats.save_forward_seconds += time.perf_counter() - entered
 

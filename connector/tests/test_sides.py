@@ -567,6 +567,31 @@ def test_checked_on_the_gpu_a_ram_hits_slot_is_not_reused_before_its_copy_is_que
     assert slots_out(w) == 0  # given back once the load had queued its copies
 
 
+def test_a_long_load_promoting_into_a_full_ram_tier_keeps_the_pool_near_the_tier_and_two_chunks(tmp_path,
+                                                                                              monkeypatch):
+    # What promotions evict went back at the end of the load: a load of n promoted blocks into a full tier
+    # held n slots more than the tier, for good (the pool keeps what it grew to). It goes back per chunk.
+    import kvscope_connector.transfer as transfer
+
+    n = 32
+    w = WorkerSide(FP, B, RamTier(1 << 20), FsTier(str(tmp_path), FP, None), checksum="mix128", on_device=True)
+    kv = caches(num_blocks=2 * n + 4)
+    monkeypatch.setattr(transfer, "SEGMENT_BYTES", 2 * B * 6 * 4 * 2)  # a slot a segment: segments = high water
+    w.register(kv)
+    assert w.pool.per_segment == 1
+    w.device_copies.chunk = 2
+    w.ram.capacity = 2 * w.block_bytes()
+    for i in range(0, n + 2, 2):  # 2 blocks in RAM (full), n in files only, a step at a time
+        w.save(KVScopeMetadata(stores=[StoreSpec(j, f"k{j}", j < 2, j >= 2) for j in (i, i + 1)]))
+        w.flush()
+    w.save(KVScopeMetadata())
+    before = len(w.pool.segments)
+    w.load(KVScopeMetadata(loads=[LoadSpec(n + 2 + j, f"k{j + 2}", "fs", promote=True, request_id="r", index=j)
+                                  for j in range(n)]))
+    assert w.take_load_errors() == set() and all(torch.equal(t[n + 2:2 * n + 2], t[2:n + 2]) for t in w.layers.values())
+    assert len(w.pool.segments) - before <= 2 + 2 * 2 + 2  # the tier, the read-ahead, the staged chunk
+
+
 def test_a_key_stored_and_evicted_in_one_step_is_not_kept_by_the_worker(tmp_path):
     # A prompt longer than the RAM tier: the scheduler stores its first block and evicts it within the step.
     # The worker applied the eviction before the stores, so it kept a block the scheduler's index had dropped:
