@@ -194,13 +194,13 @@ class RamTier:
         return self.drop_many([key]) == 1
 
     def drop_many(self, keys: list[str]) -> int:
-        """Forget the blocks stored under keys, their slots given back under one event; returns how many
-        were stored."""
+        """Forget the blocks stored under keys (their slots go back on release()); returns how many were
+        stored."""
         with self.lock:
             return self._give_back([self._drop(key) for key in keys if key in self.blocks])
 
     def _drop(self, key: str) -> Block:
-        """Forget a stored block; the caller gives its slot back (with others, under one event)."""
+        """Forget a stored block; the caller hands its slot to _give_back."""
         block, _ = self.blocks.pop(key)
         self.used -= block.numel()
         return block
@@ -214,7 +214,7 @@ class RamTier:
 
     def release(self) -> None:
         """Give the slots dropped so far back to the pool, under one event: on the forward thread, once the
-        copies of every block it looked up are queued (the end of a load, a save)."""
+        copies of every block it looked up are queued (after a load's checked chunk, before a save)."""
         with self.lock:
             dropped, self.dropped = self.dropped, []
         if dropped and self.pool is not None:
