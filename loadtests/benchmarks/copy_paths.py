@@ -186,8 +186,9 @@ def main() -> None:
 
 def profiled(name: str, step, rounds: int, sync, settle, top: int = 25) -> str:
     """The calling (forward) thread's time in a step by function, under cProfile, a mean per step, most own
-    time first (waits for the load threads show as a lock's acquire; cProfile adds its own cost); the device
-    and the save thread idle (settle) before each step, as in the timings above."""
+    time first (waits for the load threads show as a lock's acquire; cProfile adds its own cost; from
+    Python 3.12 on, cProfile sees every thread: the load threads' functions are listed too); the device and
+    the save thread idle (settle) before each step, as in the timings above."""
     profile = cProfile.Profile()
     for _ in range(rounds):
         sync()
