@@ -433,6 +433,13 @@ def test_promotions_cannot_crash_a_plan_whose_ram_hits_they_evict(tmp_path):
     assert set(meta.ram_evict) == {keys[2], keys[3]} and list(s.ram_index) == keys[:2]
 
 
+def counting_marks(w):
+    """A list that gets an item each time the side stream marks an event (a slot given back, staged copies)."""
+    marks, mark = [], w.side.mark
+    w.side.mark = lambda: marks.append(1) or mark()
+    return marks
+
+
 def slots_out(w):
     """Pool slots neither free nor given back: held by the RAM tier, or leaked."""
     pool = w.pool
@@ -494,8 +501,7 @@ def test_checked_on_the_gpu_a_saves_ram_evictions_give_their_slots_back_under_on
     w.ram.capacity = 2 * w.block_bytes()
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1)]))
     w.flush()
-    marks, mark = [], w.side.mark
-    w.side.mark = lambda: marks.append(1) or mark()
+    marks = counting_marks(w)
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (2, 3)]))
     w.flush()
     w.save(KVScopeMetadata())  # the next step gives back what the save thread evicted
@@ -509,8 +515,7 @@ def test_checked_on_the_gpu_the_schedulers_evictions_of_a_save_give_their_slots_
     w = worker(tmp_path, fs=False, checks="device")
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in range(4)]))
     w.flush()
-    marks, mark = [], w.side.mark
-    w.side.mark = lambda: marks.append(1) or mark()
+    marks = counting_marks(w)
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (4, 5)],
                            ram_evict=["k0", "k1", "k2", "k3"]))
     w.flush()
@@ -525,8 +530,7 @@ def test_checked_on_the_gpu_promotions_into_a_full_ram_tier_give_slots_back_unde
     w.ram.capacity = 4 * w.block_bytes()
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", i < 4, i >= 4) for i in range(8)]))  # RAM full
     w.flush()
-    marks, mark = [], w.side.mark
-    w.side.mark = lambda: marks.append(1) or mark()
+    marks = counting_marks(w)
     w.load(KVScopeMetadata(loads=[LoadSpec(i - 4, f"k{i}", "fs", promote=True, request_id="r", index=i - 4)
                                   for i in range(4, 8)]))
     assert w.take_load_errors() == set() and w.stats.evictions == 4
@@ -643,8 +647,7 @@ def test_checked_on_the_gpu_a_chunk_of_file_hits_gives_its_slots_back_under_one_
     w.device_copies.chunk = 2
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
     w.flush()
-    marks, mark = [], w.side.mark
-    w.side.mark = lambda: marks.append(1) or mark()
+    marks = counting_marks(w)
     w.load(KVScopeMetadata(loads=[LoadSpec(4 + i, f"k{i}", "fs", request_id="r", index=i) for i in range(4)]))
     assert w.take_load_errors() == set() and all(torch.equal(t[4:8], t[:4]) for t in w.layers.values())
     assert len(marks) == 4  # per chunk: its staging copies' event, and one for its slots given back

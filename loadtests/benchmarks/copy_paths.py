@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--load-threads", type=int, default=None, help="the connector's file reads in flight "
                     "(default: its own, LOAD_THREADS)")
-    ap.add_argument("--profile", action="store_true", help="also profile the file hit's forward thread")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the file hit, the RAM hit and the save by function")
     args = ap.parse_args()
     dev = torch.device(args.device)
     gpu = dev.type == "cuda"
