@@ -127,6 +127,13 @@ class SlotPool:
         with self.lock:
             self.returned.extend((slot, event) for slot in slots)
 
+    def reserve(self, nbytes: int) -> None:
+        """Hold slots for nbytes of blocks (those taken count), in whole segments, now: pinning a segment takes
+        milliseconds, which a save or a load would otherwise wait for on the forward thread."""
+        with self.lock:
+            while len(self.segments) * self.per_segment * self.block_bytes < nbytes:
+                self._grow()
+
     def _grow(self) -> None:
         size = self.per_segment * self.block_bytes
         segment = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)

@@ -174,6 +174,10 @@ class WorkerSide:
         if self.fs is not None:
             self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
         self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]
+        if self.pool is not None and self.pool.pinned:  # what the RAM tier, the saves waiting and a load's reads
+            # ahead can hold, pinned before any request (as vLLM's offloading pins its CPU tier at start)
+            self.pool.reserve((self.ram.capacity if self.ram is not None else 0) + self.backlog
+                              + AHEAD_CHUNKS * chunk * self.layout.nbytes)
         if self.ram is not None:
             self.ram.attach(self.pool, self.checksum, pin=gpu and not self.on_device)
         if self.fs is not None:

@@ -366,6 +366,16 @@ def test_slot_pool_hands_out_distinct_slots_in_power_of_two_segments_and_reuses_
     assert pool.take().data_ptr() == slots[0].data_ptr() and len(pool.segments) == 2 and rest
 
 
+def test_slot_pool_reserved_ahead_hands_out_that_many_slots_without_growing():
+    pool = SlotPool(4_718_592, Side(torch.device("cpu")), pinned=False)
+    pool.reserve(2 * pool.per_segment * 4_718_592 + 1)  # a byte more than two segments' slots: a third
+    assert len(pool.segments) == 3 and len(pool.free) == 3 * pool.per_segment
+    pool.take_many(len(pool.free))
+    assert len(pool.segments) == 3
+    pool.reserve(SEGMENT_BYTES)  # what it holds already counts: taken slots are the pool's too
+    assert len(pool.segments) == 3
+
+
 def test_slot_pool_hands_out_neighbours_that_one_copy_fills_and_spans_find_them():
     pool = SlotPool(1 << 20, Side(torch.device("cpu")), pinned=False)
     first = pool.take_many(pool.per_segment)

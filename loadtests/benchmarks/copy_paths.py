@@ -10,7 +10,7 @@ time is the median of ROUNDS, after one round of warm-up:
   WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
   also checked on the host (XXH3-128 on the four load threads, its way before);
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on), also while the RAM tier
-  fills (new keys each round: the slot pool grows), split into the gather alone and copy_out (the gather,
+  fills (new keys each round: slots of the pool no block has held yet), split into the gather alone and copy_out (the gather,
   the checksum's launch and the copies' issue; the rest is the save thread's hand-off), each as host time,
   and the whole save (the blocks stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
@@ -75,14 +75,15 @@ def host_time(fn, rounds: int, sync, after=lambda _: None) -> float:
 
 def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide:
     """A worker on its own Qwen3-4B-shaped KV cache of 3 x blocks, the first third random, and one tier (files
-    read on --load-threads)."""
+    read on --load-threads; a RAM tier that holds every block the steps save, its slots pinned at register)."""
     n = args.blocks
     gen = torch.Generator(device=dev).manual_seed(0)
     caches = {f"model.layers.{i}.self_attn.attn":
               torch.randn(3 * n, 2, 32, 8, 128, device=dev, generator=gen).to(torch.bfloat16)
               for i in range(args.layers)}
+    held = (args.rounds + 4) * n * args.layers * caches[next(iter(caches))][0].nbytes  # every key saved: no eviction
     ram, fs = ((None, FsTier(fs_root, FP, None, per_file=max(1, FILE_TOKENS["cuda"] // BLOCK))) if fs_root
-               else (RamTier(1 << 40), None))
+               else (RamTier(held), None))
     w = WorkerSide(FP, BLOCK, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device,
                    load_threads=args.load_threads)
     w.register(caches)
@@ -219,7 +220,7 @@ def load_split(stats: Stats, loads: int) -> str:
 def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds: int) -> float:
     """How long save() holds the forward thread (the copies to the host and the save thread run on), saving
     stores(round): the same keys each round (the RAM tier replaces them: its slots are reused), or new ones
-    (the tier keeps them: the pool takes more host memory)."""
+    (the tier keeps them in slots no block has held yet)."""
     out = []
     for r in range(rounds + 1):
         w.flush()
