@@ -10,8 +10,9 @@ time is the median of ROUNDS, after one round of warm-up:
   WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
   also checked on the host (XXH3-128 on the four load threads, its way before);
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on), also while the RAM tier
-  fills (new keys each round: slots of the pool no block has held yet), split into the gather alone and copy_out (the gather,
-  the checksum's launch and the copies' issue; the rest is the save thread's hand-off), each as host time,
+  fills (new keys each round: slots of the pool no block has held yet), split into the gather alone and
+  copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save thread's hand-off),
+  each as host time,
   and the whole save (the blocks stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
