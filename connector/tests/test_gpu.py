@@ -23,9 +23,9 @@ def caches():
 
 
 def worker(tmp_path, ram=True, per_file=1, device_reads=False):
-    w = WorkerSide(FP, 32, RamTier(1 << 30) if ram else None,
+    w = WorkerSide(FP, 32, RamTier(1 << 26) if ram else None,  # with the backlog, 128 MiB pinned at register
                    None if ram else FsTier(str(tmp_path), FP, None, per_file=per_file), checksum="mix128",
-                   device_reads=device_reads)
+                   backlog=1 << 26, device_reads=device_reads)
     w.register(caches())
     w.device_copies.chunk = 3  # eight loads span three staged chunks
     return w
