@@ -10,7 +10,8 @@ Worker-side (each worker process), see worker.py:
   save thread), get_block_ids_with_load_errors (misses vLLM recomputes), get_kv_connector_stats, shutdown.
 
 kv_connector_extra_config keys:
-- ram_bytes (int, default 268435456): RAM tier capacity; 0 turns the tier off.
+- ram_bytes (int, default 268435456): RAM tier capacity; 0 turns the tier off. Beside a GPU its slots and
+  the save backlog's are pinned at start (more than the host's memory is refused).
 - fs_path (str, optional): filesystem tier directory (local, or NFS shared by several servers).
 - fs_bytes (int, optional): filesystem tier capacity; unbounded when absent.
 - fsync (bool, default false): fsync each file before its atomic rename.

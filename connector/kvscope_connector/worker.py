@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -174,15 +175,26 @@ class WorkerSide:
         if self.fs is not None:
             self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
         self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]
-        if self.pool is not None and self.pool.pinned:  # what the RAM tier, the saves waiting and a load's reads
-            # ahead can hold, pinned before any request (as vLLM's offloading pins its CPU tier at start)
-            self.pool.reserve((self.ram.capacity if self.ram is not None else 0) + self.backlog
-                              + AHEAD_CHUNKS * chunk * self.layout.nbytes)
+        if self.pool is not None:
+            need, host = self.host_slots_bytes(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            if need > host:
+                raise ValueError(f"kvscope connector: ram_bytes (x1.1) and save_backlog_bytes ask for "
+                                 f"{need / 2**30:.1f} GiB of host memory, more than this host's {host / 2**30:.1f} GiB")
+            if self.pool.pinned:  # pinned before any request, as vLLM's offloading pins its CPU tier at start
+                self.pool.reserve(need)
         if self.ram is not None:
             self.ram.attach(self.pool, self.checksum, pin=gpu and not self.on_device)
         if self.fs is not None:
             writable(self.layout, self.fs.per_file)  # refused at start, not at every save
             self.fs.attach(self.pool, self.checksum, self.layout)
+
+    def host_slots_bytes(self) -> int:
+        """The host memory the slot pool holds at most in use: the RAM tier's blocks, the saves waiting for the
+        save thread (the backlog) and a load's file reads (the chunks read ahead, the one staged, the one
+        checked; none when files are read into device memory)."""
+        reads = ((AHEAD_CHUNKS + 2) * self.device_copies.chunk * self.layout.nbytes
+                 if self.fs is not None and self.reads_to_device is None else 0)
+        return (self.ram.capacity if self.ram is not None else 0) + self.backlog + reads
 
     @property
     def layout(self) -> Layout:
@@ -567,13 +579,13 @@ class WorkerSide:
         if not meta.stores and not meta.ram_evict:
             return
         started = time.perf_counter()
-        saved = self.transfer.copy_out([spec.block_id for spec in meta.stores])
-        held = self.block_bytes() * len(saved.blocks)
-        if 0 < (pending := self._pending()) and pending + held > self.backlog:
+        held = self.block_bytes() * len(meta.stores)
+        if 0 < (pending := self._pending()) and pending + held > self.backlog:  # before the copies take slots
             waited = time.perf_counter()
             while 0 < (pending := self._pending()) and pending + held > self.backlog:
                 self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
             self.stats.save_wait_seconds += time.perf_counter() - waited
+        saved = self.transfer.copy_out([spec.block_id for spec in meta.stores])
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()

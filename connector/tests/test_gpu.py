@@ -23,7 +23,7 @@ def caches():
 
 
 def worker(tmp_path, ram=True, per_file=1, device_reads=False):
-    w = WorkerSide(FP, 32, RamTier(1 << 26) if ram else None,  # with the backlog, 128 MiB pinned at register
+    w = WorkerSide(FP, 32, RamTier(1 << 26) if ram else None,  # the pool pinned at register: a segment or two
                    None if ram else FsTier(str(tmp_path), FP, None, per_file=per_file), checksum="mix128",
                    backlog=1 << 26, device_reads=device_reads)
     w.register(caches())
@@ -64,7 +64,7 @@ def test_the_pool_is_pinned_at_registration_for_the_ram_tier_and_the_save_backlo
     held = len(w.pool.segments) * w.pool.per_segment
     assert held * w.pool.block_bytes >= (1 << 27) + (1 << 26) and all(s.is_pinned() for s in w.pool.segments)
     segments = len(w.pool.segments)
-    for r in range(8):  # 8 x 64 blocks of 393 KB: the tier (341 blocks) fills and evicts
+    for r in range(32):  # 2048 blocks of 393 KB: more than the pool's slots, the tier (341 blocks) evicting
         w.save(KVScopeMetadata(stores=[StoreSpec(i, f"r{r}-{i}", True, False) for i in range(64)]))
     w.flush()
     assert len(w.pool.segments) == segments and w.take_stats().evictions > 0
@@ -76,7 +76,7 @@ def test_files_read_by_kvikio_into_gpu_memory_load_back_exactly_and_a_changed_by
     where = placed([f"k{i}" for i in range(8)], 3)
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True, file=where[i].file) for i in range(8)]))
     w.flush()
-    segments = len(w.pool.segments)
+    in_use = w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned)
 
     def load(first):
         w.load(KVScopeMetadata(loads=[LoadSpec(16 + i, f"k{i}", "fs", request_id="r", index=i, file=where[i].file,
@@ -86,7 +86,7 @@ def test_files_read_by_kvikio_into_gpu_memory_load_back_exactly_and_a_changed_by
     load(1)  # from inside the first file
     assert w.take_load_errors() == set() and w.stats.fs_hits == 7
     assert all(torch.equal(t[17:24], t[1:8]) for t in w.layers.values())
-    assert len(w.pool.segments) == segments  # no pinned slot was needed
+    assert w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned) <= in_use  # none
     path = w.fs.path(where[4].file)
     data = bytearray(path.read_bytes())
     data[-w.layout.nbytes - 1] ^= 0x01  # the last byte of block 4

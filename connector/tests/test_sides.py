@@ -1005,3 +1005,43 @@ def test_every_counter_of_the_worker_reaches_metrics():
     from kvscope_connector.store import Stats
 
     assert set(COUNTERS) == {f.name for f in fields(Stats)} - {"logged"}
+
+
+def test_the_host_slots_are_the_ram_tier_the_save_backlog_and_a_loads_file_reads_and_more_than_the_host_is_refused(
+        tmp_path):
+    # beside a GPU they are pinned at registration (test_gpu.py): a RAM tier larger than the host is refused first
+    both = WorkerSide(FP, B, RamTier(1 << 20), FsTier(str(tmp_path), FP, None), checksum="mix128", on_device=True,
+                      backlog=1 << 22)
+    both.register(caches())
+    reads = 4 * both.device_copies.chunk * both.block_bytes()  # two chunks ahead, one staged, one checked
+    assert both.host_slots_bytes() == (1 << 20) + (1 << 22) + reads
+    ram_only = WorkerSide(FP, B, RamTier(1 << 20), None, checksum="mix128", on_device=True, backlog=1 << 22)
+    ram_only.register(caches())
+    assert ram_only.host_slots_bytes() == (1 << 20) + (1 << 22)
+    huge = WorkerSide(FP, B, RamTier(1 << 50), None, checksum="mix128", on_device=True)
+    with pytest.raises(ValueError, match=r"save_backlog_bytes ask for 10485..\.. GiB of host memory, more than"):
+        huge.register(caches())
+
+
+def test_a_save_behind_a_full_backlog_takes_its_slots_once_the_save_thread_has_caught_up(tmp_path, monkeypatch):
+    # the pool is pinned for the backlog (register): a save's copies waited in slots taken beyond it
+    w = WorkerSide(FP, B, RamTier(1 << 20), None, checksum="mix128", on_device=True, backlog=None)
+    w.register(caches())
+    w.backlog = 2 * w.block_bytes()
+    go, store = threading.Event(), w._store
+
+    def held_back(*args):  # the save thread, behind
+        go.wait(10)
+        return store(*args)
+    monkeypatch.setattr(w, "_store", held_back)
+    in_use = lambda: w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned)  # noqa: E731
+    w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1)]))
+    second = threading.Thread(target=w.save, args=(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False)
+                                                                            for i in (2, 3)]),))
+    second.start()
+    time.sleep(0.3)
+    assert second.is_alive() and in_use() == 2  # waiting for the first save, holding no slot
+    go.set()
+    second.join(10)
+    w.flush()
+    assert all(w.ram.contains(f"k{i}") for i in range(4))
