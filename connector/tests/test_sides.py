@@ -14,7 +14,7 @@ from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.paths import HostRows
 from kvscope_connector.scheduler import SchedulerSide
 from kvscope_connector.store import FsTier, RamTier
-from kvscope_connector.worker import WorkerSide
+from kvscope_connector.worker import AHEAD_CHUNKS, WorkerSide
 
 FP, B = "f" * 32, 4
 
@@ -593,7 +593,7 @@ def test_a_long_load_promoting_into_a_full_ram_tier_keeps_the_pool_near_the_tier
     w.load(KVScopeMetadata(loads=[LoadSpec(n + 2 + j, f"k{j + 2}", "fs", promote=True, request_id="r", index=j)
                                   for j in range(n)]))
     assert w.take_load_errors() == set() and all(torch.equal(t[n + 2:2 * n + 2], t[2:n + 2]) for t in w.layers.values())
-    assert len(w.pool.segments) - before <= 2 + 2 * 2 + 2  # the tier, the read-ahead, the staged chunk
+    assert len(w.pool.segments) - before <= 2 + (AHEAD_CHUNKS + 1) * 2  # the tier, the read-ahead, the staged chunk
 
 
 def test_a_key_stored_and_evicted_in_one_step_is_not_kept_by_the_worker(tmp_path):
@@ -1013,7 +1013,7 @@ def test_the_host_slots_are_the_ram_tier_the_save_backlog_and_a_loads_file_reads
     both = WorkerSide(FP, B, RamTier(1 << 20), FsTier(str(tmp_path), FP, None), checksum="mix128", on_device=True,
                       backlog=1 << 22)
     both.register(caches())
-    reads = 4 * both.device_copies.chunk * both.block_bytes()  # two chunks ahead, one staged, one checked
+    reads = (AHEAD_CHUNKS + 2) * both.device_copies.chunk * both.block_bytes()  # ahead, one staged, one checked
     assert both.host_slots_bytes() == (1 << 20) + (1 << 22) + reads
     ram_only = WorkerSide(FP, B, RamTier(1 << 20), None, checksum="mix128", on_device=True, backlog=1 << 22)
     ram_only.register(caches())
