@@ -18,7 +18,7 @@ import torch
 
 from .blocks import Block
 
-SEGMENT_BYTES = 1 << 28  # one allocation of slots: a power of two, so the pinned allocator rounds nothing
+SEGMENT_BYTES = 1 << 28  # one allocation of slots at most: the pinned allocator rounds it to a power of two
 
 
 class Side:

@@ -48,8 +48,8 @@ SAVE_BACKLOG_BYTES = {"cpu": 1 << 30, "cuda": 1 << 32}  # host copies waiting fo
 SAVE_THREADS = {"cpu": 1, "cuda": 4}  # files written at once per step's save (the write releases the GIL)
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
 AHEAD_CHUNKS = 4  # with on-device checks, the blocks a load reads ahead, in chunks: each holds a pool slot. At
-# the Qwen3-4B shape's 4.5 MiB blocks, 112 blocks: 14 files of 8 (a 16k-token file hit on an H100, 8 load threads:
-# 84 ms against 92-93 with 2 chunks, results/2026-12-06-h100-connector-pinned-pool)
+# the Qwen3-4B shape's 4.5 MiB blocks, 112 blocks: 14 files of 8 queued (a 16k-token file hit on an H100, 8 load
+# threads: 84 ms against 92-93 with 2 chunks, one run each without servers: 2026-12-06-h100-connector-pinned-pool)
 LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk. Beside a GPU, with files of
 # 16 blocks (one read each), eight beat four and sixteen (the H200, 2.25 MiB blocks from the page cache: 13,700,
 # 17,393 and 16,568 MiB/s); with one block a file four had won, each block's Python waiting for the interpreter's lock
