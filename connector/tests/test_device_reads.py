@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from test_sides import slots_out
 
 from kvscope_connector.devicereads import kvikio_reads
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
@@ -48,10 +49,6 @@ def loads(where, blocks):
                                   for i in blocks])
 
 
-def slots_in_use(w):
-    return w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned)
-
-
 def test_each_file_is_one_read_into_device_memory_past_its_header_and_no_host_slot_is_taken(tmp_path):
     w, where = stored(tmp_path)
     segments = len(w.pool.segments)
@@ -63,7 +60,7 @@ def test_each_file_is_one_read_into_device_memory_past_its_header_and_no_host_sl
         st = w.fs.path(f.file).stat()
         expected.append((st.st_ino, st.st_size - f.count * block + first * block, n))  # past the header
     assert sorted(w.reads) == sorted(expected)
-    assert len(w.pool.segments) == segments and slots_in_use(w) == 0
+    assert len(w.pool.segments) == segments and slots_out(w) == 0
 
 
 def test_a_changed_byte_read_into_device_memory_is_caught_there_and_stops_its_request(tmp_path):

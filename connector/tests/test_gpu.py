@@ -3,6 +3,7 @@ side stream, pinned pool slots, mix128 on the device, staged and checked loads."
 
 import pytest
 import torch
+from test_sides import slots_out
 
 from kvscope_connector.blocks import fused_on, mix_digests
 from kvscope_connector.devicereads import kvikio_reads
@@ -76,7 +77,7 @@ def test_files_read_by_kvikio_into_gpu_memory_load_back_exactly_and_a_changed_by
     where = placed([f"k{i}" for i in range(8)], 3)
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True, file=where[i].file) for i in range(8)]))
     w.flush()
-    in_use = w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned)
+    in_use = slots_out(w)
 
     def load(first):
         w.load(KVScopeMetadata(loads=[LoadSpec(16 + i, f"k{i}", "fs", request_id="r", index=i, file=where[i].file,
@@ -86,7 +87,7 @@ def test_files_read_by_kvikio_into_gpu_memory_load_back_exactly_and_a_changed_by
     load(1)  # from inside the first file
     assert w.take_load_errors() == set() and w.stats.fs_hits == 7
     assert all(torch.equal(t[17:24], t[1:8]) for t in w.layers.values())
-    assert w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned) <= in_use  # none
+    assert slots_out(w) <= in_use  # no pinned slot was taken
     path = w.fs.path(where[4].file)
     data = bytearray(path.read_bytes())
     data[-w.layout.nbytes - 1] ^= 0x01  # the last byte of block 4

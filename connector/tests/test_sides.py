@@ -1034,13 +1034,12 @@ def test_a_save_behind_a_full_backlog_takes_its_slots_once_the_save_thread_has_c
         go.wait(10)
         return store(*args)
     monkeypatch.setattr(w, "_store", held_back)
-    in_use = lambda: w.pool.per_segment * len(w.pool.segments) - len(w.pool.free) - len(w.pool.returned)  # noqa: E731
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1)]))
     second = threading.Thread(target=w.save, args=(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False)
                                                                             for i in (2, 3)]),))
     second.start()
     time.sleep(0.3)
-    assert second.is_alive() and in_use() == 2  # waiting for the first save, holding no slot
+    assert second.is_alive() and slots_out(w) == 2  # waiting for the first save, holding no slot
     go.set()
     second.join(10)
     w.flush()
