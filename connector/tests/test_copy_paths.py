@@ -31,4 +31,4 @@ def test_copy_paths_runs_and_splits_each_loads_time():
     rows = re.findall(r"^ *([\d.]+) +([\d.]+) +(\d+)  (.+)$", profile[1], re.M)
     assert any(name.endswith("_load_on_device") for *_, name in rows), profile[1]  # the load's own frames
     assert "RAM hit, the forward thread by function" in profile[1] and "save, the forward thread" in profile[1]
-    assert "the RAM tier filling" in out.stdout
+    assert "the RAM tier filling" in out.stdout and "every other block id" in out.stdout

@@ -10,7 +10,10 @@ time is the median of ROUNDS, after one round of warm-up:
   WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
   also checked on the host (XXH3-128 on the four load threads, its way before);
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on), also while the RAM tier
-  fills (new keys each round: slots of the pool no block has held yet), split into the gather alone and
+  fills (new keys each round: slots of the pool no block has held yet), of every other block id (one run
+  each, as a busy server's blocks may lie: a gather per layer), and beside a GPU with 50 ms of work queued
+  on the forward's stream first (the GPU behind the host, as in a server: a save that waits for it holds
+  the thread as long), split into the gather alone and
   copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save thread's hand-off),
   each as host time,
   and the whole save (the blocks stored in RAM).
@@ -46,6 +49,8 @@ from kvscope_connector.worker import WorkerSide
 
 FP = "f" * 32
 BLOCK = 32  # tokens
+BUSY_MS = 50  # the GPU's queue when a save is timed behind it
+CALIBRATE_CYCLES = 50_000_000  # GPU clock cycles spun once to learn the rate
 
 
 def timed(fn, rounds: int, sync) -> float:
@@ -163,6 +168,12 @@ def main() -> None:
     took["save: the forward thread's part, the RAM tier filling"] = forward_part(
         on_gpu, lambda r: KVScopeMetadata(stores=[StoreSpec(i, f"fill{r}-{i}", True, False) for i in range(n)]),
         args.rounds)
+    scattered = KVScopeMetadata(stores=[StoreSpec(2 * i, f"s{i}", True, False) for i in range(n)])
+    took["save: the forward thread's part, every other block id"] = forward_part(
+        on_gpu, lambda _: scattered, args.rounds)
+    if gpu:
+        took[f"save: the forward thread's part, the GPU {BUSY_MS} ms behind"] = forward_part(
+            on_gpu, lambda _: stores, args.rounds, gpu_busy(BUSY_MS))
     paths, ids = on_gpu.device_copies, list(range(n))
     took["save, forward thread: the gather alone"] = host_time(lambda: paths.gather(ids), args.rounds, sync)
     took["save, forward thread: copy_out (gather, checksum, copies)"] = host_time(
@@ -208,6 +219,17 @@ def profiled(name: str, step, rounds: int, sync, settle, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def gpu_busy(ms: float) -> Callable[[], None]:
+    """Queues ms of work on the current stream: the GPU behind the host, as a server's is when vLLM calls
+    save() after launching a step's forward (a save that waits for the GPU then holds the thread as long)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    torch.cuda._sleep(CALIBRATE_CYCLES)
+    torch.cuda.synchronize()
+    cycles = int(CALIBRATE_CYCLES * ms / ((time.perf_counter() - t) * 1e3))
+    return lambda: torch.cuda._sleep(cycles)
+
+
 def load_split(stats: Stats, loads: int) -> str:
     """The connector's counters of a step's loads (warm-up included), a mean per load: the forward thread's
     time in load(), waiting for the load threads, waiting for the GPU, and the rest (its own work and any
@@ -218,13 +240,15 @@ def load_split(stats: Stats, loads: int) -> str:
             f"{device * 1e3:.1f}, the rest {(total - reads - device) * 1e3:.1f} (mean of {loads})")
 
 
-def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds: int) -> float:
+def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds: int,
+                 before: Callable[[], None] = lambda: None) -> float:
     """How long save() holds the forward thread (the copies to the host and the save thread run on), saving
     stores(round): the same keys each round (the RAM tier replaces them: its slots are reused), or new ones
-    (the tier keeps them in slots no block has held yet)."""
+    (the tier keeps them in slots no block has held yet); before() runs just before each save."""
     out = []
     for r in range(rounds + 1):
         w.flush()
+        before()
         t = time.perf_counter()
         w.save(stores(r))
         out.append(time.perf_counter() - t)
