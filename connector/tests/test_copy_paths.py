@@ -1,6 +1,7 @@
 """loadtests/benchmarks/copy_paths.py on the CPU at a toy size: it runs, every load writes the saved bytes (it
 checks that itself), each load's time is split by the connector's counters, and --profile tells the forward thread's
-time by function in a file hit, a RAM hit and a save."""
+time by function in a file hit, a RAM hit and a save. Nine blocks: their save at every other id is nine runs, beyond
+MAX_RUNS, so the per-layer gather stores them (the script checks the bytes)."""
 
 import re
 import subprocess
@@ -12,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_copy_paths_runs_and_splits_each_loads_time():
     out = subprocess.run([sys.executable, str(REPO / "loadtests" / "benchmarks" / "copy_paths.py"), "--device", "cpu",
-                          "--blocks", "8", "--layers", "2", "--rounds", "2",
+                          "--blocks", "9", "--layers", "2", "--rounds", "2",
                           "--load-threads", "2", "--profile"], capture_output=True, text=True,
                          timeout=300, env={"PYTHONPATH": f"{REPO / 'connector'}:{REPO / 'loadtests'}",
                                            "PATH": "/usr/bin:/bin"})

@@ -9,14 +9,14 @@ time is the median of ROUNDS, after one round of warm-up:
 - a RAM hit and a file hit (from the page cache, files of the connector's 256 tokens beside a GPU) through
   WorkerSide.load, into the KV cache: checked on the GPU (the connector's way beside a GPU), and the RAM hit
   also checked on the host (XXH3-128 on the four load threads, its way before);
-- a save: the forward thread's part (WorkerSide.save returning; the copies run on), also while the RAM tier
-  fills (new keys each round: slots of the pool no block has held yet), of every other block id (one run
-  each, as a busy server's blocks may lie: a gather per layer), and beside a GPU with 50 ms of work queued
-  on the forward's stream first (the GPU behind the host, as in a server: a save that waits for it holds
-  the thread as long), split into the gather alone and
-  copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save thread's hand-off),
-  each as host time,
-  and the whole save (the blocks stored in RAM).
+- a save: the forward thread's part (WorkerSide.save returning; the copies run on), split into the gather
+  alone and copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save
+  thread's hand-off), each as host time; also while the RAM tier fills (new keys each round: slots of the
+  pool no block has held yet), of every other block id (one run each, as a busy server's blocks may lie:
+  beyond MAX_RUNS, two ops per layer per chunk; the bytes stored are checked), and beside a GPU with 50 ms
+  of work queued on the forward's stream first (whether save() itself waits for the GPU; the save thread
+  idle and every slot free, unlike a server's earlier copies still queued); and the whole save (the blocks
+  stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
 and the rest), and checks that every load wrote the saved blocks' bytes. With --profile, the file hit's
@@ -109,6 +109,17 @@ def loads(w: WorkerSide, n: int, tier: str) -> KVScopeMetadata:
                                            offset=f.offset, count=f.count) for i, f in enumerate(files(w, n))])
 
 
+def check_saved(w: WorkerSide, meta: KVScopeMetadata, what: str) -> None:
+    """The RAM tier holds each stored key's block as every layer of the KV cache has it (read layer by layer,
+    not through the connector's gather)."""
+    assert w.ram is not None
+    for spec in meta.stores:
+        found = w.ram.get(spec.key, verify=False)
+        assert found is not None and all(
+            torch.equal(found[0][e.start:e.end], w.layers[e.name][spec.block_id].reshape(-1).view(torch.uint8).cpu())
+            for e in w.layout.entries), f"{what}: block {spec.block_id} stored other bytes"
+
+
 def check(w: WorkerSide, n: int, what: str) -> None:
     assert not w.take_load_errors(), f"{what}: load errors"
     assert all(torch.equal(t[n:2 * n], t[:n]) for t in w.layers.values()), f"{what} wrote other bytes than saved"
@@ -168,9 +179,10 @@ def main() -> None:
     took["save: the forward thread's part, the RAM tier filling"] = forward_part(
         on_gpu, lambda r: KVScopeMetadata(stores=[StoreSpec(i, f"fill{r}-{i}", True, False) for i in range(n)]),
         args.rounds)
-    scattered = KVScopeMetadata(stores=[StoreSpec(2 * i, f"s{i}", True, False) for i in range(n)])
+    scattered = KVScopeMetadata(stores=[StoreSpec(2 * i, f"o{i}", True, False) for i in range(n)])
     took["save: the forward thread's part, every other block id"] = forward_part(
         on_gpu, lambda _: scattered, args.rounds)
+    check_saved(on_gpu, scattered, "every other block id")
     if gpu:
         took[f"save: the forward thread's part, the GPU {BUSY_MS} ms behind"] = forward_part(
             on_gpu, lambda _: stores, args.rounds, gpu_busy(BUSY_MS))
@@ -222,6 +234,7 @@ def profiled(name: str, step, rounds: int, sync, settle, top: int = 25) -> str:
 def gpu_busy(ms: float) -> Callable[[], None]:
     """Queues ms of work on the current stream: the GPU behind the host, as a server's is when vLLM calls
     save() after launching a step's forward (a save that waits for the GPU then holds the thread as long)."""
+    torch.cuda._sleep(1000)  # the kernel loaded before it is timed
     torch.cuda.synchronize()
     t = time.perf_counter()
     torch.cuda._sleep(CALIBRATE_CYCLES)
@@ -243,7 +256,7 @@ def load_split(stats: Stats, loads: int) -> str:
 def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds: int,
                  before: Callable[[], None] = lambda: None) -> float:
     """How long save() holds the forward thread (the copies to the host and the save thread run on), saving
-    stores(round): the same keys each round (the RAM tier replaces them: its slots are reused), or new ones
+    stores(round): the same keys each round (the RAM tier has them: their new slots go back), or new ones
     (the tier keeps them in slots no block has held yet); before() runs just before each save."""
     out = []
     for r in range(rounds + 1):
