@@ -12,10 +12,10 @@ time is the median of ROUNDS, after one round of warm-up:
 - a save: the forward thread's part (WorkerSide.save returning; the copies run on), split into the gather
   alone and copy_out (the gather, the checksum's launch and the copies' issue; the rest is the save
   thread's hand-off), each as host time; also while the RAM tier fills (new keys each round: slots of the
-  pool no block has held yet), of every other block id (one run each, as a busy server's blocks may lie:
+  pool no block has held yet), of every other block id (each id its own run, as a busy server's blocks may lie:
   beyond MAX_RUNS, two ops per layer per chunk; the bytes stored are checked), and beside a GPU with 50 ms
   of work queued on the forward's stream first (whether save() itself waits for the GPU; the save thread
-  idle and every slot free, unlike a server's earlier copies still queued); and the whole save (the blocks
+  idle and no earlier copy queued, unlike a server's); and the whole save (the blocks
   stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
@@ -87,7 +87,8 @@ def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide
     caches = {f"model.layers.{i}.self_attn.attn":
               torch.randn(3 * n, 2, 32, 8, 128, device=dev, generator=gen).to(torch.bfloat16)
               for i in range(args.layers)}
-    held = (args.rounds + 4) * n * args.layers * caches[next(iter(caches))][0].nbytes  # every key saved: no eviction
+    # every key saved, no eviction: k, s and o keys n each, the fill's (rounds + 1) x n (exactly: no slack)
+    held = (args.rounds + 4) * n * args.layers * caches[next(iter(caches))][0].nbytes
     ram, fs = ((None, FsTier(fs_root, FP, None, per_file=max(1, FILE_TOKENS["cuda"] // BLOCK))) if fs_root
                else (RamTier(held), None))
     w = WorkerSide(FP, BLOCK, ram, fs, checksum="mix128" if on_device else "xxh3-128", on_device=on_device,
@@ -115,7 +116,8 @@ def check_saved(w: WorkerSide, meta: KVScopeMetadata, what: str) -> None:
     assert w.ram is not None
     for spec in meta.stores:
         found = w.ram.get(spec.key, verify=False)
-        assert found is not None and all(
+        assert found is not None, f"{what}: block {spec.block_id} not in the RAM tier"
+        assert all(
             torch.equal(found[0][e.start:e.end], w.layers[e.name][spec.block_id].reshape(-1).view(torch.uint8).cpu())
             for e in w.layout.entries), f"{what}: block {spec.block_id} stored other bytes"
 
