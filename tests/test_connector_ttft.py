@@ -71,7 +71,7 @@ def test_kvscope_ram_against_cold_at_16k_is_judged_against_the_peers_own_ratio()
 def test_the_connector_line_splits_the_forward_threads_time_per_request():
     d = {"kvscope:connector_fs_hits_total": 4599, "kvscope:connector_load_seconds_total": 1.8,
          "kvscope:connector_load_read_wait_seconds_total": 0.9, "kvscope:connector_load_device_wait_seconds_total": 0.45,
-         "kvscope:connector_save_forward_seconds_total": 0.09}
+         "kvscope:connector_save_forward_seconds_total": 0.09, "kvscope:connector_pool_grow_seconds_total": 0.25}
     line = connector_ttft.connector_line(d, 9, 3)  # 9 hits, 3 primes that stored
-    assert line.startswith("ram 0, fs 4599; saves skipped 0, forward waited 0.00 s for saves;")
+    assert line.startswith("ram 0, fs 4599; saves skipped 0, forward waited 0.00 s for saves, the pool grew 0.25 s;")
     assert line.endswith("ms a request: load 200.0 (n=9; waiting for reads 100.0, for the GPU 50.0), save 30.0 (n=3)")

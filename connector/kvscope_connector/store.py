@@ -56,6 +56,7 @@ class Stats:
     save_seconds: float = 0.0  # copies issued and stored, on either thread
     save_forward_seconds: float = 0.0  # the forward thread in save() (backlog waits included)
     save_wait_seconds: float = 0.0  # the forward thread waiting for the save thread (its backlog full)
+    pool_grow_seconds: float = 0.0  # the slot pool growing past its reserve, on the thread taking the slots
     evictions: int = 0  # RAM blocks and files
     logged: set = field(default_factory=set)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -73,6 +74,7 @@ class SlotPool:
         self.free: list[Block] = []
         self.returned: deque[tuple[Block, torch.cuda.Event | None]] = deque()
         self.lock = threading.Lock()
+        self.grow_seconds = 0.0  # taking slots past the reserve: new segments allocated (pinned) by the taker
 
     def take(self) -> Block:
         return self.take_many(1)[0]
@@ -85,11 +87,20 @@ class SlotPool:
             while self.returned and ((event := self.returned[0][1]) is None or event is done or event.query()):
                 done = event
                 bisect.insort(self.free, self.returned.popleft()[0], key=torch.Tensor.data_ptr)
-            while len(self.free) < n:
-                self._grow()
+            if len(self.free) < n:
+                started = time.perf_counter()
+                while len(self.free) < n:
+                    self._grow()
+                self.grow_seconds += time.perf_counter() - started
             taken = self.free[len(self.free) - n:]
             del self.free[len(self.free) - n:]
         return taken
+
+    def take_grow_seconds(self) -> float:
+        """The time spent growing since the last call."""
+        with self.lock:
+            seconds, self.grow_seconds = self.grow_seconds, 0.0
+        return seconds
 
     def spans(self, slots: list[Block]) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Runs of consecutive blocks of the list that lie side by side, in one segment of the pool or in one

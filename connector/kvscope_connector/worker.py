@@ -708,4 +708,6 @@ class WorkerSide:
         """The counters since the last call (vLLM asks after every step)."""
         self._collect()
         stats, self.stats = self.stats, Stats(logged=self.logged)
+        if self.pool is not None:
+            stats.pool_grow_seconds += self.pool.take_grow_seconds()
         return stats

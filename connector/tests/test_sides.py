@@ -440,6 +440,16 @@ def counting_marks(w):
     return marks
 
 
+def test_the_pools_growing_is_counted_in_the_workers_stats(tmp_path):
+    w = worker(tmp_path, fs=False, checks="device")  # on the CPU the pool is not reserved: its first save grows it
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", True, False)]))
+    w.flush()
+    assert w.take_stats().pool_grow_seconds > 0
+    w.save(KVScopeMetadata(stores=[StoreSpec(2, "k2", True, False)]))
+    w.flush()
+    assert w.take_stats().pool_grow_seconds == 0  # a slot of the grown segment: no growing
+
+
 def slots_out(w):
     """Pool slots neither free nor given back: held by the RAM tier, or leaked."""
     pool = w.pool

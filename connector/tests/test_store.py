@@ -376,6 +376,17 @@ def test_slot_pool_reserved_ahead_hands_out_that_many_slots_without_growing():
     assert len(pool.segments) == 3
 
 
+def test_slot_pool_counts_the_time_it_spends_growing_past_its_reserve_once():
+    pool = SlotPool(1 << 20, Side(torch.device("cpu")), pinned=False)
+    pool.reserve(pool.per_segment << 20)
+    pool.take_many(pool.per_segment)  # the reserve: no growing
+    assert pool.take_grow_seconds() == 0
+    pool.take_many(1)  # past it: a segment more, on the taker's thread
+    grew = pool.take_grow_seconds()
+    assert grew > 0 and len(pool.segments) == 2
+    assert pool.take_grow_seconds() == 0  # taken once
+
+
 def test_slot_pool_hands_out_neighbours_that_one_copy_fills_and_spans_find_them():
     pool = SlotPool(1 << 20, Side(torch.device("cpu")), pinned=False)
     first = pool.take_many(pool.per_segment)

@@ -103,7 +103,8 @@ def tier_hits(server: Manifest, before: dict[str, float], loads: int, saves: int
 
 def connector_line(d: dict[str, float], loads: int, saves: int) -> str:
     """From a phase's counter deltas: blocks each tier served, file saves skipped while the save thread was
-    behind (later misses), the seconds the forward waited for it (its backlog full), and the forward thread's
+    behind (later misses), the seconds the forward waited for it (its backlog full) and the slot pool grew past
+    its reserve (beside a GPU, on the forward thread), and the forward thread's
     time in the connector in ms a request: in load() over the `loads` requests that loaded (of it waiting for
     the load threads and for the GPU), in save() over the `saves` that stored."""
     def count(name: str) -> float:
@@ -113,7 +114,8 @@ def connector_line(d: dict[str, float], loads: int, saves: int) -> str:
         return f"{count(name) / max(n, 1) * 1000:.1f}"
     return ", ".join(f"{t} {int(count(f'{t}_hits'))}" for t in ("ram", "fs")) + \
         f"; saves skipped {int(count('saves_skipped'))}, forward waited {count('save_wait_seconds'):.2f} s for " \
-        f"saves; ms a request: load {ms('load_seconds', loads)} (n={loads}; waiting for reads " \
+        f"saves, the pool grew {count('pool_grow_seconds'):.2f} s; " \
+        f"ms a request: load {ms('load_seconds', loads)} (n={loads}; waiting for reads " \
         f"{ms('load_read_wait_seconds', loads)}, for the GPU {ms('load_device_wait_seconds', loads)}), " \
         f"save {ms('save_forward_seconds', saves)} (n={saves})"
 
