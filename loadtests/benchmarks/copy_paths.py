@@ -15,8 +15,10 @@ time is the median of ROUNDS, after one round of warm-up:
   pool no block has held yet), of every other block id (each id its own run, as a busy server's blocks may lie:
   beyond MAX_RUNS, two ops per layer per chunk; the bytes stored are checked), and beside a GPU with 50 ms
   of work queued on the forward's stream first (whether save() itself waits for the GPU; the save thread
-  idle and no earlier copy queued, unlike a server's); and the whole save (the blocks
-  stored in RAM).
+  idle and no earlier copy queued, unlike a server's), and back to back with new keys, the RAM tier full
+  and evicting (beside a GPU 50 ms behind each time, as a server's under load: the earlier saves' copies
+  still queued; of it the waits for the save thread and the pool's growing past its reserve); and the
+  whole save (the blocks stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
 and the rest), and checks that every load wrote the saved blocks' bytes. With --profile, the file hit's
@@ -87,7 +89,7 @@ def worker(args, dev, on_device: bool, fs_root: str | None = None) -> WorkerSide
     caches = {f"model.layers.{i}.self_attn.attn":
               torch.randn(3 * n, 2, 32, 8, 128, device=dev, generator=gen).to(torch.bfloat16)
               for i in range(args.layers)}
-    # every key saved, no eviction: k, s and o keys n each, the fill's (rounds + 1) x n (exactly: no slack)
+    # no eviction before the back-to-back saves: k, s and o keys n each, the fill's (rounds + 1) x n (no slack)
     held = (args.rounds + 4) * n * args.layers * caches[next(iter(caches))][0].nbytes
     ram, fs = ((None, FsTier(fs_root, FP, None, per_file=max(1, FILE_TOKENS["cuda"] // BLOCK))) if fs_root
                else (RamTier(held), None))
@@ -209,7 +211,24 @@ def main() -> None:
                          "save": lambda: on_gpu.save(stores)}.items():
             print()
             print(profiled(name, fn, args.rounds, sync, on_gpu.flush))
+    print()
+    print(back_to_back(on_gpu, n, args.rounds, gpu, total))
     tmp.cleanup()
+
+
+def back_to_back(w: WorkerSide, n: int, rounds: int, gpu: bool, total: int) -> str:
+    """The save's forward-thread part back to back with new keys, the RAM tier full and evicting (last: its
+    RAM hits' keys go), beside a GPU BUSY_MS behind each time; of it the waits for the save thread and the
+    pool's growing past its reserve."""
+    name = "save: the forward part, back to back, the tier evicting" + (f", GPU {BUSY_MS} ms behind" if gpu else "")
+    w.take_stats()
+    seconds = forward_part(w, lambda r: KVScopeMetadata(stores=[StoreSpec(i, f"b{r}-{i}", True, False)
+                                                                for i in range(n)]),
+                           rounds, gpu_busy(BUSY_MS) if gpu else lambda: None, settle=False)
+    stats = w.take_stats()
+    return (f"{name:<56} {seconds * 1e3:8.1f} ms  {total / seconds / 1e9:6.1f} GB/s\n"
+            f"{name}: of it waiting for the save thread {stats.save_wait_seconds / (rounds + 1) * 1e3:.1f} ms, "
+            f"the pool growing {stats.pool_grow_seconds / (rounds + 1) * 1e3:.1f} ms (means of {rounds + 1} saves)")
 
 
 def profiled(name: str, step, rounds: int, sync, settle, top: int = 25) -> str:
@@ -256,13 +275,15 @@ def load_split(stats: Stats, loads: int) -> str:
 
 
 def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds: int,
-                 before: Callable[[], None] = lambda: None) -> float:
+                 before: Callable[[], None] = lambda: None, settle: bool = True) -> float:
     """How long save() holds the forward thread (the copies to the host and the save thread run on), saving
     stores(round): the same keys each round (the RAM tier has them: their new slots go back), or new ones
-    (the tier keeps them in slots no block has held yet); before() runs just before each save."""
+    (the tier keeps them in slots no block has held yet); before() runs just before each save, each after
+    the save thread is done with the one before (with settle; else back to back)."""
     out = []
     for r in range(rounds + 1):
-        w.flush()
+        if settle:
+            w.flush()
         before()
         t = time.perf_counter()
         w.save(stores(r))
