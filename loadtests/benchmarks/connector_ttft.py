@@ -103,10 +103,10 @@ def tier_hits(server: Manifest, before: dict[str, float], loads: int, saves: int
 
 def connector_line(d: dict[str, float], loads: int, saves: int) -> str:
     """From a phase's counter deltas: blocks each tier served, file saves skipped while the save thread was
-    behind (later misses), the seconds the forward waited for it (its backlog full) and the slot pool grew past
-    its reserve (beside a GPU, on the forward thread), and the forward thread's
-    time in the connector in ms a request: in load() over the `loads` requests that loaded (of it waiting for
-    the load threads and for the GPU), in save() over the `saves` that stored."""
+    behind (later misses), the seconds the forward waited for it (its backlog full) and the slot pool grew
+    past its reserve (beside a GPU, on the forward thread), and the forward thread's time in the connector in
+    ms a request: in load() over the `loads` requests that loaded (of it waiting for the load threads and for
+    the GPU), in save() over the `saves` that stored."""
     def count(name: str) -> float:
         return d.get(f"kvscope:connector_{name}_total", 0.0)
 

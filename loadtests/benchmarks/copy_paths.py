@@ -16,8 +16,9 @@ time is the median of ROUNDS, after one round of warm-up:
   beyond MAX_RUNS, two ops per layer per chunk; the bytes stored are checked), and beside a GPU with 50 ms
   of work queued on the forward's stream first (whether save() itself waits for the GPU; the save thread
   idle and no earlier copy queued, unlike a server's), and back to back with new keys, the RAM tier full
-  and evicting (beside a GPU 50 ms behind each time, as a server's under load: the earlier saves' copies
-  still queued; of it the waits for the save thread and the pool's growing past its reserve); and the
+  and evicting, more rounds than the save backlog holds (beside a GPU 50 ms behind each time, as a
+  server's under load: the earlier saves' copies still queued; of it the waits for the save thread and the
+  pool's growing past its reserve); and the
   whole save (the blocks stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
@@ -53,6 +54,7 @@ FP = "f" * 32
 BLOCK = 32  # tokens
 BUSY_MS = 50  # the GPU's queue when a save is timed behind it
 CALIBRATE_CYCLES = 50_000_000  # GPU clock cycles spun once to learn the rate
+MAX_BACK_TO_BACK = 64  # saves at most (small blocks: a backlog's worth would be hundreds)
 
 
 def timed(fn, rounds: int, sync) -> float:
@@ -217,18 +219,20 @@ def main() -> None:
 
 
 def back_to_back(w: WorkerSide, n: int, rounds: int, gpu: bool, total: int) -> str:
-    """The save's forward-thread part back to back with new keys, the RAM tier full and evicting (last: its
-    RAM hits' keys go), beside a GPU BUSY_MS behind each time; of it the waits for the save thread and the
-    pool's growing past its reserve."""
-    name = "save: the forward part, back to back, the tier evicting" + (f", GPU {BUSY_MS} ms behind" if gpu else "")
-    w.take_stats()
+    """The save's forward-thread part back to back with new keys, the RAM tier full and evicting (last: it
+    evicts what the steps before saved), beside a GPU BUSY_MS behind each time; rounds more than the save
+    backlog holds, so it fills (at most MAX_BACK_TO_BACK); of it (means after the warm-up) the waits for the
+    save thread and the pool's growing past its reserve, and the blocks evicted."""
+    name = "save: the forward thread's part, back to back, evicting"
+    saves = min(rounds + w.backlog // (n * w.block_bytes()) + 2, MAX_BACK_TO_BACK)
     seconds = forward_part(w, lambda r: KVScopeMetadata(stores=[StoreSpec(i, f"b{r}-{i}", True, False)
                                                                 for i in range(n)]),
-                           rounds, gpu_busy(BUSY_MS) if gpu else lambda: None, settle=False)
+                           saves, gpu_busy(BUSY_MS) if gpu else lambda: None, settle=False, warmed=w.take_stats)
     stats = w.take_stats()
     return (f"{name:<56} {seconds * 1e3:8.1f} ms  {total / seconds / 1e9:6.1f} GB/s\n"
-            f"{name}: of it waiting for the save thread {stats.save_wait_seconds / (rounds + 1) * 1e3:.1f} ms, "
-            f"the pool growing {stats.pool_grow_seconds / (rounds + 1) * 1e3:.1f} ms (means of {rounds + 1} saves)")
+            f"{name}{f', the GPU {BUSY_MS} ms behind each' if gpu else ''}: of it waiting for the save thread "
+            f"{stats.save_wait_seconds / saves * 1e3:.1f} ms, the pool growing "
+            f"{stats.pool_grow_seconds / saves * 1e3:.1f} ms (means of {saves} saves); evictions {stats.evictions}")
 
 
 def profiled(name: str, step, rounds: int, sync, settle, top: int = 25) -> str:
@@ -275,11 +279,13 @@ def load_split(stats: Stats, loads: int) -> str:
 
 
 def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds: int,
-                 before: Callable[[], None] = lambda: None, settle: bool = True) -> float:
+                 before: Callable[[], None] = lambda: None, settle: bool = True,
+                 warmed: Callable[[], object] = lambda: None) -> float:
     """How long save() holds the forward thread (the copies to the host and the save thread run on), saving
     stores(round): the same keys each round (the RAM tier has them: their new slots go back), or new ones
     (the tier keeps them in slots no block has held yet); before() runs just before each save, each after
-    the save thread is done with the one before (with settle; else back to back)."""
+    the save thread is done with the one before (with settle; else back to back); warmed() after the
+    warm-up's save."""
     out = []
     for r in range(rounds + 1):
         if settle:
@@ -288,6 +294,8 @@ def forward_part(w: WorkerSide, stores: Callable[[int], KVScopeMetadata], rounds
         t = time.perf_counter()
         w.save(stores(r))
         out.append(time.perf_counter() - t)
+        if r == 0:
+            warmed()
     w.flush()
     return float(np.median(out[1:]))
 
