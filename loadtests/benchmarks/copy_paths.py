@@ -18,8 +18,7 @@ time is the median of ROUNDS, after one round of warm-up:
   idle and no earlier copy queued, unlike a server's), and back to back with new keys, the RAM tier full
   and evicting, more rounds than the save backlog holds (beside a GPU 50 ms behind each time, as a
   server's under load: the earlier saves' copies still queued; of it the waits for the save thread and the
-  pool's growing past its reserve); and the
-  whole save (the blocks stored in RAM).
+  pool's growing past its reserve); and the whole save (the blocks stored in RAM).
 Prints ms and GB/s per step, each load's throughput against the copy's (goal >= 0.8, issue 33) and where each
 load's time went by the connector's counters (the forward thread waiting for the load threads, for the GPU,
 and the rest), and checks that every load wrote the saved blocks' bytes. With --profile, the file hit's
@@ -115,15 +114,14 @@ def loads(w: WorkerSide, n: int, tier: str) -> KVScopeMetadata:
 
 
 def check_saved(w: WorkerSide, meta: KVScopeMetadata, what: str) -> None:
-    """The RAM tier holds each stored key's block as every layer of the KV cache has it (read layer by layer,
-    not through the connector's gather)."""
+    """The RAM tier holds each stored key's block as the KV cache's layers have it (Layout.pack, not the
+    connector's gather)."""
     assert w.ram is not None
     for spec in meta.stores:
         found = w.ram.get(spec.key, verify=False)
         assert found is not None, f"{what}: block {spec.block_id} not in the RAM tier"
-        assert all(
-            torch.equal(found[0][e.start:e.end], w.layers[e.name][spec.block_id].reshape(-1).view(torch.uint8).cpu())
-            for e in w.layout.entries), f"{what}: block {spec.block_id} stored other bytes"
+        cached = w.layout.pack({name: t[spec.block_id] for name, t in w.layers.items()})
+        assert torch.equal(found[0], cached.cpu()), f"{what}: block {spec.block_id} stored other bytes"
 
 
 def check(w: WorkerSide, n: int, what: str) -> None:
@@ -197,7 +195,7 @@ def main() -> None:
     took["save, forward thread: copy_out (gather, checksum, copies)"] = host_time(
         lambda: paths.copy_out(ids), args.rounds, sync, lambda saved: [paths.pool.give_back(b) for b in saved.blocks])
     for name, seconds in took.items():
-        print(f"{name:<56} {seconds * 1e3:8.1f} ms  {total / seconds / 1e9:6.1f} GB/s")
+        print(row(name, seconds, total))
     for name, (w, _) in hits.items():
         check(w, n, name)
     print()
@@ -229,10 +227,15 @@ def back_to_back(w: WorkerSide, n: int, rounds: int, gpu: bool, total: int) -> s
                                                                 for i in range(n)]),
                            saves, gpu_busy(BUSY_MS) if gpu else lambda: None, settle=False, warmed=w.take_stats)
     stats = w.take_stats()
-    return (f"{name:<56} {seconds * 1e3:8.1f} ms  {total / seconds / 1e9:6.1f} GB/s\n"
+    return (f"{row(name, seconds, total)}\n"
             f"{name}{f', the GPU {BUSY_MS} ms behind each' if gpu else ''}: of it waiting for the save thread "
             f"{stats.save_wait_seconds / saves * 1e3:.1f} ms, the pool growing "
             f"{stats.pool_grow_seconds / saves * 1e3:.1f} ms (means of {saves} saves); evictions {stats.evictions}")
+
+
+def row(name: str, seconds: float, total: int) -> str:
+    """A step's line: its time and the GB/s of the prompt's bytes."""
+    return f"{name:<56} {seconds * 1e3:8.1f} ms  {total / seconds / 1e9:6.1f} GB/s"
 
 
 def profiled(name: str, step, rounds: int, sync, settle, top: int = 25) -> str:
