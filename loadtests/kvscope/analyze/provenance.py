@@ -25,7 +25,7 @@ def treatment(config: str, scenario: str, records: list[Record], scores: pd.Data
               ) -> dict | None:
     """One treatment's row, or None when none of its scored hits is wrong."""
     cls = {r.request_id: r.cls for r in scores.itertuples()
-           if r.phase == "measure" and r.cached_tokens > 0 and r.cls in fidelity.SCORED}
+           if r.phase == "measure" and (r.cached_tokens or 0) > 0 and r.cls in fidelity.SCORED}
     trace = sorted((r for r in records if r.ok), key=lambda r: r.start_unix_s)
     stored_by: dict[str, str] = {}
     for r in trace:
