@@ -72,7 +72,7 @@ def cmd_manifest(args) -> int:
     python = args.server_python
     doc = servers.manifest(run_dir / args.config / "server.pid", rendered, model, model_hash(model), args.host,
                            servers.package_versions(python) if python else None, args.container,
-                           servers.connector_imports(python, servers.connector_modules(rendered))
+                           servers.connector_imports(python, servers.connector_modules(rendered), rendered.env)
                            if python else None)
     artifacts.write_json(run_dir / args.config / "manifest.json", doc)
     (run_dir / args.config / "failed.json").unlink(missing_ok=True)

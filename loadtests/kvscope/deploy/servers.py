@@ -265,21 +265,24 @@ def connector_modules(server: RenderedServer) -> list[str]:
     return own + CONNECTOR_MODULES.get(ktc.get("kv_connector", ""), [])
 
 
-def _in_server(python: str, code: str, timeout_s: float, tail: int) -> dict | str:
-    """Run `code` in the server's interpreter (a shell-quoted command, e.g. `docker exec kvscope-apc python3`):
-    the JSON object it prints, or why there is none (the last `tail` characters of its error)."""
+def _in_server(python: str, code: str, timeout_s: float, tail: int, env: dict[str, str] | None = None) -> dict | str:
+    """Run `code` in the server's interpreter (a shell-quoted command, e.g. `docker exec kvscope-apc python3`),
+    with the server's environment `env` added to ours (a container has its own already): the JSON object it
+    prints, or why there is none (the last `tail` characters of its error)."""
     try:
-        out = subprocess.run([*shlex.split(python), "-c", code], capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run([*shlex.split(python), "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                             env={**os.environ, **(env or {})})
         return json.loads(out.stdout) if out.returncode == 0 else out.stderr.strip()[-tail:]
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
 
-def connector_imports(python: str, modules: list[str]) -> dict[str, str]:
-    """Each module imported in the server's interpreter: "ok" or the error."""
+def connector_imports(python: str, modules: list[str], env: dict[str, str] | None = None) -> dict[str, str]:
+    """Each module imported in the server's interpreter with the server's environment `env` (a config's own
+    connector comes on its python_path, as PYTHONPATH): "ok" or the error."""
     if not modules:
         return {}
-    found = _in_server(python, _IMPORTS % (modules,), 300, 300)
+    found = _in_server(python, _IMPORTS % (modules,), 300, 300, env)
     return found if isinstance(found, dict) else {m: found for m in modules}
 
 
