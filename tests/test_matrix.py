@@ -123,7 +123,7 @@ def test_flag_overrides_win_over_every_config_and_bad_ones_are_named(tmp_path):
     cfg = next(c for c in m.configs if c.name == "apc")
     args = render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
                   parse_overrides('{"dtype": "bfloat16", "enforce-eager": false}')).server_args
-    assert args[args.index("--dtype") + 1] == "bfloat16" and "--enforce-eager" not in args
+    assert "--dtype=bfloat16" in args and "--enforce-eager" not in args
     for bad in ("dtype=bfloat16", "[1]", '{"api-key": "sk-1"}', '{"port": 1}'):
         with pytest.raises(matrix.ConfigError, match="flag overrides"):
             parse_overrides(bad)
@@ -221,6 +221,33 @@ def test_exact_mode_serves_every_server_batch_invariant_and_is_refused_where_the
     assert not any(a.startswith("--attention") for a in plain.server_args)
     with pytest.raises(matrix.ConfigError, match="platform 'cpu': no exact mode"):
         render(m, m.get("baseline"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
+
+
+@pytest.mark.parametrize("version, capped", [("0.26.0", True), (None, True), ("0.27.0", False), ("0.28.0", False),
+                                             ("0.34.1", False), ("0.32.0+cpu", False)])
+def test_exact_mode_caps_the_step_only_on_the_vllm_releases_before_the_kernel_fix(tmp_path, version, capped):
+    # vllm#48271 (RMSNorm's block size changes at 256 tokens a step) is fixed in 0.27.0: from it on, exact mode
+    # runs without the cap; where the serving vLLM's version is unknown, the workaround stays on (the safe side)
+    m = matrix.load(SHIPPED)
+    out = render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True,
+                 vllm_version=version)
+    assert out.exact and flag_value(out.server_args, "--attention-backend") == "TRITON_ATTN"
+    assert (flag_value(out.server_args, "--max-num-batched-tokens") is not None) is capped
+    assert out.exact_workarounds == (["vllm#48271"] if capped else [])
+    assert render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1").exact_workarounds == []
+    # on a fixed release a config may pin its own token budget (the CacheBlend ones), as in normal mode
+    blend = m.get("kvscope-fs").model_copy(update={"flags": {"--max-num-batched-tokens": 4096}})
+    if capped:
+        with pytest.raises(matrix.ConfigError, match="exact mode sets --max-num-batched-tokens"):
+            render(m, blend, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True, vllm_version=version)
+    else:
+        out = render(m, blend, "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True, vllm_version=version)
+        assert flag_value(out.server_args, "--max-num-batched-tokens") == "4096"
+
+
+def test_an_exact_workaround_names_a_release():
+    with pytest.raises(ValueError, match="Invalid version"):
+        matrix.ExactWorkaround(issue="vllm#1", fixed_in="soon", flags={"--max-num-seqs": 1})
 
 
 def test_a_flag_given_whole_and_by_key_is_refused_since_vllm_would_drop_the_whole_one(tmp_path):

@@ -70,6 +70,7 @@ class Answer(StrEnum):
     NO_GOLDEN = "no-golden"
     INPUT_DIFFERS = "input-differs"
     NO_TOKEN_IDS = "no-token-ids"
+    NO_LOGPROBS = "no-logprobs"  # tokens equal, but no logprobs to compare at some position: not verified
     UNVERIFIED = "unverified"  # a near tie golden could not score
 Scheme = Literal["http", "https"]
 A = TypeVar("A", bound="Artifact")
@@ -127,6 +128,8 @@ class RenderedServer(Artifact):
     install: list[str] = Field(default_factory=list)  # the config's packages, installed before the server starts
     upstream: list[str] = Field(default_factory=list)  # upstream reports about this path, for the report
     exact: bool = False  # served batch-invariant (the platform's exact mode)
+    exact_workarounds: list[str] | None = None  # the upstream issues whose exact-mode workaround it runs (None:
+    # not recorded, a run before 2026-12-06)
     tiers: list[str] = Field(default_factory=list)  # the tiers it certifies (its connector's load log names them)
     writer: str | None = None  # shared-store scenarios: the config whose server writes what this one loads
 
@@ -246,13 +249,17 @@ class Scenario(BaseModel):
                          "the writer's server and its measure phase to its own: it loads what another server stored")
     restart: bool = Field(default=False, description="restart each candidate's server between the prime phase "
                           "(which stores) and the measure phase (which loads): a persistent tier must still serve")
+    store_fault: Literal["bitflip", "truncate", "swap", "unreadable"] | None = Field(
+        default=None, description="damage every file a config's stores hold between the prime phase (which stores) "
+        "and the measure phase (which loads): the tier must miss and recompute, or fail (run/storefaults.py)")
 
     @model_validator(mode="after")
     def _trace_has_a_file(self) -> Scenario:
         if (self.kind == "trace") != (self.trace is not None):
             raise ValueError("a trace scenario names its trace file (field 'trace'), and only a trace scenario does")
-        if (self.restart or self.shared) and self.prime != "replay":
-            raise ValueError("a restart or shared scenario needs prime: replay (the phase that stores the blocks)")
+        if (self.restart or self.shared or self.store_fault) and self.prime != "replay":
+            raise ValueError("a restart, shared or store_fault scenario needs prime: replay (the phase that stores "
+                             "the blocks)")
         return self
 
 
@@ -284,6 +291,8 @@ class Request(Artifact):
 
 class Record(Artifact):
     """One answer, measured. Units are in the field names; None means "not reported", never 0."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # an infinite TTFT or a NaN logprob measures nothing
 
     config: str
     scenario: str
@@ -342,6 +351,15 @@ class LoadEvent(Artifact):
     missed: int = 0
 
 
+class ResetProbe(Part):
+    """After a reset, the prompt the server answered just before it (the warm-up's) sent again: what each counter
+    kvscope reads says was reused (every one must say 0). None of them exposed: the reset is unverified."""
+
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: the answer had none
+    counters: dict[str, float] | None = None  # /metrics over the probe (hit counters only); None: no /metrics
+    error: str | None = None  # the probe got no answer
+
+
 class Reset(Part):
     """How one server's tiers were emptied before a treatment."""
 
@@ -350,6 +368,7 @@ class Reset(Part):
     stores_refused: list[str] = Field(default_factory=list)  # not wiped: outside the run's stores, or still written
     writer: str | None = None  # a shared store: the config whose server wrote it, reset too
     writer_reset: Reset | None = None
+    probe: ResetProbe | None = None  # whether the reset really emptied the tiers (absent before probes existed)
 
 
 class LocustPhase(Part):
@@ -376,13 +395,23 @@ class RestartPhase(Part):
     tail: list[str] = Field(default_factory=list)  # the command's last lines, when it failed
 
 
+class StoreFaultPhase(Part):
+    """Store-fault scenarios: the stored files damaged between the prime and the measure phase."""
+
+    fault: str
+    files: int  # files damaged
+    how: str  # what was done to each, or why nothing was
+    reset_prefix_cache_http: int | str | None = None  # the tiers in front of the store emptied first
+
+
 class StatusRow(Artifact):
     """One treatment: how its tiers were reset, and each phase's Locust exit, counters and faults."""
 
     config: str
     scenario: str
     reset: Reset | None = None
-    phases: dict[str, LocustPhase | RestartPhase] = Field(default_factory=dict)  # prime, restart, measure
+    phases: dict[str, LocustPhase | RestartPhase | StoreFaultPhase] = Field(default_factory=dict)  # prime, restart
+    # or store-fault, measure
     fault_log: str | None = None
     load_log: str | None = None  # what became of the connector's load log of this treatment
 
@@ -547,7 +576,7 @@ def dumps(model: Artifact) -> str:
 def read_json(path: Path, cls: type[A]) -> A:
     try:
         return cls.model_validate(_versioned(json.loads(Path(path).read_text())))
-    except (OSError, json.JSONDecodeError, ValidationError) as exc:
+    except (OSError, json.JSONDecodeError, ValidationError, RecursionError) as exc:  # nested past Python's stack
         raise ArtifactError(f"{path}: not a kvscope {cls.__name__}: {exc}") from exc
 
 
@@ -564,7 +593,7 @@ def read_jsonl(path: Path, cls: type[A]) -> list[A]:
             for n, line in enumerate(f, 1):
                 try:
                     out.append(cls.model_validate(_versioned(json.loads(line))))
-                except (json.JSONDecodeError, ValidationError) as exc:
+                except (json.JSONDecodeError, ValidationError, RecursionError) as exc:
                     raise ArtifactError(f"{path}:{n}: truncated or not a kvscope {cls.__name__}: {exc}") from exc
         except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise ArtifactError(f"{path}: a truncated or broken gzip file: {exc}") from exc

@@ -27,7 +27,8 @@ def cmd_render(args) -> int:
     store_root = Path(args.run_dir).resolve() / "stores"
     overrides = parse_overrides(args.overrides)
     rendered = artifacts.Rendered(kvscope_servers=[
-        render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset, args.exact)
+        render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset, args.exact,
+               args.vllm_version or None)
         for c in chosen])
     if args.max_gpu_share:
         claims = {r.config: r.gpu_share for r in rendered.kvscope_servers}
@@ -118,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port-offset", type=int, default=0, help="added to every config's port")
     s.add_argument("--exact", action="store_true",
                    help="serve batch-invariant: the platform's exact mode (matrix: platforms.<p>.exact)")
+    s.add_argument("--vllm-version", default="",
+                   help="the serving vLLM's version (exact mode's workarounds by release); empty: unknown, all apply")
     s.set_defaults(func=cmd_render)
 
     s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running, 4 port held by another process")

@@ -7,11 +7,13 @@ else restates it. Validation runs before anything is deployed, and every error n
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
 from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import Version
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kvscope.artifacts import Role
@@ -38,6 +40,9 @@ CACHE_FLAGS = ("--enable-prefix-caching", "--kv-offloading-size")
 CACHE_OFF = "--no-enable-prefix-caching"
 # Flags whose every spelling is checked: vLLM's parser reads an unambiguous prefix as the whole option.
 WATCHED_FLAGS = RESERVED_FLAGS | set(CACHE_FLAGS) | {CACHE_OFF}
+# A value shaped as an option ('--x', '-O3'), not a number ('-1', '-.5'): once the value of a flag that takes
+# none, vLLM's parser would read it as an option of its own.
+OPTION_SHAPED = re.compile(r"^\s*-(?![\d.])")
 
 
 def vllm_flag(flag: str) -> str:
@@ -81,7 +86,7 @@ class Strict(BaseModel):
 def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
     """Why these flags may not be given to a server ([] when they may), read as vLLM's parser reads them."""
     errors, seen = [], set()
-    for flag in flags:
+    for flag, value in flags.items():
         option = vllm_option(flag)
         whole = read if (read := option_read(flag, WATCHED_FLAGS)) != option else None
         if not flag.startswith("--"):
@@ -92,6 +97,9 @@ def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
             errors.append(f"flag '{flag}' abbreviates '{whole}' (vLLM would read it so): write it in full")
         elif vllm_flag(flag) in seen:
             errors.append(f"flag '{flag}' is given twice (vLLM reads '_' as '-')")
+        elif isinstance(value, str) and OPTION_SHAPED.match(value):
+            errors.append(f"flag '{flag}': its value {value!r} reads as an option, not a value (a flag that takes "
+                          "no value is true or false)")
         seen.add(vllm_flag(flag))
     return errors
 
@@ -135,13 +143,41 @@ def _check_flags(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
     return vllm_flags(flags)
 
 
+class ExactWorkaround(Strict):
+    """Flags exact mode needs on the vLLM releases before an upstream fix (the report names the issue)."""
+
+    issue: str = Field(description="the upstream report, e.g. vllm#48271")
+    fixed_in: str = Field(description="the first vLLM release with the fix: from it on, the workaround is off")
+    flags: dict[str, FlagValue] = Field(description="vLLM flags exact mode adds on older releases")
+
+    _flags = field_validator("flags")(_check_flags)
+
+    @field_validator("fixed_in")
+    @classmethod
+    def _release(cls, value: str) -> str:
+        Version(value)  # raises InvalidVersion, a ValueError, on a string that is not a release
+        return value
+
+    def needed(self, vllm_version: str | None) -> bool:
+        """On a release before the fix, or where the serving vLLM's version is unknown (the safe side)."""
+        return vllm_version is None or Version(vllm_version).release < Version(self.fixed_in).release
+
+
 class ExactMode(Strict):
-    """How a platform serves batch-invariant, so that a correct cache is bitwise equal to golden (EXACT=1)."""
+    """How a platform serves batch-invariant, so that a correct cache is bitwise equal to golden (EXACT=1).
+    The mode's flags depend on the serving vLLM only through `workarounds`, a table keyed by release."""
 
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags every server gets in exact mode")
     env: dict[EnvName, str] = Field(default_factory=dict, description="environment every server gets in exact mode")
+    workarounds: list[ExactWorkaround] = Field(
+        default_factory=list, description="flags added on vLLM releases before an upstream fix")
 
     _flags = field_validator("flags")(_check_flags)
+
+    def for_vllm(self, vllm_version: str | None) -> tuple[dict[str, FlagValue], list[str]]:
+        """The mode's flags on that vLLM, and the issues whose workarounds they include."""
+        needed = [w for w in self.workarounds if w.needed(vllm_version)]
+        return {**self.flags, **{f: v for w in needed for f, v in w.flags.items()}}, [w.issue for w in needed]
 
 
 class PlatformDefaults(Strict):

@@ -26,13 +26,10 @@ from kvscope.config.matrix import (
 
 
 def _flag_args(flags: dict) -> list[str]:
-    args: list[str] = []
-    for flag, value in flags.items():
-        if value is True:
-            args.append(flag)
-        elif value is not False:
-            args += [flag, str(value)]
-    return args
+    """One argument a flag: a switch alone (true), a valued flag as `--flag=value`, which vLLM's parser never
+    reads as two options; false and null leave a flag out."""
+    return [flag if value is True else f"{flag}={value}" for flag, value in flags.items()
+            if value is not False and value is not None]
 
 
 def _fill_stores(value, stores: dict[str, str]):
@@ -70,24 +67,26 @@ def parse_overrides(text: str) -> dict:
 
 def render(
     matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str,
-    overrides: dict | None = None, port_offset: int = 0, exact: bool = False,
+    overrides: dict | None = None, port_offset: int = 0, exact: bool = False, vllm_version: str | None = None,
 ) -> RenderedServer:
     """Everything a runtime needs to start `cfg`; `port_offset` moves its port (a second deployment beside
     one on the matrix's ports); `exact`: serve batch-invariant (the platform's exact mode over the config's
-    own flags and environment). The model is served under its folder's name."""
+    own flags and environment, with the workarounds the serving `vllm_version` needs: all where it is
+    unknown). The model is served under its folder's name."""
     defaults = matrix.platforms[platform]
     if exact and defaults.exact is None:
         raise ConfigError(f"platform '{platform}': no exact mode in the matrix (field 'platforms.{platform}.exact'); "
                           "vLLM's batch-invariant mode needs a GPU of compute capability 8.0 or more")
     mode = defaults.exact if exact and defaults.exact is not None else None
+    mode_flags, workarounds = mode.for_vllm(vllm_version) if mode else ({}, [])
     stores = store_paths(cfg, store_root)
     port = cfg.port + port_offset
     args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
-    flags = {**defaults.flags, **cfg.flags, **(mode.flags if mode else {}), **(overrides or {})}
-    if mode and (mine := {o for f in cfg.flags if (o := option_read(f, _options(mode.flags)))}):
+    flags = {**defaults.flags, **cfg.flags, **mode_flags, **(overrides or {})}
+    if mode and (mine := {o for f in cfg.flags if (o := option_read(f, _options(mode_flags)))}):
         raise ConfigError(f"config '{cfg.name}': exact mode sets {', '.join(sorted(mine))} (platforms.{platform}"
                           ".exact), which the config sets too; batch invariance needs the platform's choice")
-    if mode and (errors := _override_errors(overrides or {}, mode.flags)):
+    if mode and (errors := _override_errors(overrides or {}, mode_flags)):
         raise ConfigError(f"flag overrides in exact mode: {'; '.join(errors)}")
     errors = whole_and_key_errors(flags) + attention_backend_errors(flags) + _connector_errors(cfg, flags, platform)
     if errors:
@@ -105,7 +104,8 @@ def render(
     return RenderedServer(config=cfg.name, role=cfg.role, port=port, platform=platform,
                           served_model_name=model_dir.name, server_args=args, env=env, stores=stores,
                           store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages),
-                          upstream=list(cfg.upstream), exact=mode is not None, tiers=list(cfg.tiers),
+                          upstream=list(cfg.upstream), exact=mode is not None, exact_workarounds=workarounds,
+                          tiers=list(cfg.tiers),
                           writer=cfg.writer)
 
 

