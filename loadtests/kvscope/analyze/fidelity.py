@@ -25,8 +25,10 @@ Classes, per answer:
              ("a a a a"), or a needle that golden found and the candidate lost.
 Not scored, and never counted as identical: `failed` (the request failed), `no-golden` (golden's answer is
 missing or failed), `input-differs` (the server saw other prompt tokens, e.g. a later turn after an earlier
-turn diverged), `no-token-ids` (the server sent no token ids: nothing to compare), `unverified` (a split at a
-near tie that golden could not score: no continuation was recorded).
+turn diverged), `no-token-ids` (the server sent no token ids: nothing to compare), `no-logprobs` (equal tokens, but at some
+position no logprob to compare: an answer or golden's without logprobs, or no token both list; equal tokens
+alone verify nothing), `unverified` (a split at a near tie that golden could not score: no continuation was
+recorded).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ DEGENERATE_MIN_SHARE = 0.5
 DEGENERATE_MIN_TOKENS = 8
 
 SCORED = (Answer.IDENTICAL, Answer.BENIGN, Answer.FAIL)
-UNSCORED = (Answer.FAILED, Answer.NO_GOLDEN, Answer.INPUT_DIFFERS, Answer.NO_TOKEN_IDS, Answer.UNVERIFIED)
+UNSCORED = (Answer.FAILED, Answer.NO_GOLDEN, Answer.INPUT_DIFFERS, Answer.NO_TOKEN_IDS, Answer.NO_LOGPROBS,
+            Answer.UNVERIFIED)
 
 Alts = dict  # token (an id; a string in records made before scorer 2) -> logprob, at one position
 
@@ -216,7 +219,22 @@ def score(golden: Record | None, cand: Record, tol: Tolerance,
     else:
         tf = continuation[1] if continuation is not None and continuation[0] == i else None
         s.cls, s.reason = _split(golden, cand, i, tol, tf, s)
+    if s.cls in (Answer.IDENTICAL, Answer.BENIGN) and (p := _uncompared(golden, cand, n)) is not None:
+        s.cls, s.reason = Answer.NO_LOGPROBS, _no_logprobs(golden, cand, p)
     return s
+
+
+def _uncompared(golden: Record, cand: Record, n: int) -> int | None:
+    """The first of the n positions where the tokens agree at which no logprob could be compared with golden's
+    (either side lists none, or no token both list); None when every one was compared. Equal tokens alone
+    verify nothing: wrong KV often keeps the greedy tokens and moves only the logprobs."""
+    return next((p for p in range(n) if deviation(alts(golden, p), alts(cand, p)) is None), None)
+
+
+def _no_logprobs(golden: Record, cand: Record, p: int) -> str:
+    whose = "the answer has" if not cand.top_logprobs else "golden's answer has" if not golden.top_logprobs else ""
+    return (f"{whose} no logprobs to compare" if whose else f"no token both answers list at token {p}") + (
+        ": equal tokens alone verify nothing")
 
 
 def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s: Score) -> tuple[Answer, str]:
@@ -238,6 +256,7 @@ def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s
         return Answer.UNVERIFIED, f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); golden did not " \
                              "score the rest of the answer"
     cband = tol.continuation_band
+    uncompared = None
     for j, tf in enumerate(continuation, start=i):  # golden's view lists the candidate's own token too
         if j >= len(cand.output_token_ids):
             break
@@ -249,7 +268,12 @@ def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s
         if dev is not None and dev > tol.continuation:
             return Answer.FAIL, (f"near tie at token {i}; logprob off by {dev:.3g} nat at token {j} (tolerance "
                             f"{tol.continuation:.3g})")
+        if dev is None and uncompared is None:
+            uncompared = j
         s.max_dev = max(s.max_dev or 0.0, dev or 0.0)
+    if uncompared is not None:
+        return Answer.NO_LOGPROBS, (f"near tie at token {i}; no logprob to compare with golden's view at token "
+                                    f"{uncompared}: equal tokens alone verify nothing")
     return Answer.BENIGN, (f"near tie at token {i} (golden margin {s.golden_margin:.3g} nat); "
                            "golden scores the rest alike")
 

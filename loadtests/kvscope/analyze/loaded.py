@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvscope.artifacts import ArtifactError, FaultEvent, LoadEvent, Record, RunInfo, StatusRow, read_json, read_jsonl
 from kvscope.run import continuations
-from kvscope.run.records import read
+from kvscope.run.records import read, request_key
 from kvscope.runfolder import RunFolder
 
 ConfigScenario = tuple[str, str]  # a treatment: (config, scenario)
@@ -31,6 +31,7 @@ class LoadedRun:
     faults: dict[ConfigScenario, list[FaultEvent]]  # the fault logs the run kept
     loads: dict[ConfigScenario, list[LoadEvent]]  # the load logs the run kept
     expected: dict[str, int]  # measure-phase requests per scenario, from the workload files
+    duplicates: dict[ConfigScenario, int]  # records that repeat a request already recorded: set aside
     workload_digest: str
     published_as: Path | None = None  # a published run's path in its checkout (RunFolder.published_as)
     records_glob: str = "records/*.jsonl"  # how the folder holds its records (gzipped once compressed)
@@ -48,10 +49,12 @@ def load(folder: Path) -> LoadedRun:
     if not rf.run_json.exists():
         raise RunError(f"{rf.run_json}: missing; not a kvscope run folder")
     run = read_json(rf.run_json, RunInfo)
+    _check(rf.run_json, run)
     status = read_jsonl(rf.status, StatusRow) if rf.status.exists() else []
     treatments = [(s.config, scenario) for s in run.servers for scenario in run.scenarios]
+    recs, duplicates = _once(_records(rf, run, status))
     return LoadedRun(
-        folder=folder, run=run, status=status, recs=_records(rf, run, status),
+        folder=folder, run=run, status=status, recs=recs, duplicates=duplicates,
         unrecorded=_unrecorded(rf, run),
         continuations={t: continuations.load(folder, *t) for t in treatments},
         faults={t: read_jsonl(rf.faults(*t), FaultEvent) for t in treatments if rf.faults(*t).exists()},
@@ -59,6 +62,29 @@ def load(folder: Path) -> LoadedRun:
         expected={s: _lines(rf.workload(s, "measure")) for s in run.scenarios},
         workload_digest=_digest(rf), published_as=rf.published_as,
         records_glob=rf.records_glob)
+
+
+def _check(path: Path, run: RunInfo) -> None:
+    """A run.json the report can score: one golden server, and blocks of at least one token."""
+    if not run.servers:
+        raise RunError(f"{path}: no servers; not a run kvscope can score")
+    if (goldens := sum(s.role == "golden" for s in run.servers)) != 1:
+        raise RunError(f"{path}: {goldens} golden servers; a run is scored against exactly one")
+    if bad := [s.config for s in run.servers if s.manifest.block_size < 1]:
+        raise RunError(f"{path}: servers {bad} have a block_size below 1 token")
+
+
+def _once(recs: dict[ConfigScenario, list[Record]]) -> tuple[dict[ConfigScenario, list[Record]],
+                                                               dict[ConfigScenario, int]]:
+    """Each treatment's records with every request once (its first record; scoring keys answers by
+    records.request_key, and a repeated record would count twice), and how many were set aside."""
+    out, repeated = {}, {}
+    for treatment, records in recs.items():
+        first = {request_key(r.request_id, r.phase): r for r in reversed(records)}
+        out[treatment] = [r for r in records if first[request_key(r.request_id, r.phase)] is r]
+        if len(out[treatment]) < len(records):
+            repeated[treatment] = len(records) - len(out[treatment])
+    return out, repeated
 
 
 def _records(rf: RunFolder, run: RunInfo, status: list[StatusRow]) -> dict[ConfigScenario, list[Record]]:

@@ -544,6 +544,11 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
                     + (f" server log: `{p.server_error}`" if p.server_error else ""))
             lines.append(f"- `{r.config}` x `{r.scenario}` {name}: {what}")
         lines.append("")
+    if a.loaded.duplicates:
+        lines += ["Records set aside (`records.request_key` repeated in a treatment's file: the first is scored):", ""]
+        lines += [f"- `{config}` x `{scenario}`: {n} records repeat a request already recorded; each request counts "
+                  "once" for (config, scenario), n in a.loaded.duplicates.items()]
+        lines.append("")
     restarts = [(r, p) for r in a.loaded.status for p in r.phases.values() if isinstance(p, RestartPhase)]
     if restarts:
         lines += ["Restarts between the prime and the measure phase (restart scenarios; hits after them come from "

@@ -5,9 +5,10 @@ Verdicts:
               cache hits that scored identical or benign (verified hits).
 - FAIL:       an answer FAILs (fidelity.py).
 - INCOMPLETE: answers missing, failed beyond `max_failed` of those expected, a scenario that never ran,
-              answers without token ids or without a golden answer.
+              answers without token ids, without logprobs to compare, or without a golden answer.
 - UNVERIFIED: too few verified hits (the cache was never really tested), near ties that golden could not
-              score, or a golden or control server that was not cache-off.
+              score, answers to another prompt than golden's (input-differs), or a golden or control server
+              that was not cache-off.
 - GOLDEN / INVALID: the reference itself, cache-off (its manifest and every record) or not.
 - CRASHED:    the config did not start.
 Expected: candidates and the control PASS; a canary FAILs, and on at least POWER_GOAL of the cache hits it
@@ -165,7 +166,8 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
     total = sum(expected.values())
     if counts.get(Answer.FAILED, 0) > max_failed * total:
         incomplete.append(f"{counts[Answer.FAILED]} of {total} requests failed (allowed: {max_failed:.0%})")
-    incomplete += [f"{counts[c]} answers {c}" for c in (Answer.NO_TOKEN_IDS, Answer.NO_GOLDEN) if counts.get(c)]
+    incomplete += [f"{counts[c]} answers {c}" for c in (Answer.NO_TOKEN_IDS, Answer.NO_LOGPROBS, Answer.NO_GOLDEN)
+                   if counts.get(c)]
     if incomplete:
         return Verdict.INCOMPLETE, "; ".join(incomplete)
     verified = verified_hits(sc)
@@ -177,6 +179,9 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         unverified.append(short)
     if counts.get(Answer.UNVERIFIED):
         unverified.append(f"{counts[Answer.UNVERIFIED]} near ties golden could not score")
+    if counts.get(Answer.INPUT_DIFFERS):
+        unverified.append(f"{counts[Answer.INPUT_DIFFERS]} answers input-differs (the server saw another prompt "
+                          "than golden's, as a turn after a split does: nothing to compare them with)")
     unverified += reference_problems
     if unverified:
         return Verdict.UNVERIFIED, "; ".join(unverified)
