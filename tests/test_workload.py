@@ -1,5 +1,6 @@
 """The workload generator: deterministic, Zipf-skewed, ordered as asked, sized in model tokens."""
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvscope.run.workload import (
     generate,
     load_scenarios,
     read_jsonl,
+    replay_trace,
     sessions,
     write_jsonl,
     zipf_weights,
@@ -158,3 +160,36 @@ def test_a_restart_scenario_primes_and_needs_a_restart_command(tmp_path, tok, sh
                                                                                                   "measure"}
     with pytest.raises(ValueError, match="needs prime: replay"):
         Scenario(name="x", kind="rag", restart=True)
+
+
+def _trace(tmp_path, *rows, **fields) -> Scenario:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Scenario(name="t", kind="trace", trace=str(trace), **fields)
+
+
+def _row(ms: int, hash_ids=(0,)) -> dict:
+    return {"timestamp": ms, "input_length": 100, "output_length": 3, "hash_ids": list(hash_ids)}
+
+
+def test_a_traces_duration_counts_from_its_first_row_not_from_zero(tmp_path):
+    sc = _trace(tmp_path, _row(5_000_000), _row(5_001_500), _row(5_020_000), duration_s=10)
+    assert [r.arrival_s for r in replay_trace(sc, 1000, None)] == [0.0, 1.5]
+
+
+def test_a_trace_row_out_of_time_order_is_refused_with_its_line(tmp_path):
+    sc = _trace(tmp_path, _row(0), _row(400_000), _row(1000), duration_s=10)
+    with pytest.raises(ConfigError, match=r"t.jsonl:3: timestamp 1000 is before line 2's 400000"):
+        replay_trace(sc, 1000, None)
+
+
+@pytest.mark.parametrize("hash_ids", [["a"], [-1], [1.5], [True], [[1]]])
+def test_a_trace_rows_bad_hash_id_is_refused_with_its_line(tmp_path, hash_ids):
+    sc = _trace(tmp_path, _row(0), _row(10, hash_ids))
+    with pytest.raises(ConfigError, match=r"t.jsonl:2: not a Mooncake trace row"):
+        replay_trace(sc, 1000, None)
+
+
+def test_an_empty_trace_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="t.jsonl: no rows"):
+        replay_trace(_trace(tmp_path), 1000, None)

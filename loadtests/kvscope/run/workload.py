@@ -210,25 +210,38 @@ def trace_block(seed: int, hash_id: int, n: int, vocab: int) -> list[int]:
 
 
 def read_trace(sc: Scenario) -> list[dict]:
-    """The replayed rows of a Mooncake-format trace: its first max_requests within duration_s (scaled)."""
+    """The replayed rows of a Mooncake-format trace: its first max_requests within duration_s (scaled) of its
+    first row. Every row is checked, the ones past those too: a bad row, or one out of time order, is an error
+    naming its line (an out-of-order row would end the slice early)."""
     assert sc.trace is not None
+    where = f"scenario '{sc.name}': field 'trace': {sc.trace}"
     rows: list[dict] = []
     try:
         lines = open(sc.trace)
     except OSError as exc:
         raise ConfigError(f"scenario '{sc.name}': field 'trace': cannot read {sc.trace}: {exc}") from exc
+    first = last = None
     with lines:
         for n, line in enumerate(lines, 1):
-            if len(rows) >= sc.max_requests:
-                break
             row = _trace_row(line)
             if row is None:
-                raise ConfigError(f"scenario '{sc.name}': field 'trace': {sc.trace}:{n}: not a Mooncake trace row "
-                                  "(timestamp, input_length, output_length: integers; hash_ids: a list)")
-            if row["timestamp"] * sc.time_scale / 1000 > sc.duration_s:
-                break
-            rows.append(row)
+                raise ConfigError(f"{where}:{n}: not a Mooncake trace row (timestamp, input_length, output_length: "
+                                  "non-negative integers; hash_ids: a list of them)")
+            if last is not None and row["timestamp"] < last[1]:
+                raise ConfigError(f"{where}:{n}: timestamp {row['timestamp']} is before line {last[0]}'s {last[1]}: a "
+                                  "trace's rows go in time order")
+            last = n, row["timestamp"]
+            first = row["timestamp"] if first is None else first
+            if len(rows) < sc.max_requests and (row["timestamp"] - first) * sc.time_scale / 1000 <= sc.duration_s:
+                rows.append(row)
+    if not rows:
+        raise ConfigError(f"{where}: no rows")
     return rows
+
+
+def _count(value) -> bool:
+    """A non-negative integer (JSON's true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _trace_row(line: str) -> dict | None:
@@ -236,8 +249,8 @@ def _trace_row(line: str) -> dict | None:
         row = json.loads(line)
     except ValueError:
         return None
-    ok = isinstance(row, dict) and isinstance(row.get("hash_ids"), list) and all(
-        isinstance(row.get(k), int) and row[k] >= 0 for k in ("timestamp", "input_length", "output_length"))
+    ok = isinstance(row, dict) and isinstance(row.get("hash_ids"), list) and all(map(_count, row["hash_ids"])) and all(
+        _count(row.get(k)) for k in ("timestamp", "input_length", "output_length"))
     return row if ok else None
 
 
