@@ -222,6 +222,16 @@ class KVScopeConnector(KVConnectorBase_V1):
             self.worker_side.load_log = extra("load_log", None)
             self.worker_side.may_skip_files = vllm_config.parallel_config.tensor_parallel_size == 1
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """How the workers reach the device KV cache (vLLM >= 0.34 allocates it by this): torch copies in this
+        process, into and out of pinned host slots; with file_reads kvikio, cuFile reads straight into it,
+        which registers GPU memory where GPUDirect Storage serves (one physical allocation per segment)."""
+        from vllm.config.kv_transfer import KVCacheAccess  # vLLM >= 0.34; older releases never call this
+
+        reads = (kv_transfer_config.kv_connector_extra_config or {}).get("file_reads")
+        return KVCacheAccess.REGISTERS if _file_reads(reads) else KVCacheAccess.IN_PROCESS
+
     # Worker-side methods
 
     def register_kv_caches(self, kv_caches):
