@@ -61,10 +61,11 @@ def test_bench_writes_records_for_every_config_and_scenario(short_run, deploymen
     assert out.returncode == 3, out.stdout[-3000:] + out.stderr[-3000:]
     unexpected = pd.read_csv(run / "verdicts.csv").query("not as_expected")
     assert list(unexpected.config) == ["example-fs"], unexpected.to_dict("records")
-    assert "[28/28]" in out.stdout  # visible progress, one line per treatment
+    treatments = 2 * (5 + len(FAULTS))  # 2 scenarios x (5 configs and one canary treatment per fault)
+    assert f"[{treatments}/{treatments}]" in out.stdout  # visible progress, one line per treatment
     configs = [s["config"] for s in json.loads((run / "run.json").read_text())["servers"]]
     assert configs[:2] == ["baseline", "control"]  # the golden config runs first, then the control
-    assert configs[-9:] == [f"canary-{f}" for f in FAULTS]  # one treatment per fault, on one server
+    assert configs[-len(FAULTS):] == [f"canary-{f}" for f in FAULTS]  # one treatment per fault, on one server
     for config in configs:
         for scenario, n in (("rag-small", 6), ("repeat-867", 2)):
             recs = read(run / "records" / f"{config}__{scenario}.jsonl")

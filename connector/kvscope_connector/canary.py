@@ -18,13 +18,26 @@ near the numerical floor:
               loaded value.
 - second-hit: correct the first time a key is loaded after a reset; from its second load on, "shift".
 - foreign:    the last loaded block is replaced by the block stored under another key.
+- unloaded:   the load reports success and writes nothing: every loaded block keeps what its slot held before,
+              another request's KV (a failed load counted as done, dynamo#15079).
+- reused:     every loaded block gets the KV of the key its slot held before (the block's former owner, from
+              the tier) written over the right KV, as a transfer that lands after the block was freed and
+              reassigned (vllm#52234, NIXL's read-after-release race). Its bytes are unloaded's wherever the
+              slot still holds what its former owner stored; they differ where vLLM wrote the slot since.
+- partial:    a hit also gets, beyond its last whole block, the next block of another prompt with the same
+              blocks before it, claimed as loaded up to the request's last prompt token at most: the last,
+              partial block of a prefix from another prompt (Mooncake#4153). vLLM hands a connector whole
+              blocks and this connector stores only full prompt blocks, so the canary plays the buggy tier at
+              the hit's end on the scheduler side: it claims those tokens too and loads the other prompt's
+              stored block into the request's next block; vLLM computes the rest of that block after them.
 
 Every request a step loads for gets one line in the JSONL file `fault_log` (extra config, optional):
 {"request": vLLM's request id, "fault": NAME, "loaded": blocks, "changed": blocks that the KV cache holds
-otherwise than verified, read back after the write, "inherited": blocks it loaded that an earlier request
-computed on top of wrong KV}. A request with both 0 was served correct KV ("stale" onto a slot that already
-held the right bytes, "second-hit" on a first load, "foreign" with no other key stored, noise that the KV
-cache's dtype rounds away). Blocks a request computed on top of wrong KV are stored like any other (so the
+otherwise than verified, read back after the write, and "partial"'s block of another prompt (verified as
+that prompt's), "inherited": blocks it loaded that an earlier request computed on top of wrong KV}. A request
+with both 0 was served correct KV ("stale" onto a slot that already held the right bytes, "second-hit" on a
+first load, "foreign" with no other key stored, "reused" or "partial" with no other block to give, noise that
+the KV cache's dtype rounds away). Blocks a request computed on top of wrong KV are stored like any other (so the
 scheduler's view of the store stays true) and remembered, from the request's first wrong block on: whoever
 loads them later got wrong KV too. Which copy a key's loads get is decided on the save thread as the RAM tier
 changes (it keeps a key it holds; an evicted key is stored anew).
@@ -41,12 +54,14 @@ import torch
 
 from .blocks import Block
 from .connector import KVScopeConnector
-from .messages import KVScopeMetadata, LoadSpec, StoreSpec
+from .messages import KVScopeMetadata, LoadSpec, StoreSpec, TierName
+from .scheduler import SchedulerSide
 from .worker import WorkerSide
 
 log = logging.getLogger("kvscope_connector")
 
-FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign")
+FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign",
+          "unloaded", "reused", "partial")
 
 Part = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # the slice of a layer's block a fault touches
 
@@ -54,6 +69,8 @@ Part = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # the slice of a la
 @dataclass
 class CanaryMetadata(KVScopeMetadata):
     faults: dict[str, str] = field(default_factory=dict)  # request id -> fault, for the requests that load
+    borrowed: dict[str, int] = field(default_factory=dict)  # request id -> the index of the block it loads from
+    # another prompt ("partial")
 
 
 def _token_dim(t: torch.Tensor, block_size: int) -> int:
@@ -79,6 +96,7 @@ class _FaultWorker(WorkerSide):
         self.tainted: dict[str, int] = {}  # request given wrong KV since the last reset -> its first wrong block
         self.tainted_keys: set[str] = set()  # keys whose stored copy a request computed on top of wrong KV
         self.pending: list[tuple[str, str, list[tuple[LoadSpec, Block]]]] = []  # this step's (request, fault, loads)
+        self.held: dict[int, str] = {}  # vLLM block id -> the key last loaded or saved there (reused)
 
     def _store(self, evict: list[str], stores: list[StoreSpec], saved, seconds: float):
         """On the save thread, before the tier changes: a key's taint follows the copy its RAM tier will keep
@@ -103,7 +121,9 @@ class _FaultWorker(WorkerSide):
             if fault.startswith("noise-"):
                 self._add_noise(ids, float(fault[len("noise-"):]))
             now = self.extract(ids)  # what the KV cache holds after the write: a fault the dtype rounds away is none
-            changed = [spec.index for held, (spec, block) in zip(now, loaded) if not torch.equal(held, block)]
+            borrowed = getattr(meta, "borrowed", {}).get(request_id)
+            changed = [spec.index for held, (spec, block) in zip(now, loaded)
+                       if spec.index == borrowed or not torch.equal(held, block)]
             inherited = [spec.index for spec, _ in loaded if spec.key in self.tainted_keys]
             if changed or inherited:
                 self.tainted[request_id] = min(changed + inherited)
@@ -119,6 +139,7 @@ class _FaultWorker(WorkerSide):
             self.seen.clear()
             self.tainted.clear()
             self.tainted_keys.clear()
+            self.held.clear()
         by_request: dict[str, list[tuple[LoadSpec, Block]]] = {}
         for spec, block in verified:
             by_request.setdefault(spec.request_id, []).append((spec, block))
@@ -129,7 +150,12 @@ class _FaultWorker(WorkerSide):
             written = self._apply(fault, loaded)
             out += [(spec.block_id, new) for (spec, _), new in zip(loaded, written) if new is not None]
             self.pending.append((request_id, fault, loaded))
+            self.held.update((spec.block_id, spec.key) for spec, _ in loaded)
         return out
+
+    def save(self, meta: KVScopeMetadata) -> None:
+        self.held.update((spec.block_id, spec.key) for spec in meta.stores)
+        super().save(meta)
 
     def _apply(self, fault: str, loaded: list[tuple[LoadSpec, Block]]) -> list[Block | None]:
         """The blocks to write for one request's loads, in load order; None leaves a slot as it is."""
@@ -155,6 +181,10 @@ class _FaultWorker(WorkerSide):
         if fault == "foreign":
             other = self._other_block(keys)
             return blocks if other is None else blocks[:-1] + [other]
+        if fault == "unloaded":
+            return [None] * len(blocks)
+        if fault == "reused":
+            return [block if (former := self._former(spec)) is None else former for spec, block in loaded]
         self.stats.warn_once("fault", "unknown canary fault %r: loading correct KV", fault)
         return blocks
 
@@ -193,9 +223,87 @@ class _FaultWorker(WorkerSide):
             noise = torch.randn(x.shape, generator=gen, device=self.device) * std * scale
             layer.index_copy_(0, idx, (x + noise).to(layer.dtype))
 
+    def _former(self, spec: LoadSpec) -> Block | None:
+        """The block of the key the slot held before this load, where that is another key the tier holds."""
+        former = self.held.get(spec.block_id)
+        return self.ram.peek(former) if self.ram is not None and former not in (None, spec.key) else None
+
     def _other_block(self, keys: set[str]) -> Block | None:
         """The most recently used RAM-tier block stored under a key this request does not load."""
         return None if self.ram is None else self.ram.recent(keys)
+
+
+class _PartialBlocks:
+    """Scheduler side of "partial": the stored blocks by the key of the block before them (their prompt's
+    earlier blocks), and per request the block of another prompt it is to load after its hit."""
+
+    def __init__(self, scheduler: SchedulerSide):
+        self.scheduler = scheduler
+        self.prompts: dict[str, list[int]] = {}  # request id -> its prompt, for its stored blocks' tokens
+        self.children: dict[str, dict[str, tuple[int, ...]]] = {}  # key before ("" at a prompt's start) ->
+        # the stored keys after it -> their tokens
+        self.parent: dict[str, str] = {}
+        self.plans: dict[str, tuple[int, str, int, int]] = {}  # request id -> (its block's index, the other key,
+        # the tokens claimed from it, the tokens claimed in all)
+        self.loading: dict[str, int] = {}  # this step's borrowed blocks: request id -> index
+
+    def remember(self, request) -> None:
+        """Keep a request's prompt until it finishes: the tokens of the blocks it stores."""
+        self.prompts[request.request_id] = list(request.prompt_token_ids or [])
+        self.plans.pop(request.request_id, None)
+
+    def borrow(self, request, num_computed_tokens: int, hit: int) -> int:
+        """Tokens to claim beyond a hit of `hit` tokens after the computed ones (> 0, whole blocks): the next
+        block of another stored prompt whose blocks before it are the request's, where its tokens differ from
+        the request's own, up to the request's last prompt token (always computed). 0 where none is stored."""
+        bs, prompt = self.scheduler.block_size, self.prompts[request.request_id]
+        state = self.scheduler.reqs.get(request.request_id)
+        hit_end = num_computed_tokens + hit
+        j = hit_end // bs
+        n = min(bs, len(prompt) - hit_end - 1)
+        if state is None or hit <= 0 or n <= 0 or not 0 < j <= len(state.keys):
+            return 0
+        own = state.keys[j] if j < len(state.keys) else None
+        mine = tuple(prompt[hit_end:hit_end + n])
+        for key, tokens in reversed(self.children.get(state.keys[j - 1], {}).items()):
+            if key != own and key in self.scheduler.ram_index and tokens[:n] != mine:
+                self.plans[request.request_id] = (j, key, n, hit + n)
+                return n
+        return 0
+
+    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Plan a request's loads: its own hit's, then its borrowed block's."""
+        plan = self.plans.pop(request.request_id, None)
+        if plan is None or num_external_tokens != plan[3]:
+            self.scheduler.after_alloc(request, blocks, num_external_tokens)
+            return
+        j, key, n, _ = plan
+        self.scheduler.after_alloc(request, blocks, num_external_tokens - n)
+        self.loading[request.request_id] = j
+        self.scheduler.ram_index.move_to_end(key)
+        self.scheduler.meta.loads.append(LoadSpec(blocks.get_block_ids()[0][j], key, TierName.RAM,
+                                                  request_id=request.request_id, index=j, count=0))
+
+    def note(self, meta: KVScopeMetadata, finished: Iterable[str]) -> dict[str, int]:
+        """After a step's plan: remember the blocks it stores into RAM, forget those it evicts and the
+        finished requests. Returns the step's borrowed blocks: request id -> index."""
+        bs = self.scheduler.block_size
+        for spec in meta.stores:
+            state, prompt = self.scheduler.reqs.get(spec.request_id), self.prompts.get(spec.request_id)
+            if spec.to_ram and state is not None and prompt is not None:
+                parent = state.keys[spec.index - 1] if spec.index else ""
+                self.parent[spec.key] = parent
+                self.children.setdefault(parent, {})[spec.key] = tuple(prompt[spec.index * bs:(spec.index + 1) * bs])
+        for key in meta.ram_evict:
+            if key in self.parent:
+                self.children[self.parent.pop(key)].pop(key, None)
+        for request_id in finished:
+            self.prompts.pop(request_id, None)
+        if meta.reset:
+            self.children.clear()
+            self.parent.clear()
+        loading, self.loading = self.loading, {}
+        return loading
 
 
 class FaultCanary(KVScopeConnector):
@@ -208,6 +316,7 @@ class FaultCanary(KVScopeConnector):
         if self.default_fault not in FAULTS:
             raise ValueError(f"kvscope canary: unknown fault {self.default_fault!r}; known: {', '.join(FAULTS)}")
         self.faults: dict[str, str] = {}  # scheduler side: request id -> fault asked for
+        self.partial = _PartialBlocks(self.scheduler_side) if self.scheduler_side is not None else None
         if self.worker_side is not None:
             self.worker_side.default_fault = self.default_fault
             self.worker_side.fault_log = extra("fault_log", None)
@@ -215,12 +324,24 @@ class FaultCanary(KVScopeConnector):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params or {}
-        self.faults[request.request_id] = params.get("kvscope_fault", self.default_fault)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        fault = self.faults[request.request_id] = params.get("kvscope_fault", self.default_fault)
+        hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self.partial is not None:
+            self.partial.remember(request)
+            if fault == "partial":
+                hit += self.partial.borrow(request, num_computed_tokens, hit)
+        return hit, load_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        if self.partial is None:
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+        else:
+            self.partial.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> CanaryMetadata:
         meta = super().build_connector_meta(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.faults.pop(request_id, None)
+        borrowed = self.partial.note(meta, scheduler_output.finished_req_ids) if self.partial is not None else {}
         faults = {spec.request_id: self.faults.get(spec.request_id, self.default_fault) for spec in meta.loads}
-        return CanaryMetadata(**vars(meta), faults=faults)
+        return CanaryMetadata(**vars(meta), faults=faults, borrowed=borrowed)

@@ -183,6 +183,12 @@ class RamTier:
             raise CorruptBlock("RAM block failed its checksum")
         return block, digest
 
+    def peek(self, key: str) -> Block | None:
+        """The block stored under key, or None, leaving the LRU order as it is (the canary's former owner)."""
+        with self.lock:
+            held = self.blocks.get(key)
+        return None if held is None else held[0]
+
     def recent(self, excluding: set[str]) -> Block | None:
         """The most recently used block stored under a key not in `excluding` (the canary's foreign block)."""
         with self.lock:

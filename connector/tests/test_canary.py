@@ -1,12 +1,14 @@
 """The fault-injection canary's faults on fake vLLM caches: what each writes, and what its log says."""
 
 import json
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
-from kvscope_connector.canary import FAULTS, CanaryMetadata, _FaultWorker
+from kvscope_connector.canary import FAULTS, CanaryMetadata, _FaultWorker, _PartialBlocks
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.scheduler import SchedulerSide
 from kvscope_connector.store import RamTier
 
 FP, B, HEADS = "f" * 32, 4, 2
@@ -115,9 +117,11 @@ def test_foreign_serves_another_keys_block(tmp_path):
 def test_every_fault_changes_what_a_request_loads(tmp_path):
     for fault in FAULTS:
         w = canary(tmp_path / fault, blocks=4)
-        load(w, fault)
+        borrowed = {"r1": 0} if fault == "partial" else {}  # its scheduler side names the other prompt's block
+        loads = [LoadSpec(1 + j, f"k{j}", "ram", request_id="r1", index=j) for j in range(3)]
+        w.load(CanaryMetadata(loads=loads, faults={"r1": fault}, borrowed=borrowed))  # into slots k1..k3 held
         load(w, fault, first_slot=12, request="r2")  # second-hit needs a second load
-        assert log(tmp_path / fault)[-1]["changed"] > 0, fault
+        assert max(e["changed"] for e in log(tmp_path / fault)) > 0, fault
 
 
 def test_an_unknown_fault_loads_correct_kv_and_says_so(tmp_path):
@@ -182,3 +186,53 @@ def test_noise_that_the_caches_dtype_rounds_away_is_logged_as_unchanged(tmp_path
     load(w, "noise-1e-3")  # 1e-3 of a tiny spread, on values whose bf16 step is 0.5
     assert log(tmp_path)[0]["changed"] == 0
     assert torch.equal(w.layers["layer0"][8:11], torch.stack([w.layers["layer0"][j] for j in range(3)]))
+
+
+def test_unloaded_writes_nothing_and_every_slot_keeps_what_it_held(tmp_path):
+    w = canary(tmp_path)
+    before = w.layers["layer0"][8:11].clone()
+    got = load(w, "unloaded")
+    assert all(torch.equal(got[j]["layer0"], before[j]) for j in range(3))
+    assert log(tmp_path)[0]["changed"] == 3
+
+
+def test_reused_writes_the_kv_of_the_key_each_slot_held_before(tmp_path):
+    w = canary(tmp_path, blocks=4)  # slots 0..3 held k0..k3 (saved from there)
+    right = [stored(w, j)["layer0"].clone() for j in range(4)]
+    w.layers["layer0"][1:4] = 0  # vLLM wrote the slots since: the former owners' KV comes from the tier
+    got = load(w, "reused", first_slot=1)  # k0..k2 into slots 1..3, once k1..k3's
+    assert all(torch.equal(got[j]["layer0"], right[j + 1]) for j in range(3))
+    assert log(tmp_path)[0]["changed"] == 3
+    again = load(w, "reused", first_slot=1, request="r2")  # each slot's last key is now its own: right KV
+    assert all(torch.equal(again[j]["layer0"], right[j]) for j in range(3))
+    assert log(tmp_path)[1]["changed"] == 0
+
+
+def test_partial_claims_the_next_block_of_another_prompt_with_the_same_blocks_before_it():
+    s = SchedulerSide(FP, B, ram_blocks=32, fs=None)
+    p = _PartialBlocks(s)
+
+    def ask(rid, tokens):
+        req = NS(request_id=rid, prompt_token_ids=tokens)
+        hit = s.lookup(req, 0)[0]
+        p.remember(req)
+        return req, hit, p.borrow(req, 0, hit)
+
+    a, _, _ = ask("a", [0, 1, 2, 3, 10, 11, 12, 13, 99])  # stores k0 and its block after k0: 10..13
+    meta = s.build_meta(NS(scheduled_new_reqs=[NS(req_id="a", prompt_token_ids=a.prompt_token_ids,
+                                                  block_ids=([0, 1, 2],), num_computed_tokens=0)],
+                           num_scheduled_tokens={"a": 9}, finished_req_ids=set(),
+                           scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                    num_computed_tokens=[])))
+    assert p.note(meta, ["a"]) == {}
+    other = meta.stores[1].key
+    req, hit, extra = ask("p", [0, 1, 2, 3, 30, 31, 32])  # shares k0; its next, partial block differs
+    assert (hit, extra) == (4, 2)  # up to its last prompt token, which vLLM computes
+    p.after_alloc(req, NS(get_block_ids=lambda: ([5, 6],)), 6)
+    meta = s.build_meta(NS(scheduled_new_reqs=[], num_scheduled_tokens={}, finished_req_ids=set(),
+                           scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                    num_computed_tokens=[])))
+    assert [(x.block_id, x.key, x.index) for x in meta.loads] == [(5, meta.loads[0].key, 0), (6, other, 1)]
+    assert p.note(meta, []) == {"p": 1}
+    assert ask("q", [0, 1, 2, 3, 10, 11, 50])[1:] == (4, 0)  # the other block's tokens are its own there: no fault
+    assert ask("r", [7, 7, 7, 7, 30, 31, 32])[1:] == (0, 0)  # no hit, no prefix to borrow after

@@ -34,7 +34,8 @@ ROLE_ORDER = {"golden": 0, "control": 1, "candidate": 2, "canary": 3}  # the ord
 RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-transfer-config", "--api-key", "--config"}
 # The fault classes of kvscope_connector.canary.FAULTS (the harness does not import the connector; a test
 # keeps the two lists equal).
-CANARY_FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign")
+CANARY_FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign",
+                 "unloaded", "reused", "partial")
 # Flags that would give a cache-off reference (golden, control) a cache.
 CACHE_FLAGS = ("--enable-prefix-caching", "--kv-offloading-size")
 CACHE_OFF = "--no-enable-prefix-caching"
