@@ -181,10 +181,14 @@ def test_the_manifest_probe_imports_each_connectors_modules_in_the_servers_envir
     from kvscope.deploy.servers import connector_imports, connector_modules
 
     rendered = Rendered.model_validate_json(open(render_cuda(tmp_path, MATRIX,
-                                                             ["kvscope-fs", "lmcache-cpu", "offload-cpu"])).read())
+                                                             ["kvscope-fs", "lmcache-cpu", "offload-cpu", "ucm-nfs",
+                                                              "ucm-pipeline"])).read())
     modules = {s.config: connector_modules(s) for s in rendered.kvscope_servers}
+    ucm = "ucm.integration.vllm.ucm_connector"  # and the compiled store each names (UCM 0.8.1's wheel's)
     assert modules == {"kvscope-fs": ["kvscope_connector"], "offload-cpu": [],
-                       "lmcache-cpu": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.cuda_ops"]}
+                       "lmcache-cpu": ["lmcache.integration.vllm.vllm_v1_adapter", "lmcache.cuda_ops"],
+                       "ucm-nfs": [ucm, "ucm.store.nfsstore.ucmnfsstore"],
+                       "ucm-pipeline": [ucm, "ucm.store.pipeline.ucmpipelinestore"]}
     found = connector_imports(str(REPO / ".venv-vllm" / "bin" / "python"), ["kvscope_connector", "lmcache.cuda_ops"])
     assert found == {"kvscope_connector": "ok", "lmcache.cuda_ops": "ModuleNotFoundError: No module named 'lmcache'"}
 

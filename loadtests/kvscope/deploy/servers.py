@@ -264,12 +264,21 @@ _IMPORTS = ("import importlib, json\nout = {}\nfor n in %r:\n try:\n  importlib.
             " except BaseException as e:\n  out[n] = f'{type(e).__name__}: {e}'[:300]\nprint(json.dumps(out))")
 
 
+# UCM's stores by name (ucm_connectors[].ucm_connector_name), each a compiled extension of UCM's wheel
+UCM_STORE_MODULES = {"UcmNfsStore": "ucm.store.nfsstore.ucmnfsstore",
+                     "UcmPipelineStore": "ucm.store.pipeline.ucmpipelinestore"}
+
+
 def connector_modules(server: RenderedServer) -> list[str]:
-    """The modules a server's KV connector needs, from its --kv-transfer-config."""
+    """The modules a server's KV connector needs, from its --kv-transfer-config: its own, the compiled ones
+    it loads (LMCache's ops, UCM's stores)."""
     if (ktc := server.kv_transfer_config) is None:
         return []
     own = [ktc["kv_connector_module_path"]] if ktc.get("kv_connector_module_path") else []
-    return own + CONNECTOR_MODULES.get(ktc.get("kv_connector", ""), [])
+    stores = (ktc.get("kv_connector_extra_config") or {}).get("ucm_connectors") or []
+    ucm = [UCM_STORE_MODULES[n] for st in stores if isinstance(st, dict)
+           and (n := st.get("ucm_connector_name")) in UCM_STORE_MODULES]
+    return own + CONNECTOR_MODULES.get(ktc.get("kv_connector", ""), []) + ucm
 
 
 def _in_server(python: str, code: str, timeout_s: float, tail: int, env: dict[str, str] | None = None) -> dict | str:
