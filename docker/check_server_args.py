@@ -16,7 +16,10 @@ import sys
 def main(path: str) -> int:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ModuleNotFoundError:  # vLLM <= 0.28 (the CUDA wheels): the OpenAI server's own module
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     failures = 0

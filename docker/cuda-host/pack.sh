@@ -10,6 +10,7 @@
 # packages.
 #   [STACK=vllm0.26|vllm0.28|vllm0.34] [SETS="base connectors stack"] [LMCACHE_WHEEL=path] \
 #     docker/cuda-host/pack.sh [OUT=.device] [PART_MIB=20]
+#   STACK=... docker/cuda-host/pack.sh --list base|connectors|stack   (the pins a set packs; nothing downloaded)
 set -euo pipefail
 out=${1:-.device}; part_mib=${2:-20}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,16 +21,22 @@ pin_names() { pins "$1" | sed 's/==.*//' | tr 'A-Z_' 'a-z-'; }
 plat=(--python-version 3.12 --implementation cp --only-binary=:all: --platform any)
 for p in manylinux_2_{5,17,18,24,27,28,31,34,35}_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do plat+=(--platform "$p"); done
 
-pack_set() {  # pack_set NAME LIST IMPORTS
-  local name=$1 list=$2 imports=$3 work="$out/$1" parts="$out/parts/$1"
-  rm -rf "$work" "$parts" && mkdir -p "$work/whl" "$parts"  # only this list, no wheels of an older one
-  local names; names=$(pins "$list" | { if [ -n "${LMCACHE_WHEEL:-}" ]; then grep -v '^lmcache=='; else cat; fi; })
-  if [ "$name" = base ]; then  # the stack's pins replace wheels.txt's of the same name
-    names=$(echo "$names" | awk -F== -v drop="$(pin_names "$stack_list" | xargs)" \
+set_pins() {  # set_pins NAME: what a set packs (the stack's pins replace wheels.txt's of the same name)
+  case $1 in
+    base) pins "$here/wheels.txt" | awk -F== -v drop="$(pin_names "$stack_list" | xargs)" \
       'BEGIN { n = split(drop, d, " "); for (i = 1; i <= n; i++) skip[d[i]] = 1 }
-        { k = tolower($1); gsub("_", "-", k); if (!(k in skip)) print }')
-  fi
-  echo "$names" | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/whl"
+        { k = tolower($1); gsub("_", "-", k); if (!(k in skip)) print }' ;;
+    connectors) pins "$here/wheels-connectors.txt" | { if [ -n "${LMCACHE_WHEEL:-}" ]; then grep -v '^lmcache=='; else cat; fi; } ;;
+    stack) pins "$stack_list" ;;
+    *) echo "pack.sh: unknown set $1 (base, connectors, stack)" >&2; exit 2 ;;
+  esac
+}
+if [ "$out" = --list ]; then set_pins "${2:?pack.sh --list SET}"; exit; fi
+
+pack_set() {  # pack_set NAME IMPORTS
+  local name=$1 imports=$2 work="$out/$1" parts="$out/parts/$1"
+  rm -rf "$work" "$parts" && mkdir -p "$work/whl" "$parts"  # only this list, no wheels of an older one
+  set_pins "$name" | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/whl"
   if [ "$name" = connectors ] && [ -n "${LMCACHE_WHEEL:-}" ]; then cp "$LMCACHE_WHEEL" "$work/whl/"; fi
   # linux_x86_64: the tag of a wheel built here (build-lmcache.sh's); downloads stay manylinux
   python3 -m pip install -q --no-deps --no-compile --target "$work/site" "${plat[@]}" --platform linux_x86_64 \
@@ -55,7 +62,7 @@ pack_set() {  # pack_set NAME LIST IMPORTS
 pack_stack() {  # the stack's wheels as published, split into parts; bootstrap.sh pip-installs them
   local work="$out/stack" parts="$out/parts/stack"
   rm -rf "$work" "$parts" && mkdir -p "$work/whl" "$parts"
-  pins "$stack_list" | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/whl"
+  set_pins stack | xargs python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/whl"
   tar -C "$work/whl" -cf "$work/wheels.tar" .
   local size n
   size=$(stat -c %s "$work/wheels.tar"); n=$(( (size + part_mib * 1048576 - 1) / (part_mib * 1048576) ))
@@ -72,10 +79,10 @@ mkdir -p "$out/parts" && echo "$stack" > "$out/parts/STACK"
 for set in ${SETS:-$default_sets}; do
   case $set in
     stack) pack_stack ;;
-    base) pack_set base "$here/wheels.txt" "vllm locust ansible pydantic" ;;
+    base) pack_set base "vllm locust ansible pydantic" ;;
     # LMCache's multi-process server and the exporter it imports once running among them
-    connectors) pack_set connectors "$here/wheels-connectors.txt" \
+    connectors) pack_set connectors \
       "ucm lmcache.v1.multiprocess.http_server opentelemetry.exporter.prometheus" ;;
-    *) echo "pack.sh: unknown set $set (base, connectors, stack)" >&2; exit 2 ;;
+    *) set_pins "$set" ;;  # refuses it
   esac
 done

@@ -107,7 +107,9 @@ def advice(v, speed: tuple[float, float, float] | None, detected: str, exact: bo
     if v.verdict == Verdict.FAIL:
         return f"unsafe: {v.fail_requests} of {v.scored} scored answers differ from golden's"
     return {Verdict.GOLDEN: "the cache-off reference", Verdict.UNVERIFIED: f"not verified: {v.why}",
-            Verdict.INCOMPLETE: f"incomplete: {v.why}", Verdict.INVALID: f"invalid reference: {v.why}",
+            Verdict.INCOMPLETE: f"incomplete: {v.why}",
+            Verdict.INVALID: f"invalid reference: {v.why}" if v.role == "golden" else
+            f"invalid, speed figures withheld: {v.why}",
             Verdict.CRASHED: f"did not start: {v.why}"}.get(v.verdict, v.why)
 
 
@@ -120,7 +122,8 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
     rows = []
     for v in verdicts.itertuples():
         pairs, hits = _pairs(run, recs, v.config)
-        if exact:
+        withheld = exact or (v.verdict == Verdict.INVALID and v.role != "golden")  # a reset that did not reset
+        if withheld:
             pairs = []
         speed = ratio_ci(pairs)
         part = summary[summary.config == v.config] if len(summary) else summary
@@ -128,8 +131,8 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
         detected = (f"{int(caught.detected.iloc[0])} of {int(caught.affected_hits.iloc[0])} hits it broke"
                     if len(caught) else "")
         mine = answered(recs, v.config)
-        req_s, tok_s = throughput(mine) if not exact else (None, None)
-        tpots = [t for r in mine if (t := tpot(r)) is not None and not exact]
+        req_s, tok_s = throughput(mine) if not withheld else (None, None)
+        tpots = [t for r in mine if (t := tpot(r)) is not None and not withheld]
         met = goodput(mine, slo or {})
         repeats = run.load.repeats
         each: list[float] = []  # the speed-up of each repeat alone
@@ -139,7 +142,7 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
         rows.append({
             "config": v.config, "role": v.role, "verdict": v.verdict, "advice": advice(v, speed, detected, exact),
             "hits": len(hits),
-            "hit_ttft_p50_ms": round(float(np.median(hits)) * 1000, 2) if hits and not exact else None,
+            "hit_ttft_p50_ms": round(float(np.median(hits)) * 1000, 2) if hits and not withheld else None,
             "golden_ttft_p50_ms": round(float(np.median([g for g, _ in pairs])) * 1000, 2) if pairs else None,
             "speedup_hits": round(speed[0], 2) if speed else None,
             "speedup_ci95": f"{speed[1]:.2f}–{speed[2]:.2f}" if speed else None,

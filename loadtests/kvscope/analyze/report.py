@@ -26,6 +26,8 @@ from kvscope.artifacts import (
     RunInfo,
     Scorer,
     StatusRow,
+    StoreFaultPhase,
+    Treatment,
     Verdict,
     flag_value,
     write_json,
@@ -93,6 +95,8 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
     servers = {s.config: s for s in run.servers}
     golden = run.golden().config
     deltas = {(row.config, row.scenario): row.metrics_delta() for row in status}
+    leaked = {(row.config, row.scenario) for row in status if row.config in servers and row.reset is not None
+              and verdicts.reset_leak(row.reset.probe, servers[row.config].manifest.block_size)}
     rows = []
     for (config, scenario), records in recs.items():
         server = servers[config]
@@ -123,8 +127,8 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
             "ttft_p99_ms_hit": _ms(_pct([r.ttft_s for r in hit], 99)),
             "itl_p50_ms": _ms(_pct([x for r in ok for x in r.itl_s], 50)),
             "e2e_p50_ms": _ms(_pct([r.e2e_s for r in ok], 50)),
-            "speedup_all": _ratio(paired),
-            "speedup_hits": _ratio(paired_hits),
+            "speedup_all": _ratio(paired) if (config, scenario) not in leaked else None,  # a warm "cold" phase
+            "speedup_hits": _ratio(paired_hits) if (config, scenario) not in leaked else None,
             "hit_rate_per_request": hitrate.per_request(measure),
             "hit_rate_counters": rates["overall"],
             "hit_rate_counters_local": rates["local"],
@@ -212,7 +216,7 @@ def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFra
         verdict, why = verdicts.config_verdict(server, scores, loaded.expected, ran,
                                                reference.get(config, []) if role == "golden" else broken,
                                                min_hits, max_failed,
-                                               tiers_served(loaded, config))
+                                               tiers_served(loaded, config), reset_leaks(server, status))
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
@@ -227,6 +231,36 @@ def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFra
             "max_dev": sc.max_dev.max() if sc.max_dev.notna().any() else None,
         })
     return pd.DataFrame(out)
+
+
+def reset_leaks(server: Treatment, status: list[StatusRow]) -> list[str]:
+    """Each treatment of a config whose reset probe found a tier still serving, as `<scenario>: why`."""
+    return [f"{row.scenario}: {leak}" for row in status if row.config == server.config and row.reset is not None
+            and (leak := verdicts.reset_leak(row.reset.probe, server.manifest.block_size))]
+
+
+def probe_lines(run: RunInfo, status: list[StatusRow]) -> list[str]:
+    """The reset probe of every treatment: clean, a tier still serving, or why it could not tell."""
+    blocks = {s.config: s.manifest.block_size for s in run.servers}
+    rows = [r for r in status if r.reset is not None and r.config in blocks]
+    if not any(r.reset.probe for r in rows):  # type: ignore[union-attr]
+        return []  # a run recorded before reset probes
+    clean, out = 0, []
+    for r in rows:
+        probe = r.reset.probe  # type: ignore[union-attr]
+        if leak := verdicts.reset_leak(probe, blocks[r.config]):
+            out.append(f"- `{r.config}` x `{r.scenario}`: **{leak}**; its speed figures are withheld")
+        elif why := verdicts.reset_unverified(probe):
+            out.append(f"- `{r.config}` x `{r.scenario}`: reset unverified: {why}")
+        else:
+            clean += 1
+    read = sorted({verdicts.probe_tier(k) for r in rows if r.reset and r.reset.probe
+                   for k in (r.reset.probe.counters or {})}
+                  | ({verdicts.PROBE_TIERS["usage"]} if any(r.reset and r.reset.probe and r.reset.probe.cached_tokens
+                                                             is not None for r in rows) else set()))
+    head = (f"Reset probe: after each treatment's reset the warm-up's prompt was sent again; every counter read 0 "
+            f"on {clean} of {len(rows)} treatments" + (f" (read: {', '.join(read)})" if read else "") + ".")
+    return ["", head, "", *out] if out else ["", head]
 
 
 def crashed_verdicts(run: RunInfo) -> pd.DataFrame:
@@ -444,6 +478,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.manifest.upstream)
               for s in run.servers if s.manifest.upstream]
     lines += _tier_lines(a.loaded, a.scores, a.min_hits)
+    lines += probe_lines(run, a.loaded.status)
     lines += ["", "## How strong the verdict is", ""]
     lines += _floor_lines(a.scorer)
     lines += [f"- A PASS needs every expected answer scored and at least {a.min_hits} verified cache hits, and as "
@@ -563,7 +598,9 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     return "\n".join(lines)
 
 
-def _faulty(phase: LocustPhase | RestartPhase) -> bool:
+def _faulty(phase: LocustPhase | RestartPhase | StoreFaultPhase) -> bool:
+    if isinstance(phase, StoreFaultPhase):
+        return False  # damage on purpose: its own section
     if isinstance(phase, RestartPhase):
         return phase.restart_exit != 0
     return phase.locust_exit not in (0, 1) or bool(phase.metrics_error)

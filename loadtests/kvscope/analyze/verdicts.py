@@ -9,7 +9,8 @@ Verdicts:
 - UNVERIFIED: too few verified hits (the cache was never really tested), near ties that golden could not
               score, answers to another prompt than golden's (input-differs), or a golden or control server
               that was not cache-off.
-- GOLDEN / INVALID: the reference itself, cache-off (its manifest and every record) or not.
+- GOLDEN / INVALID: the reference itself, cache-off (its manifest and every record) or not; any config whose
+              reset did not reset (its reset probe found a tier still serving: its figures are withheld).
 - CRASHED:    the config did not start.
 Expected: candidates and the control PASS; a canary FAILs, and on at least POWER_GOAL of the cache hits it
 really broke (its fault log says which). Exit code of the gate: 0 when every verdict is as expected; 1 when
@@ -24,7 +25,7 @@ import math
 import pandas as pd
 
 from kvscope.analyze import fidelity
-from kvscope.artifacts import Answer, Treatment, Verdict
+from kvscope.artifacts import Answer, ResetProbe, Treatment, Verdict
 
 MIN_VERIFIED_HITS = 20
 MAX_FAILED_SHARE = 0.02
@@ -103,6 +104,46 @@ def pooled(power_table: pd.DataFrame) -> str:
     return f"{k} of {n} broken hits caught" + (f", 95 % lower bound {wilson_low(k, n):.3f}" if n else "")
 
 
+# a hit counter of the reset probe -> the tier it speaks for (kvscope's connector counts blocks, the rest tokens)
+PROBE_TIERS = {"usage": "the answer's usage (cached_tokens)",
+               "vllm:prefix_cache_hits_total": "vLLM's prefix cache",
+               "vllm:external_prefix_cache_hits_total": "the KV connector (vLLM's external hits)",
+               "vllm:prompt_tokens_cached_total": "vLLM's cached prompt tokens",
+               "vllm:prompt_tokens_by_source_total{source=local_cache_hit}": "vLLM's prefix cache (by source)",
+               "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}": "the KV connector (by source)",
+               "kvscope:connector_ram_hits_total": "kvscope's ram tier",
+               "kvscope:connector_fs_hits_total": "kvscope's disk tier"}
+BLOCK_COUNTERS = ("kvscope:connector_ram_hits_total", "kvscope:connector_fs_hits_total")
+
+
+def probe_tier(counter: str) -> str:
+    if counter.startswith("vllm:prompt_tokens_cached_by_source_total{source="):
+        return f"the {counter.split('=', 1)[1].rstrip('}')} tier (vLLM's cached tokens by source)"
+    return PROBE_TIERS.get(counter, counter)
+
+
+def reset_leak(probe: ResetProbe | None, block_size: int) -> str | None:
+    """Why a reset did not reset, from its probe ("reset did not reset: N tokens from <tier>, ..."); None when
+    every counter read 0, or nothing could tell (reset_unverified says which)."""
+    if probe is None:
+        return None
+    hits = {"usage": float(probe.cached_tokens or 0)} | {
+        k: v * (block_size if k in BLOCK_COUNTERS else 1) for k, v in (probe.counters or {}).items()}
+    said = [f"{int(v)} tokens from {probe_tier(k)}" for k, v in hits.items() if v > 0]
+    return "reset did not reset: " + ", ".join(said) if said else None
+
+
+def reset_unverified(probe: ResetProbe | None) -> str | None:
+    """Why a reset probe cannot vouch for a reset: no probe, no answer, or no counter at all; else None."""
+    if probe is None:
+        return "no reset probe (a run recorded before probes)"
+    if probe.error:
+        return f"the probe got no answer ({probe.error})"
+    if probe.cached_tokens is None and not probe.counters:
+        return "the server exposes none of the counters the probe reads (no cached_tokens, no /metrics hit counter)"
+    return None
+
+
 def tier_hits(sc: pd.DataFrame, served: dict[str, dict[str, int]] | None) -> dict[str, int] | None:
     """Verified hits per tier: the verified hits that loaded at least one block from it. `served`: request key
     -> tier -> blocks, from the connector's load log (None: the run kept none)."""
@@ -135,16 +176,18 @@ def tier_shortfall(declared: list[str], hits: dict[str, int] | None, min_hits: i
 def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, int], ran: set[str],
                    reference_problems: list[str], min_hits: int = MIN_VERIFIED_HITS,
                    max_failed: float = MAX_FAILED_SHARE,
-                   served: dict[str, dict[str, int]] | None = None) -> tuple[str, str]:
+                   served: dict[str, dict[str, int]] | None = None,
+                   leaks: list[str] | None = None) -> tuple[str, str]:
     """(verdict, why) of one config from its measure-phase scores; `expected`: answers per scenario;
     `ran`: the scenarios with a status row; `reference_problems`: why golden or control was not cache-off;
-    `served`: which tier served each request's blocks (its connector's load log), for the tiers it certifies."""
+    `served`: which tier served each request's blocks (its connector's load log), for the tiers it certifies;
+    `leaks`: its treatments whose reset probe found a tier still serving (reset_leak, with the scenario)."""
     config, role = server.config, server.role
     sc = scores[(scores.config == config) & (scores.phase == "measure")]
     counts = sc.cls.value_counts().to_dict()
     if role == "golden":
         failed = counts.get(Answer.FAILED, 0)
-        problems = reference_problems + [f"{failed} failed answers"] * bool(failed)
+        problems = reference_problems + [f"{failed} failed answers"] * bool(failed) + (leaks or [])
         return (Verdict.INVALID, "; ".join(problems)) if problems else (Verdict.GOLDEN, "cache-off reference")
     if counts.get(Answer.FAIL):
         fails = sc[sc.cls == Answer.FAIL]
@@ -154,6 +197,8 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         if misses and role in ("candidate", "canary"):
             why += f"; {misses} of them cache misses, which differ from golden without any cached KV"
         return Verdict.FAIL, why
+    if leaks:  # a cold phase that was warm: its hit rate, speed-up and misses say nothing
+        return Verdict.INVALID, "; ".join(leaks)
     present = sc.groupby("scenario").size().to_dict()
     incomplete = []
     for s, n in expected.items():

@@ -10,7 +10,6 @@ never lost. A run folder is never reused: --resume continues one, keeping its fi
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
@@ -46,7 +45,7 @@ from kvscope.artifacts import (
 )
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
 from kvscope.deploy import servers
-from kvscope.run import continuations, metrics
+from kvscope.run import continuations, metrics, probe, storefaults
 from kvscope.run.records import SESSION_LOST
 from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
 from kvscope.runfolder import RunFolder
@@ -127,14 +126,11 @@ def restart(server: Treatment, command: str) -> RestartPhase:
 
 
 def warm_up(server: Treatment) -> None:
-    """One throwaway request before the reset, so an idle server's slow first request is not measured."""
-    body = json.dumps({"model": server.manifest.served_model_name, "prompt": "kvscope warm-up " * 40, "max_tokens": 4,
-                       "temperature": 0})
-    req = urllib.request.Request(f"{server.url}/v1/completions", data=body.encode(),
-                                 headers=auth.headers())
+    """One throwaway request before the reset, so an idle server's slow first request is not measured (and the
+    reset probe has a prompt the server held)."""
     try:
-        urllib.request.urlopen(req, timeout=300).read()
-    except (urllib.error.URLError, OSError):
+        probe.complete(server)
+    except (urllib.error.URLError, OSError, ValueError):
         pass  # a dead server shows up as failed records, with reasons, in the treatment itself
 
 
@@ -387,9 +383,11 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
                     continue
                 users = all_scenarios[name].users or level
                 restart = all_scenarios[name].restart and server.role == "candidate"
+                store_fault = all_scenarios[name].store_fault if server.role == "candidate" else None
                 writer = by_name.get(server.manifest.writer or "") if all_scenarios[name].shared else None
                 _treatment(server, label, folder, phase_files,
-                           {**opts, "users": users, "restart": restart, "writer": writer}, status_path,
+                           {**opts, "users": users, "restart": restart, "writer": writer,
+                            "store_fault": store_fault}, status_path,
                            f"[{step}/{total}] {where}")
         golden = next(s for s in chosen if s.role == "golden")
         where = "golden's continuations"
@@ -435,6 +433,7 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
     print(f"{progress}: warm-up, reset", end="", flush=True)
     warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
     cleared = reset(server)
+    cleared.probe = probe.reset_probe(server)  # did the reset empty every tier? (the warm-up's prompt again)
     writer = opts.get("writer")
     if writer is not None:  # a shared store: the writer stores what this server then loads
         cleared.writer, cleared.writer_reset = writer.config, reset(writer)
@@ -443,6 +442,14 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
         if phase == "measure" and opts.get("restart"):
             print(", restart", end="", flush=True)
             row.phases["restart"] = restart(server, opts["restart_cmd"])
+        if phase == "measure" and opts.get("store_fault"):
+            print(f", store fault {opts['store_fault']}", end="", flush=True)
+            try:  # the tiers in front of the store emptied (its files stay), so the loads read the damage
+                emptied: int | str = _post(f"{server.url}/reset_prefix_cache?reset_external=true")
+            except (urllib.error.URLError, OSError) as exc:
+                emptied = type(exc).__name__
+            row.phases["store-fault"] = storefaults.damage(server, opts["store_fault"])
+            row.phases["store-fault"].reset_prefix_cache_http = emptied
         if (scenario, phase) in phase_files:
             workload, part = phase_files[scenario, phase]
             target = server
