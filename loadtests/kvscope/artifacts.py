@@ -401,6 +401,7 @@ class StoreFaultPhase(Part):
     fault: str
     files: int  # files damaged
     how: str  # what was done to each, or why nothing was
+    seconds: float = 0.0  # waiting for the saves to land, and the damage
     reset_prefix_cache_http: int | str | None = None  # the tiers in front of the store emptied first
 
 

@@ -25,10 +25,10 @@ Classes, per answer:
              ("a a a a"), or a needle that golden found and the candidate lost.
 Not scored, and never counted as identical: `failed` (the request failed), `no-golden` (golden's answer is
 missing or failed), `input-differs` (the server saw other prompt tokens, e.g. a later turn after an earlier
-turn diverged), `no-token-ids` (the server sent no token ids: nothing to compare), `no-logprobs` (equal tokens, but at some
-position no logprob to compare: an answer or golden's without logprobs, or no token both list; equal tokens
-alone verify nothing), `unverified` (a split at a near tie that golden could not score: no continuation was
-recorded).
+turn diverged), `no-token-ids` (the server sent no token ids: nothing to compare), `no-logprobs` (equal
+tokens, but at some position no logprob to compare: an answer or golden's without logprobs, or no token both
+list; equal tokens alone verify nothing), `unverified` (a split at a near tie that golden could not score: no
+continuation was recorded).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from collections import Counter
 import pandas as pd
 
 from kvscope.analyze import fidelity
+from kvscope.analyze.escape import md
 from kvscope.artifacts import Answer, Record
 
 COLUMNS = ["config", "scenario", "hits", "wrong_hits", "wrong_in_load", "suspect_blocks", "stored_by", "reading"]
@@ -81,9 +82,9 @@ def shared_differences(recs: dict[tuple[str, str], list[Record]], scores: pd.Dat
                        control: str | None, candidates: list[str]) -> list[str]:
     """Exact mode: each request on which a candidate's hit differs from golden, with the candidates that reused
     as many of its tokens grouped by bitwise-equal answers ("=" joins a group, "|" separates groups; a group
-    that gave the cache-off control's answer says so). The same answer from different stores after the same
-    reuse points at the arithmetic after a reuse; a store's answer of its own is not isolated by this.
-    Requests where stores agree come first."""
+    that gave the cache-off control's answer says so; as markdown, names escaped). The same answer from
+    different stores after the same reuse points at the arithmetic after a reuse; a store's answer of its own
+    is not isolated by this. Requests where stores agree come first."""
     fails = scores[(scores.cls == Answer.FAIL) & (scores.phase == "measure") & scores.config.isin(candidates)
                    & (scores.cached_tokens.fillna(0) > 0)]
     answers: dict[tuple[str, str], dict[str, Record]] = {}
@@ -104,8 +105,8 @@ def shared_differences(recs: dict[tuple[str, str], list[Record]], scores: pd.Dat
                 groups.setdefault(answer(got) or "", []).append(config)
         same = groups.pop(answer(served.get(golden)) or "", [])
         as_control = answer(served.get(control)) if control else None
-        text = " | ".join(" = ".join(g) + (" (the control's answer)" if key == as_control else "")
+        text = " | ".join(" = ".join(map(md, g)) + (" (the control's answer)" if key == as_control else "")
                           for key, g in groups.items())
-        lines.append((-max(map(len, groups.values())), f"`{request}` ({int(cached)} cached tokens): {text}"
-                      + (f"; as golden: {', '.join(same)}" if same else "")))
+        lines.append((-max(map(len, groups.values())), f"{md(request, code=True)} ({int(cached)} cached tokens): "
+                      f"{text}" + (f"; as golden: {md(', '.join(same))}" if same else "")))
     return [line for _, line in sorted(lines, key=lambda pair: pair[0])]

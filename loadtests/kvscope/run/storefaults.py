@@ -89,9 +89,11 @@ def _unreadable(f: Path, root: bool) -> None:
 
 def damage(server: Treatment, fault: str) -> StoreFaultPhase:
     """Damage every file of a config's stores with one fault; what was done."""
+    started = time.monotonic()
     found = settled(server)
     if not found or (fault == "swap" and len(found) < 2):
-        return StoreFaultPhase(fault=fault, files=0, how=f"nothing damaged: {len(found)} files in the stores")
+        return StoreFaultPhase(fault=fault, files=0, how=f"nothing damaged: {len(found)} files in the stores",
+                               seconds=round(time.monotonic() - started, 1))
     root = os.geteuid() == 0
     if fault == "swap":
         _swap(found)
@@ -108,4 +110,4 @@ def damage(server: Treatment, fault: str) -> StoreFaultPhase:
            "unreadable": "each file replaced by a directory of its name (a read fails with EISDIR; the bench runs "
                          "as root, which reads a file whatever its mode)" if root else
                          "each file's mode 000 (permission denied)"}[fault]
-    return StoreFaultPhase(fault=fault, files=len(found), how=how)
+    return StoreFaultPhase(fault=fault, files=len(found), how=how, seconds=round(time.monotonic() - started, 1))

@@ -448,8 +448,9 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
                 emptied: int | str = _post(f"{server.url}/reset_prefix_cache?reset_external=true")
             except (urllib.error.URLError, OSError) as exc:
                 emptied = type(exc).__name__
-            row.phases["store-fault"] = storefaults.damage(server, opts["store_fault"])
-            row.phases["store-fault"].reset_prefix_cache_http = emptied
+            damaged = storefaults.damage(server, opts["store_fault"])
+            damaged.reset_prefix_cache_http = emptied
+            row.phases["store-fault"] = damaged
         if (scenario, phase) in phase_files:
             workload, part = phase_files[scenario, phase]
             target = server
