@@ -8,10 +8,12 @@ block agree.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -57,13 +59,31 @@ def weights_identity(model_dir: str, cache_dir: str | None = None) -> str:
     return digest.hexdigest()
 
 
+def _read_regular(path: str) -> bytes:
+    """A regular file's bytes; anything else (a FIFO, which would wait for a writer, a device, a socket, a
+    folder) stops the server. Opened without blocking, checked before it is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket
+            raise ValueError(f"kvscope connector: ${SECRET_FILE_ENV} names {path}, not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"kvscope connector: ${SECRET_FILE_ENV} names {path}, not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def store_secret() -> bytes | None:
     """The secret that signs the filesystem tier's files: $KVSCOPE_STORE_KEY, or the file named by
     $KVSCOPE_STORE_KEY_FILE; None when neither is set (or set to nothing). A key that is set but unusable
     (an empty file, whitespace, fewer than 16 bytes) stops the server rather than turn signing off. Never
     logged, never in the config."""
     if os.environ.get(SECRET_FILE_ENV):
-        raw = Path(os.environ[SECRET_FILE_ENV]).read_bytes()
+        raw = _read_regular(os.environ[SECRET_FILE_ENV])
         where = f"the file ${SECRET_FILE_ENV} names"
     else:
         raw = os.environ.get(SECRET_ENV, "").encode()

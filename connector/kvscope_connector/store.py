@@ -18,6 +18,7 @@ import secrets
 import stat
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
@@ -34,6 +35,8 @@ from .transfer import SlotPool
 log = logging.getLogger("kvscope_connector")
 MAX_PER_FILE = 256  # blocks a file may hold: a file is read and written with one call (the system's limit on
 # buffers a call takes is 1024)
+STALE_TMP_S = 3600  # a temp file untouched this long is a save that never finished (its writer was killed): a
+# live writer, on this host or another sharing the store, renames its file within seconds
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Stats:
     save_wait_seconds: float = 0.0  # the forward thread waiting for the save thread (its backlog full)
     pool_grow_seconds: float = 0.0  # the slot pool growing past its reserve, on the thread taking the slots
     evictions: int = 0  # RAM blocks and files
+    stale_tmp_removed: int = 0  # temp files of saves that never finished, removed at start (FsTier)
     logged: set = field(default_factory=set)
 
     def add(self, other: Stats) -> None:
@@ -259,8 +263,30 @@ class FsTier:
         self.used = 0
         self.lock = threading.Lock()  # the accounting is shared by the load threads and the writer threads
         self.writing: set[str] = set()  # keys a writer is storing: not evicted under it
+        self._private_root()
+        self.stale_tmp_removed = 0  # temp files left by saves that never finished, removed at start
         for _, key, size in sorted(self._on_disk()):
             self._note(key, size)
+        if self.stale_tmp_removed:
+            log.warning("kvscope connector: removed %d temp files of saves that never finished from %s",
+                        self.stale_tmp_removed, self.dir)
+
+    def _private_root(self) -> None:
+        """A root that already exists keeps no group or other access: made 0700 where this user owns it,
+        refused where others may write it and this user cannot tighten it (whoever can write the root can
+        swap the store's folders). A root that does not exist yet is made 0700 with the first write."""
+        try:
+            st = os.stat(self.root)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode) or not st.st_mode & 0o077:
+            return
+        if st.st_uid == os.getuid():
+            os.chmod(self.root, 0o700)
+            log.warning("kvscope connector: the store root %s had mode %o; made 0700", self.root, st.st_mode & 0o777)
+        elif st.st_mode & 0o022:
+            raise ValueError(f"kvscope connector: the store root {self.root} has mode {st.st_mode & 0o777:o} (others "
+                             "may write it) and another user owns it; give this server a folder of its own, 0700")
 
     def attach(self, pool: SlotPool | None, checksum: Callable[[Block], str], layout: Layout) -> None:
         """What the worker knows once vLLM registers its KV caches (vLLM builds the connector before them, and
@@ -269,7 +295,8 @@ class FsTier:
         self.pool, self.checksum, self.layout = pool, checksum, layout
 
     def _on_disk(self) -> list[tuple[float, str, int]]:
-        """(mtime, key, size) of the block files already stored; links and other files are not blocks."""
+        """(mtime, key, size) of the block files already stored; links and other files are not blocks. Temp
+        files untouched for STALE_TMP_S are saves that never finished: removed and counted."""
         found = []
         try:
             shards = [e.path for e in os.scandir(self.dir) if e.is_dir(follow_symlinks=False)]
@@ -281,9 +308,16 @@ class FsTier:
                     if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False):
                         st = e.stat(follow_symlinks=False)
                         found.append((st.st_mtime, e.name.removesuffix(".safetensors"), st.st_size))
+                    elif e.name.endswith(".tmp") and e.is_file(follow_symlinks=False) and self._stale(e):
+                        os.unlink(e.path)
+                        self.stale_tmp_removed += 1
             except OSError:
                 continue
         return found
+
+    @staticmethod
+    def _stale(entry: os.DirEntry) -> bool:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
 
     def _folder(self, key: str, create: bool = False) -> int:
         """A descriptor of the key's folder, root/<fingerprint>/<key[:2]>, reached without following a link
@@ -422,6 +456,8 @@ class FsTier:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CorruptBlock("a symbolic link, not a block file") from exc
+            if exc.errno == errno.ENXIO:  # what opening a socket (or a device with none behind it) says
+                raise CorruptBlock("a socket or a device, not a block file") from exc
             raise
         try:
             st = os.fstat(fd)

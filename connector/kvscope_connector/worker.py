@@ -119,7 +119,7 @@ class WorkerSide:
         self.pool: SlotPool | None = None  # host slots of the blocks, with on-device checks
         self.path: HostRows | DeviceCopies | None = None  # how blocks cross; by register()
         self.logged: set[str] = set()  # kinds of fault already logged once
-        self.stats = Stats(logged=self.logged)
+        self.stats = Stats(logged=self.logged, stale_tmp_removed=fs.stale_tmp_removed if fs is not None else 0)
         self.load_errors: set[int] = set()
         self.broken: set[str] = set()  # requests with a failed load this step: none of their blocks after it loads
         self.failed_plan = 0  # the scheduler's count of failures when it planned the last step with a failed load

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import socket
 import threading
 import time
 
@@ -11,7 +12,7 @@ import torch
 from test_sides import worker
 from test_store import FP, LAYOUT, block, tier, write
 
-from kvscope_connector import fileformat
+from kvscope_connector import fileformat, store
 from kvscope_connector import worker as worker_mod
 from kvscope_connector.blocks import CorruptBlock, Layout
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
@@ -393,3 +394,66 @@ def test_a_kv_cache_that_frees_a_running_requests_blocks_and_pipeline_parallelis
     assert "ChunkedLocalAttentionSpec" in _unsupported(config(), cache(ChunkedLocalAttentionSpec,
                                                                       attention_chunk_size=8192))
     assert "pipeline" in _unsupported(config(pp=2), None)
+
+
+def test_temp_files_a_killed_save_left_are_removed_at_start_and_counted_and_fresh_ones_kept(tmp_path):
+    w = worker(tmp_path, ram=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
+    shard = w.fs.path("k1").parent
+    stale, fresh = shard / ".k2.safetensors.00ff00ff00ff00ff.tmp", shard / ".k3.safetensors.11ee11ee11ee11ee.tmp"
+    stale.write_bytes(b"x" * 100)  # a save killed (kill -9) between its create and its rename, long ago
+    fresh.write_bytes(b"x" * 100)  # another server's save on a shared store, still being written
+    old = time.time() - 2 * store.STALE_TMP_S
+    os.utime(stale, (old, old))
+    again = worker(tmp_path, ram=False)  # the next start
+    assert again.take_stats().stale_tmp_removed == 1
+    assert not stale.exists() and fresh.exists() and again.fs.path("k1").exists()
+
+
+def test_a_socket_at_a_blocks_name_is_a_quarantined_miss(tmp_path, monkeypatch):
+    w = worker(tmp_path, ram=False)
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
+    path = w.fs.path("k1")
+    os.unlink(path)
+    monkeypatch.chdir(path.parent)  # a socket's path is limited to ~108 bytes: bind it by its own name
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(path.name)
+        w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
+    assert w.take_load_errors() == {5} and (w.stats.corrupt, w.stats.io_errors) == (1, 0)
+    assert not path.exists() and path.with_suffix(".corrupt").exists()  # moved aside, as a FIFO is
+
+
+def test_a_store_root_others_may_use_is_made_private_where_this_user_owns_it(tmp_path):
+    root = tmp_path / "store"
+    root.mkdir(mode=0o777)
+    root.chmod(0o777)
+    tier(root)
+    assert root.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_store_root_others_may_write_and_this_user_does_not_own_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    root.mkdir()
+    root.chmod(0o777)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(root).st_uid + 1)
+    with pytest.raises(ValueError, match="others may write"):
+        tier(root)
+    assert root.stat().st_mode & 0o777 == 0o777
+
+
+def test_a_fifo_as_the_store_key_file_stops_the_server_instead_of_hanging_it(tmp_path, monkeypatch):
+    from kvscope_connector import keys
+
+    fifo = tmp_path / "key"
+    os.mkfifo(fifo)
+    monkeypatch.setenv(keys.SECRET_FILE_ENV, str(fifo))
+    try:
+        with pytest.raises(ValueError, match="not a regular file"):
+            in_time(keys.store_secret)
+    finally:  # a reader stuck in open() (the old code) is let go
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass

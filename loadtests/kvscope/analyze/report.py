@@ -8,7 +8,6 @@ it (analyze, one typed Analysis) and renders that; neither scoring nor rendering
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 from dataclasses import fields
 from pathlib import Path
@@ -18,7 +17,6 @@ import numpy as np
 import pandas as pd
 
 from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, verdicts
-from kvscope.analyze.escape import Md, md
 from kvscope.analyze.loaded import LoadedRun, load
 from kvscope.artifacts import (
     Answer,
@@ -28,7 +26,6 @@ from kvscope.artifacts import (
     RunInfo,
     Scorer,
     StatusRow,
-    StoreFaultPhase,
     Treatment,
     Verdict,
     flag_value,
@@ -40,7 +37,6 @@ from kvscope.run.records import key_from_server_id
 from kvscope.runfolder import RunFolder
 
 SHARED_SHOWN = 12  # requests listed where candidates' hits differ in exact mode
-LINK = re.compile(r"https?://[^\s<>`|\\]+")  # an upstream report's address, written as a link
 
 
 def golden_missing(run: RunInfo, unrecorded: frozenset[tuple[str, str]]) -> list[str]:
@@ -275,7 +271,7 @@ def crashed_verdicts(run: RunInfo) -> pd.DataFrame:
 
 def _md_table(frame: pd.DataFrame) -> str:
     cols = list(frame.columns)
-    lines = ["| " + " | ".join(map(md, cols)) + " |", "|" + "---|" * len(cols)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in frame.itertuples(index=False):
         lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
     return "\n".join(lines)
@@ -286,7 +282,7 @@ def _cell(v) -> str:
         return "–"
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return md(v)  # a string from the run folder, or markup the report made (Md)
+    return str(v)
 
 
 class Analysis(NamedTuple):
@@ -412,17 +408,17 @@ def uncontrolled(run: RunInfo, status: list[StatusRow]) -> dict[str, str]:
     """Configs with a cache whose reset did not succeed before some treatment, or whose stores are kept
     between treatments (`store_reset: keep`), and why."""
     cached = {s.config for s in run.servers if s.role in ("candidate", "canary")}
-    out = {s.config: Md(f"its stores {md(sorted(s.manifest.stores))} are kept between treatments (`store_reset: "
-                         "keep`), so blocks an earlier treatment stored stay there") for s in run.servers
+    out = {s.config: (f"its stores {sorted(s.manifest.stores)} are kept between treatments (`store_reset: keep`), so "
+                      "blocks an earlier treatment stored stay there") for s in run.servers
            if s.config in cached and s.manifest.store_reset == "keep" and s.manifest.stores}
     for row in status:
         if row.config not in cached or row.reset is None:
             continue
         if row.reset.reset_prefix_cache_http != 200:
-            out[row.config] = Md(f"`/reset_prefix_cache` answered {row.reset.reset_prefix_cache_http}")
+            out[row.config] = f"`/reset_prefix_cache` answered {row.reset.reset_prefix_cache_http}"
         elif row.reset.stores_refused:
-            out[row.config] = Md(f"its stores {md(row.reset.stores_refused)} lie outside the deployment's stores "
-                                 "folder and were not wiped")
+            out[row.config] = (f"its stores {row.reset.stores_refused} lie outside the deployment's stores "
+                               "folder and were not wiped")
     return out
 
 
@@ -431,16 +427,15 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     run, summary, scores, folder = a.loaded.run, a.summary, a.scores, a.loaded.name
     m = run.machine
     first = run.servers[0].manifest
-    lines = [f"# kvscope report: run {md(run.run_id)}", ""]
+    lines = [f"# kvscope report: run {run.run_id}", ""]
     if run.interrupted:
-        lines += [f"**This run is incomplete: it stopped early ({md(run.interrupted)}).** The treatments it finished "
-                  "are scored below; continue it with " + md(f"make bench RESUME=1 RUN_ID={run.run_id}", code=True)
-                  + ".", ""]
+        lines += [f"**This run is incomplete: it stopped early ({run.interrupted}).** The treatments it finished "
+                  "are scored below; continue it with `make bench RESUME=1 RUN_ID=" + run.run_id + "`.", ""]
     if missing := golden_missing(run, a.loaded.unrecorded):
-        lines += [f"- **{md(note)}**" for note in missing] + [""]
+        lines += [f"- **{note}**" for note in missing] + [""]
     lines += ["## Summary", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
     ov = a.overview.copy()
-    ov["verdict"] = [Md(f"**{x}**") for x in ov.verdict]
+    ov["verdict"] = [f"**{x}**" for x in ov.verdict]
     heads = {"config": "config", "verdict": "verdict", "advice": "advice", "hits": "hits",
              "hit_ttft_p50_ms": "hit TTFT p50 (ms)", "golden_ttft_p50_ms": "golden p50 (ms)",
              "speedup_hits": "speed-up", "speedup_ci95": "95 % CI", "hit_rate": "hit rate",
@@ -466,24 +461,21 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
                                          if a.slo else "; `--slo ttft=MS,tpot=MS` adds goodput") +
               " (`overview.csv`).", ""]
     lines += [f"Every figure here is computed from this folder's raw records (`{a.loaded.records_glob}`) by "
-              + md(f"make report RUN={folder}", True) + f" (scorer {fidelity.SCORER_VERSION}). Fidelity compares each "
-              "answer with "
+              f"`make report RUN={folder}` (scorer {fidelity.SCORER_VERSION}). Fidelity compares each answer with "
               "the golden config's answer to the same request (greedy, same seed): token ids, and the top-5 "
               "logprobs wherever the tokens agree; speed-up = golden TTFT p50 / config TTFT p50 on the same "
               "requests (>1 is faster).", ""]
     lines += ["## Verdicts", ""]
     v = a.verdicts.copy()
-    v["verdict"] = [Md(f"**{x}**" + ("" if ok else " (unexpected)")) for x, ok in zip(v.verdict, v.as_expected)]
+    v["verdict"] = [f"**{x}**" + ("" if ok else " (unexpected)") for x, ok in zip(v.verdict, v.as_expected)]
     cols = ["config", "role", "verdict", "why", "verified_hits", "fail_requests", "scored", "max_dev"]
     lines += [_md_table(v[cols]), ""]
-    lines += [f"- {md(c.config, code=True)}: **did not start** ({md(c.why)}): {md(c.error, code=True)}"
-              for c in run.crashed]
-    lines += [f"- {md(config, code=True)}: **cache state not controlled**: its cache was not emptied before every "
-              f"treatment ({md(why)}); earlier requests may have warmed it, so its hit rate may exceed a fresh cache's"
+    lines += [f"- `{c.config}`: **did not start** ({c.why}): `{c.error}`" for c in run.crashed]
+    lines += [f"- `{config}`: **cache state not controlled**: its cache was not emptied before every treatment "
+              f"({why}); earlier requests may have warmed it, so its hit rate may exceed a fresh cache's"
               for config, why in uncontrolled(run, a.loaded.status).items()]
-    lines += [f"- {md(s.config, code=True)}: upstream reports about this path: " + ", ".join(
-        f"<{u}>" if LINK.fullmatch(u) else md(u) for u in s.manifest.upstream) for s in run.servers
-              if s.manifest.upstream]
+    lines += [f"- `{s.config}`: upstream reports about this path: " + ", ".join(f"<{u}>" for u in s.manifest.upstream)
+              for s in run.servers if s.manifest.upstream]
     lines += _tier_lines(a.loaded, a.scores, a.min_hits)
     lines += probe_lines(run, a.loaded.status)
     lines += ["", "## How strong the verdict is", ""]
@@ -498,16 +490,15 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
         lines += [_md_table(a.power.drop(columns=["config"])), "",
                   f"All faults together: {verdicts.pooled(a.power)}.", ""]
     lines += ["## Environment", ""]
-    lines += [md(f"- machine: {m.cpu}, {m.cores} cores, {m.memory_gib} GiB, {m.arch}, GPU: {m.gpu or 'none'}; "
-                 f"{m.os}"),
-              f"- vLLM {md(first.vllm_version)} ({md(first.platform)}), model {md(Path(first.model_path).name, True)} "
-              f"(served as {md(first.served_model_name, True)}) sha256 {md(first.model_hash[:16] + '…', True)}, KV "
-              f"capacity {first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
-              md(f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}"),
+    lines += [f"- machine: {m.cpu}, {m.cores} cores, {m.memory_gib} GiB, {m.arch}, GPU: {m.gpu or 'none'}; {m.os}",
+              f"- vLLM {first.vllm_version} ({first.platform}), model `{Path(first.model_path).name}` "
+              f"(served as `{first.served_model_name}`) sha256 `{first.model_hash[:16]}…`, KV capacity "
+              f"{first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
+              f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}",
               *_imports(run.servers),
-              f"- load: {md(', '.join(f'{k} {v}' for k, v in run.load.model_dump().items()))}; workload digest "
+              f"- load: {', '.join(f'{k} {v}' for k, v in run.load.model_dump().items())}; workload digest "
               f"`{a.loaded.workload_digest}`",
-              f"- command: {md(run.command, code=True)}", ""]
+              f"- command: `{run.command}`", ""]
     lines += ['<details markdown="1"><summary>Server flags per config</summary>', ""]
     lines += ["| config | role | runs as | port | flags | kv-transfer-config |", "|---|---|---|---|---|---|"]
     for s in run.servers:
@@ -516,10 +507,10 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
         skip = {i + 1 for i, a in enumerate(args) if a in ("--model", "--kv-transfer-config")}
         flags = " ".join(a if len(a) <= 60 else f"{a[:40]}…({len(a)} characters)" for i, a in enumerate(args)
                          if i not in skip and a not in ("--model", "--kv-transfer-config"))
-        flags = md(flags, code=True) if args else "not known (an endpoint kvscope did not deploy)"
+        flags = f"`{flags}`" if args else "not known (an endpoint kvscope did not deploy)"
         box, pid = s.manifest.container, s.manifest.pid
-        runs_as = f"container {md(box, code=True)}" if box else (f"process {pid}" if pid else "–")
-        lines.append(f"| {md(s.config)} | {s.role} | {runs_as} | {s.manifest.port} | {flags} | {md(ktc, code=True)} |")
+        runs_as = f"container `{box}`" if box else (f"process {pid}" if pid else "–")
+        lines.append(f"| {s.config} | {s.role} | {runs_as} | {s.manifest.port} | {flags} | `{ktc}` |")
     lines += ["", "</details>", "", "## Speed and hit rate per config and scenario", ""]
     lines += ["TTFT in ms; `miss` = requests with no cached tokens (cold), `hit` = requests that reused cached "
               "tokens (warm); `n_*` = how many; p90 needs 10 of them and p99 100 (else `–`). Hit rates are "
@@ -551,8 +542,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     if len(fails):
         lines += [f"First {Answer.FAIL} reasons (up to 10; candidates before canaries):", ""]
         for r in fails.head(10).itertuples():
-            lines.append(f"- {md(r.config, code=True)} / {md(r.request_id, code=True)} (cached {r.cached_tokens}): "
-                         f"{md(r.reason)}")
+            lines.append(f"- `{r.config}` / `{r.request_id}` (cached {r.cached_tokens}): {r.reason}")
         lines.append("")
     roles = {s.role: s.config for s in run.servers if s.role in ("golden", "control")}
     if run.mode == "exact" and "golden" in roles and (shared := provenance.shared_differences(
@@ -577,28 +567,29 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     if len(failed):
         lines += ["Failed requests (first error of each config):", ""]
         for config, part in failed.groupby("config"):
-            lines.append(f"- {md(config, code=True)}: {len(part)} failed; first: {md(part.reason.iloc[0])}")
+            lines.append(f"- `{config}`: {len(part)} failed; first: {part.reason.iloc[0]}")
         lines.append("")
-    faults = [(r, name, p) for r in a.loaded.status for name, p in r.phases.items() if _faulty(p)]
+    faults = [(r, name, p) for r in a.loaded.status for name, p in r.phases.items()
+              if isinstance(p, LocustPhase | RestartPhase) and _faulty(p)]
     if faults:
         lines += ["Faults during the run:", ""]
         for r, name, p in faults:
-            what = (f"restart exit {p.restart_exit}: {md(' '.join(p.tail))}" if isinstance(p, RestartPhase) else
-                    f"locust exit {p.locust_exit}, {md(p.metrics_error or '')} {md(' '.join(p.locust_stderr_tail))}"
-                    + (f" server log: {md(p.server_error, code=True)}" if p.server_error else ""))
-            lines.append(f"- {md(r.config, code=True)} x {md(r.scenario, code=True)} {md(name)}: {what}")
+            what = (f"restart exit {p.restart_exit}: {' '.join(p.tail)}" if isinstance(p, RestartPhase) else
+                    f"locust exit {p.locust_exit}, {p.metrics_error or ''} {' '.join(p.locust_stderr_tail)}"
+                    + (f" server log: `{p.server_error}`" if p.server_error else ""))
+            lines.append(f"- `{r.config}` x `{r.scenario}` {name}: {what}")
         lines.append("")
     if a.loaded.duplicates:
         lines += ["Records set aside (`records.request_key` repeated in a treatment's file: the first is scored):", ""]
-        lines += [f"- {md(config, code=True)} x {md(scenario, code=True)}: {n} records repeat a request already "
-                  "recorded; each request counts once" for (config, scenario), n in a.loaded.duplicates.items()]
+        lines += [f"- `{config}` x `{scenario}`: {n} records repeat a request already recorded; each request counts "
+                  "once" for (config, scenario), n in a.loaded.duplicates.items()]
         lines.append("")
     restarts = [(r, p) for r in a.loaded.status for p in r.phases.values() if isinstance(p, RestartPhase)]
     if restarts:
         lines += ["Restarts between the prime and the measure phase (restart scenarios; hits after them come from "
                   "what the tier kept across the restart): " + ", ".join(
-                      f"{md(r.config, code=True)} x {md(r.scenario, code=True)} {p.seconds} s"
-                      + ("" if p.restart_exit == 0 else " (failed)") for r, p in restarts), ""]
+                      f"`{r.config}` x `{r.scenario}` {p.seconds} s" + ("" if p.restart_exit == 0 else
+                                                                             " (failed)") for r, p in restarts), ""]
     lines += ["## Plots", ""]
     for name, caption in pngs:
         lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
@@ -607,9 +598,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
     return "\n".join(lines)
 
 
-def _faulty(phase: LocustPhase | RestartPhase | StoreFaultPhase) -> bool:
-    if isinstance(phase, StoreFaultPhase):
-        return False  # damage on purpose: its own section
+def _faulty(phase: LocustPhase | RestartPhase) -> bool:
     if isinstance(phase, RestartPhase):
         return phase.restart_exit != 0
     return phase.locust_exit not in (0, 1) or bool(phase.metrics_error)
@@ -626,15 +615,15 @@ def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str
         sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
         hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
         if hits is None:
-            out.append(f"- {md(s.config, code=True)}: " + (f"certifies {md(', '.join(tiers))}, but the run kept no "
-                                                            "load log to tell them apart" if tiers else
+            out.append(f"- `{s.config}`: " + (f"certifies {', '.join(tiers)}, but the run kept no load log to tell "
+                                              "them apart" if tiers else
                                               "tiers not observable per request (no load log; its counters, where "
                                               "vLLM or the connector exports them, are in the tier table below)"))
             continue
         shown = tiers + sorted(t for t in hits if t not in tiers)
-        out.append(f"- {md(s.config, code=True)}: verified hits each tier served: " + ", ".join(
-            f"{md(t)} {hits.get(t, 0)}" + (" (not exercised)" if t in tiers and hits.get(t, 0) < least else "")
-            for t in shown) + (f"; it certifies {md(', '.join(tiers))}" if tiers else ""))
+        out.append(f"- `{s.config}`: verified hits each tier served: " + ", ".join(
+            f"{t} {hits.get(t, 0)}" + (" (not exercised)" if t in tiers and hits.get(t, 0) < least else "")
+            for t in shown) + (f"; it certifies {', '.join(tiers)}" if tiers else ""))
     return out
 
 
@@ -664,8 +653,7 @@ def _floor_lines(floor: Scorer) -> list[str]:
                  "nat" + (" (unused in exact mode: a split fails)." if exact else "."))
     if floor.largest_differences:
         lines.append("- Largest differences behind the floors: " + "; ".join(
-            f"{md(d.pair)}, {md(d.request, code=True)} token {d.position}: {d.nats:.3g} nat"
-            for d in floor.largest_differences) + ".")
+            f"{d.pair}, `{d.request}` token {d.position}: {d.nats:.3g} nat" for d in floor.largest_differences) + ".")
     return lines
 
 
@@ -675,10 +663,10 @@ def _imports(servers) -> list[str]:
     groups: dict[str, list[str]] = {}
     for s in servers:
         if s.manifest.connector_imports:
-            text = ", ".join(f"{md(m, code=True)} " + ("ok" if why == "ok" else f"**does not import**: {md(why)}")
+            text = ", ".join(f"`{m}` " + ("ok" if why == "ok" else f"**does not import**: {why}")
                              for m, why in s.manifest.connector_imports.items())
             groups.setdefault(text, []).append(s.config)
-    return [f"- connector modules of {md(', '.join(configs))}: {text}" for text, configs in groups.items()]
+    return [f"- connector modules of {', '.join(configs)}: {text}" for text, configs in groups.items()]
 
 
 def _packages(packages: dict | None) -> str:
