@@ -24,7 +24,7 @@ from kvscope.rollout.record import GateResult, HostState, Rollout, ServerState, 
 
 
 def manifest(config: str, version: str, pid: int, role: str = "candidate") -> Manifest:
-    args = ["--model", "m", "--port", "8104", "--kv-transfer-config",
+    args = ["--model", "/m", "--served-model-name", "m", "--host", "127.0.0.1", "--port", "8104", "--kv-transfer-config",
             json.dumps({"kv_connector": "KVScopeConnector", "kv_connector_extra_config": {"v": version}})]
     return Manifest(config=config, role=role, port=8104, platform="cpu", served_model_name="m", server_args=args,
                     vllm_version="0.32", kv_capacity_tokens=16384, block_size=64, prefix_caching=False,
@@ -355,7 +355,7 @@ def test_a_matrix_edited_mid_rollout_is_refused_before_the_next_change_and_a_rer
     r = load(tmp_path)
     assert r.outcome == "interrupted" and [b.state for b in r.batches] == states
     assert f"{matrix} changed since the rollout started" in r.interrupted and r.matrix_sha256[:12] in r.interrupted
-    assert report.headline(r).endswith("re-run to resume")
+    assert report.headline(r).endswith("re-run with --id r1 to resume")
     matrix.write_text(recorded)
     assert engine(tmp_path, hosts, r=rollout_cli.resumed(r, r)).run() == 0
     assert hosts.changes == ["h1", "h2", "h3"] and load(tmp_path).interrupted is None

@@ -13,7 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+from collections.abc import Iterable
 from pathlib import Path
+
+import yaml
 
 KEY_ENV, KEY_FILE_ENV = "KVSCOPE_API_KEY", "KVSCOPE_API_KEY_FILE"
 SECRET_ENDINGS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASS")  # MYAPIKEY, PGPASS
@@ -85,9 +89,9 @@ def _redact_json(value, secrets: list[str]):
     return value
 
 
-def redact_command(command: str) -> str:
+def redact_command(command: str, secrets: Iterable[str] = ()) -> str:
     """A shell command line safe to write down: the value of a secret-looking assignment (NAME=value) or flag
-    (--api-key value, --api-key=value), URL passwords, and known secret values replaced."""
+    (--api-key value, --api-key=value), URL passwords, known secret values and `secrets` replaced."""
     out, end, previous = [], 0, ""
     for word in SHELL_WORD.finditer(command):
         text = word.group(0)
@@ -98,7 +102,41 @@ def redact_command(command: str) -> str:
             text = name + "=" + REDACTED
         out += [command[end:word.start()], text]
         end, previous = word.end(), word.group(0)
-    return _scrub("".join(out) + command[end:], _known_secrets())
+    known = {*_known_secrets(), *(v for v in secrets if len(v) >= MIN_SECRET_CHARS)}
+    return _scrub("".join(out) + command[end:], sorted(known, key=len, reverse=True))
+
+
+def extra_var_secrets(extra_vars: list[str]) -> list[str]:
+    """The values that ansible-playbook's extra vars (each one -e's text: NAME=VALUE words, a JSON or YAML
+    mapping, or @FILE, whose content is not read) give secret-looking names, at any depth: what must be
+    redacted wherever they are written down."""
+    found: list[str] = []
+
+    def collect(value, secret: bool) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                collect(v, secret or _secret(str(k)))
+        elif isinstance(value, list):
+            for v in value:
+                collect(v, secret)
+        elif secret and value is not None:
+            found.append(str(value))
+
+    for text in extra_vars:
+        if text.startswith("@"):
+            continue
+        if text.lstrip().startswith(("{", "[")):
+            try:
+                collect(yaml.safe_load(text), False)
+            except yaml.YAMLError:
+                pass
+        else:
+            try:
+                words = shlex.split(text)
+            except ValueError:
+                words = text.split()
+            collect(dict(w.split("=", 1) for w in words if "=" in w), False)
+    return found
 
 
 def redact_args(args: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from kvscope import REPO
 from kvscope.artifacts import Deployment, Rendered, RenderedServer, write_json
+from kvscope.auth import extra_var_secrets, redact_command
 from kvscope.rollout.record import HostState, ServerState, restorable
 
 ANSIBLE_DIR = REPO / "ansible"
@@ -33,12 +35,12 @@ class RolloutError(ValueError):
     """Bad input: the rollout changes nothing (exit 2)."""
 
 
-def run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
-    """Run `cmd` in a session of its own, its output into `log`; on KeyboardInterrupt (a second Ctrl-C) stop its
-    process group and re-raise."""
+def run(cmd: list[str], log: Path, env: dict[str, str] | None = None, secrets: list[str] | None = None) -> int:
+    """Run `cmd` in a session of its own, its output into `log` after the command line (redacted: `secrets` and
+    whatever else looks secret); on KeyboardInterrupt (a second Ctrl-C) stop its process group and re-raise."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
+        out.write(f"$ {redact_command(shlex.join(cmd), secrets or [])}\n")
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
@@ -61,17 +63,19 @@ def _env() -> dict[str, str]:
 
 
 class Ansible:
-    """The playbook runs of one rollout: `extra` are the user's extra vars (-e ...) for every playbook."""
+    """The playbook runs of one rollout: `extra` are the user's extra vars (-e ...) for every playbook; the values
+    they give secret-looking names are redacted in the logs."""
 
     def __init__(self, inventory: str, extra: list[str], matrix: Path, configs: list[str], image: str | None):
         self.inventory, self.extra, self.matrix, self.configs, self.image = inventory, extra, matrix, configs, image
+        self.secrets = extra_var_secrets(extra)
 
     def playbook(self, name: str, hosts: list[str], extra: list[str], log: Path) -> int:
         cmd = [str(BIN / "ansible-playbook"), "-i", self.inventory, str(ANSIBLE_DIR / name), "--limit",
                ",".join(hosts)]
         for e in [*self.extra, *extra]:
             cmd += ["-e", e]
-        return run(cmd, log, _env())
+        return run(cmd, log, _env(), self.secrets)
 
     def state(self, hosts: list[str], dest: Path, log: Path) -> dict[str, HostState]:
         """What each host serves now; a host that could not be read gets a state with `error`."""

@@ -4,12 +4,14 @@ every step.
 A batch goes pending -> changing -> gating -> passed, or on a gate that fails (FAIL, CRASHED, an inconclusive
 verdict unless --inconclusive continue) -> rolling-back -> rolled-back (or rollback-failed, the worst outcome:
 reported, never hidden). A batch's hosts are recorded before anything changes, and a host whose servers cannot
-be restored exactly stops the rollout before it is touched; so does a matrix file whose content is no longer the
-sha256 recorded at the start (interrupted: re-running with the recorded content resumes). A change deploys a
-read-only copy, in its batch's folder, of the content just checked, not the file, which may change meanwhile;
+be restored exactly, or whose recorded definition the matrix's rules refuse (record.definition_errors), stops the
+rollout before it is touched; so does a matrix file whose content is no longer the sha256 recorded at the start
+(interrupted: re-running its --id with the recorded content resumes). A change deploys a read-only copy, in its
+batch's folder, of the content just checked, not the file, which may change meanwhile;
 the folders the matrix names (python_path) are not checked. Ctrl-C (or SIGTERM) stops between steps; during a
-rollback it lets the rollback finish first; a second Ctrl-C aborts the step at once. Re-running resumes from the
-batch's recorded state: finished batches are not rolled again.
+rollback it lets the rollback finish first; a second Ctrl-C aborts the step at once. Re-running with the rollout's
+--id (and the options it started with) resumes from the batch's recorded state: finished batches are not rolled
+again.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvscope.rollout.record import (
     HostState,
     Rollout,
     Step,
+    definition_errors,
     describe,
     now,
     same,
@@ -89,8 +92,8 @@ class StopFlag:
             raise KeyboardInterrupt
         self.why, self.at = name, time.monotonic()
         then = "the rollback finishes first" if self.deferred else "stopping after this step"
-        print(f"\n{name}: {then}; the record says where, and re-running resumes it ({name} again aborts the step "
-              "now)", flush=True)
+        print(f"\n{name}: {then}; the record says where, and re-running with its --id resumes it ({name} again "
+              "aborts the step now)", flush=True)
 
     def check(self) -> None:
         if self.why is not None and not self.deferred:
@@ -256,7 +259,8 @@ class Engine:
         if found != self.r.matrix_sha256:
             raise MatrixChanged(f"{self.r.matrix} changed since the rollout started ({now}, recorded sha256 "
                                 f"{self.r.matrix_sha256[:12]}); batch {batch.index} was not changed: put the recorded "
-                                "matrix back and re-run to resume, or roll the new one as a rollout of its own")
+                                f"matrix back and re-run with --id {self.r.rollout_id} to resume, or roll the new one "
+                                "as a rollout of its own")
         return content
 
     def _copy_matrix(self, batch: Batch) -> Path:
@@ -276,6 +280,9 @@ class Engine:
                      "and rendered.json holds another definition), so it could not be rolled back"
                      for h, s in batch.before.items() for c in self.r.configs
                      if (srv := s.serving(c)) is not None and srv.rendered is None]
+        problems += [f"{h}: {c}: {why} (a rollback would deploy it)" for h, s in batch.before.items()
+                     for c in self.r.configs if (srv := s.serving(c)) is not None and srv.rendered is not None
+                     for why in definition_errors(srv)]
         if problems:
             raise RolloutError("nothing was changed on " + ", ".join(batch.hosts) + ":\n  " + "\n  ".join(problems))
 

@@ -1,6 +1,6 @@
 """The rollout record, results/<rollout-id>/rollout.json: the plan, every host's servers before and after each
 batch, the gates' verdicts, the decisions and the time each step took. Written after every step, so a stopped
-rollout says where it stopped and a re-run resumes from it.
+rollout says where it stopped and a re-run with its --id resumes from it.
 
     Rollout      the plan, the golden server the gates compare with, every host at the start and the end, batches
     Batch        its hosts, their servers before, after the change and after a rollback, gates, steps, decision
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -21,6 +22,13 @@ from pydantic import Field
 
 from kvscope.artifacts import Artifact, Manifest, RenderedServer, read_json, write_json
 from kvscope.auth import REDACTED, redact_args, redact_env
+from kvscope.config.matrix import (
+    FlagValue,
+    attention_backend_errors,
+    cache_off_errors,
+    flag_errors,
+    whole_and_key_errors,
+)
 
 BatchState = Literal["pending", "changing", "gating", "passed", "rolling-back", "rolled-back", "rollback-failed"]
 Outcome = Literal["running", "completed", "stopped", "rollback-failed", "interrupted"]
@@ -31,10 +39,15 @@ EXIT_CODES = """exit codes of rollout (and of report on a rollout folder):
   1  stopped: a gate failed (FAIL, CRASHED, or inconclusive with --inconclusive stop); that batch was rolled back
      to what it served before and every other host left as it was
   2  bad input: the inventory, the configs, no golden server, a host whose servers cannot be restored exactly, a
-     matrix file edited since the rollout started (re-running with the recorded content resumes it)
+     matrix file edited since the rollout started (re-running its --id with the recorded content resumes it)
   3  rolled to every host, but some gate was inconclusive (--inconclusive continue)
   4  a rollback failed: a host serves neither the old nor the new version (the worst outcome; the lines say which)
-  130, 143: stopped by Ctrl-C or SIGTERM between steps; the record says where, and re-running resumes it"""
+  130, 143: stopped by Ctrl-C or SIGTERM between steps; the record says where, and re-running with its --id
+     resumes it"""
+
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # the matrix's EnvName
+NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a value, not a flag, to argparse
 
 
 def now() -> str:
@@ -162,6 +175,55 @@ def restorable(manifest: Manifest, rendered: dict[str, RenderedServer]) -> Rende
     if REDACTED in json.dumps([manifest.server_args, manifest.env]):
         return None
     return RenderedServer(**manifest.model_dump(include=set(RenderedServer.model_fields) - {"schema_version"}))
+
+
+OWN_ARGS = ("--model", "--served-model-name", "--host", "--port")  # what the render puts first, in this order
+KV_TRANSFER = "--kv-transfer-config"  # and last, from the config's kv_transfer_config
+
+
+def _flags(args: list[str]) -> tuple[dict[str, FlagValue], list[str]]:
+    """Server arguments read back into flags as vLLM's parser reads them (`--flag value`, `--flag=value`, or a
+    switch), and why they could not be."""
+    flags: dict[str, FlagValue] = {}
+    errors = []
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if not flag.startswith("-"):
+            errors.append(f"argument {args[i]!r} belongs to no flag")
+            i += 1
+            continue
+        if not eq and i + 1 < len(args) and (not args[i + 1].startswith("-") or NEGATIVE.match(args[i + 1])):
+            value, i = args[i + 1], i + 1
+        if flag in flags:
+            errors.append(f"flag '{flag}' is given twice")
+        flags[flag] = value if eq or value else True
+        i += 1
+    return flags, errors
+
+
+def definition_errors(s: ServerState) -> list[str]:
+    """Why a rollback may not deploy what the record says restores `s` ([] when it may): it must be the
+    definition its manifest records, with kvscope's own arguments where the render puts them and flags that the
+    matrix's rules accept (none that kvscope owns, a golden or control server's cache off), as the render it
+    came from checked them. A record is a file: it may have been edited since."""
+    r, m = s.rendered, s.manifest
+    if r is None or m is None:
+        return ["what it was started with is not recorded"]
+    if (r.config != s.config or m.config != s.config or r.port != m.port or r.role != m.role
+            or redact_args(r.server_args) != m.server_args or redact_env(r.env) != m.env):
+        return ["its recorded definition is not the definition its manifest records"]
+    args = list(r.server_args)
+    if args[:8:2] != list(OWN_ARGS) or args[3:8:4] != [r.served_model_name, str(r.port)]:
+        return [f"its arguments do not start with kvscope's own ({' '.join(OWN_ARGS)}, in that order)"]
+    rest = args[8:]
+    if rest[-2:-1] == [KV_TRANSFER]:  # the config's JSON, checked by the matrix's schema when it was rendered
+        rest = rest[:-2]
+    flags, errors = _flags(rest)
+    errors += flag_errors(flags) + whole_and_key_errors(flags) + attention_backend_errors(flags)
+    if r.role in ("golden", "control"):
+        errors += cache_off_errors(flags)
+    return errors + [f"environment name {k!r} is not a plain variable name" for k in r.env if not ENV_NAME.match(k)]
 
 
 def connector(m: Manifest) -> str:

@@ -75,7 +75,8 @@ def headline(r: Rollout) -> str:
     if r.outcome == "interrupted":
         at = next((b for b in r.batches if b.state != "passed"), None)
         where = f" at {_where(r, at)} ({at.state})" if at else ""
-        return f"interrupted{where}: {r.interrupted}; rolled to {len(done)} of {n} hosts so far; re-run to resume"
+        return (f"interrupted{where}: {r.interrupted}; rolled to {len(done)} of {n} hosts so far; re-run with --id "
+                f"{r.rollout_id} to resume")
     return f"running; rolled to {len(done)} of {n} hosts so far"
 
 
@@ -112,13 +113,14 @@ def host_line(r: Rollout, host: str) -> str:
                 f"{serves(now, r.configs)}; before it served {serves(before, r.configs)}"
                 + (f"; it serves neither the old nor the new {', '.join(lost)}" if lost else "")
                 + (f"; it may serve neither the old nor the new {', '.join(r.configs)}" if now is None else "")
-                + ("; re-run to finish the rollback" if b.state == "rolling-back" else ""))
+                + (f"; re-run with --id {r.rollout_id} to finish the rollback" if b.state == "rolling-back" else ""))
     if b.state in ("changing", "gating"):
         lost = _neither(r, before, after, final)
         unknown = f"; it may serve neither the old nor the new {', '.join(r.configs)}" if final is None else ""
         return (f"{host}: INTERRUPTED while {b.state}: serves {serves(final, r.configs)}; before it served "
                 f"{serves(before, r.configs)}" + (f"; it serves neither the old nor the new {', '.join(lost)} until "
-                                                  "the rollout is resumed" if lost else unknown) + "; re-run to resume")
+                                                  "the rollout is resumed" if lost else unknown)
+                + f"; re-run with --id {r.rollout_id} to resume")
     initial = r.initial.get(host)
     if untouched(initial, final):
         return f"{host}: untouched: serves {serves(final, r.configs)}, as before (the same processes)"
