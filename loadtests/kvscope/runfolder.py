@@ -54,6 +54,10 @@ class RunFolder:
     def workload(self, scenario: str, phase: str) -> Path:
         return self.workloads / f"{scenario}.{phase}.jsonl"
 
+    @property
+    def records_folder(self) -> Path:
+        return self.root / "records"
+
     def records(self, config: str, scenario: str) -> Path:
         """A treatment's records: the gzipped file once compress() made it, else the one the bench appends to.
         Both at once (records appended after compress) is an error: neither holds them all."""

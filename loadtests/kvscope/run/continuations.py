@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import json
 import urllib.error
-import urllib.request
 from pathlib import Path
 
-from kvscope import auth
+from kvscope import bounded_http
 from kvscope.artifacts import Continuation, Record, Treatment, append_jsonl, read_jsonl
 from kvscope.run.records import read, request_key
 from kvscope.runfolder import RunFolder
 
 TOP = 5
+ANSWER_BYTES_PER_POSITION = 4096  # a position's top-5 prompt_logprobs take ~500 bytes of JSON
 
 
 def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[int], start: int
@@ -31,9 +31,9 @@ def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[i
     base = golden.url
     body = {"model": golden.manifest.served_model_name, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
             "temperature": 0, "prompt_logprobs": TOP}
-    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(), headers=auth.headers())
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        positions = json.loads(resp.read())["choices"][0]["prompt_logprobs"]
+    size = bounded_http.MAX_BYTES + ANSWER_BYTES_PER_POSITION * (len(prompt_ids) + len(answer_ids))
+    answer = bounded_http.fetch(f"{base}/v1/completions", json.dumps(body).encode(), timeout=300, limit=size)
+    positions = json.loads(answer)["choices"][0]["prompt_logprobs"]
     return [sorted(((int(tok), alt["logprob"]) for tok, alt in positions[len(prompt_ids) + j].items()),
                    key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
 

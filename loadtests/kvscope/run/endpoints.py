@@ -21,6 +21,7 @@ from kvscope.deploy import servers
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's, where the server does not report its own
 DEFAULT_PORTS: dict[Scheme, int] = {"http": 80, "https": 443}
+PROBE_S = 30.0  # the whole of each answer of an endpoint's routes, read before the bench
 
 
 class Address(NamedTuple):
@@ -57,15 +58,15 @@ def treatment(address: Address, role: Role, model_dir: Path) -> Treatment:
     name, scheme, host, port = address
     base = root_url(scheme, host, port)
     try:
-        models = json.loads(servers.http_get(f"{base}/v1/models", timeout=30))["data"]
+        models = json.loads(servers.http_get(f"{base}/v1/models", timeout=PROBE_S))["data"]
     except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"endpoint '{name}' ({base}): /v1/models did not answer: {exc}") from exc
     try:
-        labels = servers.cache_config(servers.http_get(f"{base}/metrics", timeout=30).decode())
+        labels = servers.cache_config(servers.http_get(f"{base}/metrics", timeout=PROBE_S).decode())
     except (urllib.error.URLError, OSError):
         labels = {}
     try:
-        version = json.loads(servers.http_get(f"{base}/version", timeout=10)).get("version")
+        version = json.loads(servers.http_get(f"{base}/version", timeout=PROBE_S)).get("version")
     except (urllib.error.URLError, OSError, ValueError):
         version = None
     block = labels.get("block_size", "None")

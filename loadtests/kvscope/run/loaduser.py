@@ -9,6 +9,7 @@ one merged file and ends the run once every worker is done.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import gevent
@@ -18,7 +19,7 @@ from locust import FastHttpUser, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
 from kvscope import auth
-from kvscope.run import records
+from kvscope.run import orphans, records
 from kvscope.run.records import request_key
 from kvscope.run.workload import Request, read_jsonl, sessions
 
@@ -120,6 +121,8 @@ def _send_records(client_id, data):
 @events.init.add_listener
 def _on_init(environment, **_kw):
     runner = environment.runner
+    if isinstance(runner, WorkerRunner):  # forked by --processes (or started by ssh): ends with its parent
+        orphans.die_with_parent(os.getppid())
     if not isinstance(runner, MasterRunner):
         return
     path = environment.parsed_options.kvscope_records
@@ -151,6 +154,7 @@ class KVScopeUser(FastHttpUser):
     network_timeout = 300.0
     connection_timeout = 10.0
     max_retries = 0
+    max_redirects = 0  # a redirect is a failed request: the API key and the workload go to the server named only
 
     @task
     def run_session(self) -> None:
@@ -182,7 +186,10 @@ class KVScopeUser(FastHttpUser):
             with self.client.post(path, json=body, stream=True, catch_response=True, name=req.scenario,
                                   headers={**AUTH, "X-Request-Id": request_key(req.request_id, req.phase)}) as resp:
                 rec.http_status = resp.status_code or None
-                if resp.status_code != 200:
+                if 300 <= resp.status_code < 400:
+                    rec.error = (f"HTTP {resp.status_code}: a redirect to {resp.headers.get('location')!r:.200}, not "
+                                 "followed")
+                elif resp.status_code != 200:
                     rec.error = f"HTTP {resp.status_code}: {(getattr(resp, 'error', None) or resp.text or '')!s:.200}"
                 else:
                     # NOTE: geventhttpclient's read(n) waits for n bytes; readline returns each SSE line as it

@@ -6,9 +6,10 @@ vLLM's counters are cumulative, so a phase's hit rate is the ratio of deltas tak
 from __future__ import annotations
 
 import math
-import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvscope import bounded_http
 
 # Families kept from /metrics (the rest of vLLM's ~60 series stay out of the results).
 COUNTERS = (
@@ -42,8 +43,7 @@ def parse(text: str) -> dict[str, float]:
 
 def scrape(base: str) -> dict[str, float]:
     """The kept samples of `base`/metrics, read now."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
-        return parse(resp.read().decode())
+    return parse(bounded_http.fetch(f"{base}/metrics", timeout=30).decode())
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
-import urllib.request
 
-from kvscope import auth
+from kvscope import bounded_http
 from kvscope.artifacts import ResetProbe, Treatment
 from kvscope.run import metrics
 
@@ -31,9 +30,7 @@ def complete(server: Treatment, timeout: float = 300) -> dict:
     """The warm-up request (greedy, 4 tokens), answered; its JSON body."""
     body = json.dumps({"model": server.manifest.served_model_name, "prompt": PROMPT, "max_tokens": 4,
                        "temperature": 0})
-    req = urllib.request.Request(f"{server.url}/v1/completions", data=body.encode(), headers=auth.headers())
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    return json.loads(bounded_http.fetch(f"{server.url}/v1/completions", body.encode(), timeout))
 
 
 def _scrape(base: str) -> dict[str, float] | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from kvscope import HARNESS, auth
+from kvscope import HARNESS, auth, bounded_http
 from kvscope.artifacts import (
     Deployment,
     Failure,
@@ -45,21 +45,22 @@ from kvscope.artifacts import (
 )
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
 from kvscope.deploy import servers
-from kvscope.run import continuations, metrics, probe, storefaults
+from kvscope.run import continuations, metrics, orphans, probe, storefaults
 from kvscope.run.records import SESSION_LOST
 from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
+from kvscope.run.workload import read_jsonl as read_workload
 from kvscope.runfolder import RunFolder
 
 LOCUSTFILE = HARNESS / "locustfile.py"
+WARM_UP_S = 300.0  # an idle CPU server's first answer; at most --timeout-s
 
 
 def _post(url: str, timeout: float = 60) -> int:
-    req = urllib.request.Request(url, data=b"", method="POST", headers=auth.headers())
+    """The HTTP status of an empty POST (a redirect's own: it is not followed)."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+        return bounded_http.request(url, b"", timeout).status
+    except bounded_http.Redirected as exc:
+        return exc.status
 
 
 def _snapshot(base: str) -> dict[str, float] | None:
@@ -125,11 +126,11 @@ def restart(server: Treatment, command: str) -> RestartPhase:
     return RestartPhase(restart_exit=code, seconds=round(time.monotonic() - started, 1), tail=tail if code else [])
 
 
-def warm_up(server: Treatment) -> None:
+def warm_up(server: Treatment, timeout_s: float = WARM_UP_S) -> None:
     """One throwaway request before the reset, so an idle server's slow first request is not measured (and the
-    reset probe has a prompt the server held)."""
+    reset probe has a prompt the server held); its whole answer within `timeout_s`."""
     try:
-        probe.complete(server)
+        probe.complete(server, timeout_s)
     except (urllib.error.URLError, OSError, ValueError):
         pass  # a dead server shows up as failed records, with reasons, in the treatment itself
 
@@ -187,13 +188,15 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
         if files:  # the key file (never the key) and a CA file, at the same paths on every host
             worker = ["env", *files, *worker]
         ssh = ["ssh", "-F", str(remote["ssh_config"])] if remote.get("ssh_config") else ["ssh"]
-        workers = [subprocess.Popen([*ssh, host, shlex.join(worker)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for host in hosts]
+        workers = [subprocess.Popen([*ssh, host, shlex.join(worker)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, preexec_fn=orphans.dies_with_me())
+                   for host in hosts]
     elif processes > 1:
         cmd += ["--processes", str(processes), "--kvscope-workers", str(processes)]
     started = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 180)  # kills it on Ctrl-C
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 180,  # kills it on Ctrl-C,
+                              preexec_fn=orphans.dies_with_me())  # and the kernel does after a kill -9
     except BaseException:
         for w in workers:
             w.kill()
@@ -346,6 +349,10 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     rf = RunFolder(folder)
     if resume and not rf.run_json.exists():
         raise ConfigError(f"--resume: {folder} has no run.json; nothing to continue")
+    if resume and (pids := orphans.writers(rf.records_folder)):
+        raise ConfigError(f"--resume: process(es) {', '.join(map(str, pids))} still writes into {folder} (the "
+                          "interrupted bench's Locust, or another bench): their records would mix with the resumed "
+                          "run's; wait for them to end, or stop them")
     rf.create()
     tokenizer = Tokenizer.from_file(str(Path(chosen[0].manifest.model_path) / "tokenizer.json"))
     capacity = min(s.manifest.kv_capacity_tokens or 0 for s in chosen) or None
@@ -358,12 +365,16 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
             part = [r for r in workloads[name] if r.phase == phase]
             if part:
                 phase_files[label, phase] = (rf.workload(label, phase), part)
-                write_jsonl(part, phase_files[label, phase][0])
+    scenarios = {label: RunScenario(**{**all_scenarios[name].model_dump(), "users": u, "repeat": r})
+                 for label, (name, u, r) in labels.items()}
+    if resume and (changes := plan_changes(read_json(rf.run_json, RunInfo), chosen, scenarios, mode, phase_files)):
+        raise ConfigError("--resume: the plan differs from run.json's (resume with the same scenarios, servers and "
+                          "mode, or start another run):\n  " + "\n  ".join(changes))
+    for path, part in phase_files.values():
+        write_jsonl(part, path)
     if not resume:
         write_json(rf.run_json, RunInfo(
-            run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed,
-            scenarios={label: RunScenario(**{**all_scenarios[name].model_dump(), "users": u, "repeat": r})
-                       for label, (name, u, r) in labels.items()},
+            run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed, scenarios=scenarios,
             load=Load(users=levels[0] if len(levels) == 1 else levels, repeats=repeats, processes=processes,
                       rate_sessions_per_s=rate, locust_worker_hosts=(remote or {}).get("hosts", [])),
             kv_capacity_tokens_for_sizing=capacity, mode=mode))
@@ -403,6 +414,47 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     return folder
 
 
+def _server_plan(server: Treatment) -> dict:
+    """What a treatment's records depend on: where its server is, what it serves and how."""
+    m = server.manifest
+    return {"role": m.role, "deployed_as": m.config, "fault": server.fault, "scheme": server.scheme, "host": m.host,
+            "port": m.port, "served_model_name": m.served_model_name, "model_hash": m.model_hash,
+            "server_args": m.server_args, "block_size": m.block_size, "prefix_caching": m.prefix_caching,
+            "exact": m.exact}
+
+
+def _differences(was: dict, now: dict, fields: bool = False) -> list[str]:
+    """'name (what differs)' for each key of either mapping whose value differs; with `fields`, each value's
+    differing fields with their values."""
+    out = []
+    for name in sorted(was.keys() | now.keys()):
+        if name not in was or name not in now:
+            out.append(f"{name} ({'not in run.json' if name not in was else 'not now'})")
+        elif was[name] != now[name]:
+            keys = sorted(k for k in was[name].keys() | now[name].keys() if was[name].get(k) != now[name].get(k))
+            what = [f"{k}: {was[name].get(k)} in run.json, {now[name].get(k)} now" for k in keys] if fields else keys
+            out.append(f"{name} ({'; '.join(what) if fields else ', '.join(what)})")
+    return out
+
+
+def plan_changes(info: RunInfo, servers_: list[Treatment], scenarios: dict[str, RunScenario], mode: Mode,
+                 phase_files: dict) -> list[str]:
+    """How a resume's plan differs from the one its run.json recorded (nothing: the same plan): the mode, the
+    servers, the scenarios, and the workload files finished treatments replayed."""
+    changes = [f"mode: {info.mode} in run.json, {mode} now"] if info.mode != mode else []
+    if servers := _differences({s.config: _server_plan(s) for s in info.servers},
+                               {s.config: _server_plan(s) for s in servers_}):
+        changes.append("servers: " + ", ".join(servers))
+    if differ := _differences({k: v.model_dump() for k, v in info.scenarios.items()},
+                              {k: v.model_dump() for k, v in scenarios.items()}, fields=True):
+        changes.append("scenarios: " + ", ".join(differ))
+    workloads = [f"{label}.{phase}" for (label, phase), (path, part) in phase_files.items()
+                 if not path.is_file() or read_workload(path) != part]
+    if workloads:
+        changes.append(f"workloads: {', '.join(workloads)} (generated otherwise now)")
+    return changes
+
+
 class Interrupted(Exception):
     """The bench stopped before its last treatment; the run folder says why and keeps what finished."""
 
@@ -431,7 +483,8 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
     rf = RunFolder(folder)
     records = rf.clear_records(server.config, scenario)  # a treatment cut short is run again
     print(f"{progress}: warm-up, reset", end="", flush=True)
-    warm_up(server)  # an idle CPU server's first request is slow; keep that out of cold TTFT
+    warm_up(server, min(WARM_UP_S, opts["timeout_s"]))  # an idle CPU server's first request is slow; keep that
+    # out of cold TTFT
     cleared = reset(server)
     cleared.probe = probe.reset_probe(server)  # did the reset empty every tier? (the warm-up's prompt again)
     writer = opts.get("writer")
