@@ -149,10 +149,10 @@ bench-connector: deploy ## connector speed benchmarks: warm-TTFT ratios, and fil
 	$(VLLM_VENV)/bin/python loadtests/benchmarks/load_throughput.py --cold
 
 ##@ Tests
-test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docker's engine and mmdebstrap (containers); Debian, as root
+test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docker's engine and mmdebstrap (containers), chromium (report.html in a browser); Debian, as root
 	command -v /usr/sbin/sshd >/dev/null && command -v ip >/dev/null && command -v dockerd >/dev/null && \
-	  command -v mmdebstrap >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-	  openssh-server iproute2 docker.io mmdebstrap)
+	  command -v mmdebstrap >/dev/null && command -v chromium >/dev/null || (apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iproute2 docker.io mmdebstrap chromium)
 
 test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs; not test-slow)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
