@@ -23,7 +23,7 @@ from kvscope.config.render import render
 from kvscope.deploy import inventory
 from kvscope.rollout import ansible
 from kvscope.rollout import engine as engine_mod
-from kvscope.rollout.record import GateResult, load, save
+from kvscope.rollout.record import GateResult, ServerState, definition_errors, load, save
 
 HOSTS = ["h1", "h2"]
 API_KEY = "env-api-key-7f3a9c"  # $KVSCOPE_API_KEY where make runs
@@ -295,3 +295,29 @@ def test_a_lock_held_elsewhere_refuses_the_rollout(setup, capsys):
         before = len(setup.playbook_calls())
         assert setup.rollout("--id", "r") == 2
     assert "rollout r is running" in capsys.readouterr().err and len(setup.playbook_calls()) == before
+
+
+@pytest.mark.parametrize("platform,exact", [("cpu", False), ("cuda", False), ("cuda", True)])
+def test_every_shipped_configs_definition_is_one_a_rollback_may_deploy_in_either_spelling(platform, exact):
+    m = matrix_mod.load(MATRIX)
+    checked = 0
+    for cfg in m.configs:
+        try:
+            r = render(m, cfg, platform, Path("/m/tiny"), Path("/runs/stores"), "127.0.0.1", exact=exact)
+        except matrix_mod.ConfigError:
+            continue  # not on this platform
+        manifest = Manifest(**r.model_dump(exclude={"server_args", "env"}), server_args=redact_args(r.server_args),
+                            env=redact_env(r.env), vllm_version="0.32", kv_capacity_tokens=1, block_size=16,
+                            prefix_caching=False, model_path="/m/tiny", model_hash="h")
+        assert definition_errors(ServerState(config=cfg.name, health="healthy", manifest=manifest, rendered=r)) == []
+        args: list[str] = []  # every flag's value as --flag=value
+        for a in r.server_args:
+            if a.startswith("--"):
+                args.append(a)
+            else:
+                args[-1] += "=" + a
+        eq = ServerState(config=cfg.name, health="healthy", rendered=r.model_copy(update={"server_args": args}),
+                         manifest=manifest.model_copy(update={"server_args": redact_args(args)}))
+        assert definition_errors(eq) == [], cfg.name
+        checked += 1
+    assert checked >= 5

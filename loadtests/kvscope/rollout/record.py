@@ -181,45 +181,49 @@ OWN_ARGS = ("--model", "--served-model-name", "--host", "--port")  # what the re
 KV_TRANSFER = "--kv-transfer-config"  # and last, from the config's kv_transfer_config
 
 
-def _flags(args: list[str]) -> tuple[dict[str, FlagValue], list[str]]:
+def _pairs(args: list[str]) -> tuple[list[tuple[str, FlagValue]], list[str]]:
     """Server arguments read back into flags as vLLM's parser reads them (`--flag value`, `--flag=value`, or a
-    switch), and why they could not be."""
-    flags: dict[str, FlagValue] = {}
+    switch), in order, and why they could not be."""
+    pairs: list[tuple[str, FlagValue]] = []
     errors = []
     i = 0
     while i < len(args):
         flag, eq, value = args[i].partition("=")
         if not flag.startswith("-"):
             errors.append(f"argument {args[i]!r} belongs to no flag")
+        elif not eq and i + 1 < len(args) and (not args[i + 1].startswith("-") or NEGATIVE.match(args[i + 1])):
+            pairs.append((flag, args[i + 1]))
             i += 1
-            continue
-        if not eq and i + 1 < len(args) and (not args[i + 1].startswith("-") or NEGATIVE.match(args[i + 1])):
-            value, i = args[i + 1], i + 1
-        if flag in flags:
-            errors.append(f"flag '{flag}' is given twice")
-        flags[flag] = value if eq or value else True
+        else:
+            pairs.append((flag, value if eq else True))
         i += 1
-    return flags, errors
+    return pairs, errors
 
 
 def definition_errors(s: ServerState) -> list[str]:
     """Why a rollback may not deploy what the record says restores `s` ([] when it may): it must be the
-    definition its manifest records, with kvscope's own arguments where the render puts them and flags that the
-    matrix's rules accept (none that kvscope owns, a golden or control server's cache off), as the render it
-    came from checked them. A record is a file: it may have been edited since."""
+    definition its manifest records, with kvscope's own arguments first (and the kv-transfer config last) as
+    the render puts them, and flags that the matrix's rules accept (none that kvscope owns, a golden or control
+    server's cache off), as the render it came from checked them. A record is a file: it may have been edited."""
     r, m = s.rendered, s.manifest
     if r is None or m is None:
         return ["what it was started with is not recorded"]
     if (r.config != s.config or m.config != s.config or r.port != m.port or r.role != m.role
             or redact_args(r.server_args) != m.server_args or redact_env(r.env) != m.env):
         return ["its recorded definition is not the definition its manifest records"]
-    args = list(r.server_args)
-    if args[:8:2] != list(OWN_ARGS) or args[3:8:4] != [r.served_model_name, str(r.port)]:
-        return [f"its arguments do not start with kvscope's own ({' '.join(OWN_ARGS)}, in that order)"]
-    rest = args[8:]
-    if rest[-2:-1] == [KV_TRANSFER]:  # the config's JSON, checked by the matrix's schema when it was rendered
-        rest = rest[:-2]
-    flags, errors = _flags(rest)
+    pairs, errors = _pairs(r.server_args)
+    own = dict(pairs[:len(OWN_ARGS)])
+    if (list(own) != list(OWN_ARGS) or own["--served-model-name"] != r.served_model_name
+            or own["--port"] != str(r.port)):
+        return [f"its arguments do not start with kvscope's own ({', '.join(OWN_ARGS)}, in that order)"]
+    rest = pairs[len(OWN_ARGS):]
+    if rest and rest[-1][0] == KV_TRANSFER:  # the config's JSON, checked by the matrix's schema when rendered
+        rest = rest[:-1]
+    flags: dict[str, FlagValue] = {}
+    for flag, value in rest:
+        if flag in flags:
+            errors.append(f"flag '{flag}' is given twice")
+        flags[flag] = value
     errors += flag_errors(flags) + whole_and_key_errors(flags) + attention_backend_errors(flags)
     if r.role in ("golden", "control"):
         errors += cache_off_errors(flags)
