@@ -22,6 +22,9 @@ import yaml
 KEY_ENV, KEY_FILE_ENV = "KVSCOPE_API_KEY", "KVSCOPE_API_KEY_FILE"
 SECRET_ENDINGS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASS")  # MYAPIKEY, PGPASS
 SECRET_WORDS = (*SECRET_ENDINGS, "PASSWD", "PWD", "CREDENTIAL", "CREDENTIALS", "AUTH", "BEARER")
+# Words before TOKEN that name a model's token, not a credential: time_to_first_token, eos_token
+MODEL_TOKENS = ("FIRST", "LAST", "NEXT", "INPUT", "OUTPUT", "PROMPT", "PER", "INTER", "BOS", "EOS", "PAD", "UNK",
+                "SPECIAL")
 STORE_KEY_ENV, STORE_KEY_FILE_ENV = "KVSCOPE_STORE_KEY", "KVSCOPE_STORE_KEY_FILE"  # the connector's (keys.py)
 MIN_SECRET_CHARS = 6  # a shorter value of a secret-looking variable ("1", "true") is left where it appears
 REDACTED = "<redacted>"
@@ -42,9 +45,12 @@ def headers() -> dict[str, str]:
 
 
 def _secret(name: str) -> bool:
-    """HF_TOKEN, api_key, --api-key, aws_secret_access_key, MYAPIKEY: yes; --max-num-batched-tokens: no."""
+    """HF_TOKEN, api_key, --api-key, aws_secret_access_key, MYAPIKEY: yes; --max-num-batched-tokens: no. A token
+    is a credential as a name's last word (access_token), not a model's token (time_to_first_token, eos_token)."""
     words = re.split(r"[_.]", name.upper().replace("-", "_").strip("_"))
-    return any(w in SECRET_WORDS for w in words) or any(words[-1].endswith(w) for w in SECRET_ENDINGS)
+    if words[-1] == "TOKEN" and len(words) > 1 and words[-2] in MODEL_TOKENS:
+        words = words[:-1]
+    return any(w in SECRET_WORDS for w in words if w != "TOKEN") or any(words[-1].endswith(w) for w in SECRET_ENDINGS)
 
 
 def _secret_flag(flag: str) -> bool:
@@ -147,15 +153,21 @@ def redact_args(args: list[str]) -> list[str]:
     for arg in args:
         if out and out[-1].startswith("--") and _secret_flag(out[-1]) and not arg.startswith("--"):
             out.append(REDACTED)
-        elif arg.startswith("--") and "=" in arg and _secret_flag(arg.split("=", 1)[0]):
-            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-        elif arg.startswith("{"):
-            try:
-                doc = json.loads(arg)
-            except ValueError:
-                doc = None
-            clean = _redact_json(doc, secrets)
-            out.append(arg if clean == doc else json.dumps(clean, sort_keys=True))
+        elif arg.startswith("--") and "=" in arg:  # --flag=value, as kvscope renders a valued flag
+            name, value = arg.split("=", 1)
+            out.append(name + "=" + (REDACTED if _secret_flag(name) else _redact_value(value, secrets)))
         else:
-            out.append(_scrub(arg, secrets))
+            out.append(_redact_value(arg, secrets))
     return out
+
+
+def _redact_value(value: str, secrets: list[str]) -> str:
+    """A flag's value safe to write down: a JSON object's secret-looking keys, and known secrets, replaced."""
+    if not value.startswith("{"):
+        return _scrub(value, secrets)
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return _scrub(value, secrets)
+    clean = _redact_json(doc, secrets)
+    return value if clean == doc else json.dumps(clean, sort_keys=True)
