@@ -309,15 +309,19 @@ class FsTier:
                         st = e.stat(follow_symlinks=False)
                         found.append((st.st_mtime, e.name.removesuffix(".safetensors"), st.st_size))
                     elif e.name.endswith(".tmp") and e.is_file(follow_symlinks=False) and self._stale(e):
-                        os.unlink(e.path)
-                        self.stale_tmp_removed += 1
+                        with contextlib.suppress(FileNotFoundError):  # another server's start took it first
+                            os.unlink(e.path)
+                            self.stale_tmp_removed += 1
             except OSError:
                 continue
         return found
 
     @staticmethod
     def _stale(entry: os.DirEntry) -> bool:
-        return time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
+        try:
+            return time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
+        except FileNotFoundError:  # renamed into place, or removed, since the listing
+            return False
 
     def _folder(self, key: str, create: bool = False) -> int:
         """A descriptor of the key's folder, root/<fingerprint>/<key[:2]>, reached without following a link
