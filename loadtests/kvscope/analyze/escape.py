@@ -23,13 +23,12 @@ class Md(str):
 
 def md(value: object, code: bool = False) -> str:
     """VALUE on one line, as markdown text (code=False: every markup character escaped) or as a code span
-    (code=True: fenced by more backticks than it holds; `|`, which would end a table cell in some readers
-    even there, is shown as `¦`)."""
+    (code=True: fenced by more backticks than it holds, so nothing in it ends it; report.html's reader keeps
+    a `|` inside a code span in its table cell, GitHub's splits the cell there)."""
     if isinstance(value, Md):
         return value
     text = LINE_BREAKS.sub(" ", str(value))
     if code:
-        text = text.replace("|", "¦")
         fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
         pad = " " if text.startswith("`") or text.endswith("`") else ""
         return f"{fence}{pad}{text}{pad}{fence}"
