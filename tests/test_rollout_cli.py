@@ -236,6 +236,7 @@ def test_a_resume_with_other_options_than_the_records_is_refused_naming_them(set
     err = capsys.readouterr().err
     assert "differ" in err and named in err
     assert len(setup.playbook_calls()) == before and (folder / "rollout.json").read_bytes() == record
+    assert setup.rollout("--id", "r", "-e", "kvscope_run_root=/runs") == 0  # the refusal let go of the lock
 
 
 def test_a_resume_uses_the_commands_secret_extra_vars_which_match_the_records_redacted_ones(setup):

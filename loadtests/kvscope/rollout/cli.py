@@ -228,43 +228,37 @@ def _refuse_unfinished(results: Path, inventory_: str) -> None:
 
 
 def _open(args, results: Path, candidate: Rollout) -> tuple[Rollout, Path, int] | int:
-    """The rollout this command runs, its folder and its held lock; or the exit code of a finished rollout's
+    """The rollout this command runs, its folder and its lock, held; or the exit code of a finished rollout's
     report."""
-    from kvscope.rollout import gate, report
-
     folder = results / candidate.rollout_id
     if args.rollout_id is None:
         _refuse_unfinished(results, args.inventory)
-    if folder.exists() or folder.is_symlink():
-        if not folder.is_dir() or folder.is_symlink():
-            raise RolloutError(f"--id: {folder} is not a rollout's folder: choose another id")
-        _recorded(folder)  # before the lock file is made in someone else's folder
-        fd = lock(folder, candidate.rollout_id)
-        r = _recorded(folder)  # again, now that no other rollout writes it
-        if _plan_key(r) != _plan_key(candidate):
-            raise RolloutError(f"rollout {r.rollout_id} ({folder}, {r.outcome}) rolled {', '.join(r.configs)} "
-                               f"from {r.matrix} (sha256 {r.matrix_sha256[:12]}), image {r.image}, serial "
-                               f"{r.serial}: not this plan. Finish it first (re-run it with --id "
-                               f"{r.rollout_id}), or choose another --id")
-        if r.outcome not in UNFINISHED:
-            print(f"rollout {r.rollout_id} has finished ({r.outcome}); nothing is rolled again:")
-            os.close(fd)
-            return report.main(folder)
-        if diff := differences(r, candidate):
-            raise RolloutError(f"rollout {r.rollout_id} ({folder}): this command's options differ from the record's: "
-                               + "; ".join(diff) + ". Resume it with the recorded options (rollout.md lists them)")
-        if errors := rollback_errors(r):
-            raise RolloutError(f"rollout {r.rollout_id} ({folder}): its record holds definitions a rollback may "
-                               "not deploy (the matrix's rules refuse them):\n  " + "\n  ".join(errors))
-        print(f"resuming rollout {r.rollout_id} ({r.outcome}" + (f": {r.interrupted}" if r.interrupted else "")
-              + f") from {folder}")
-        return resumed(r, candidate), folder, fd
-    try:
-        folder.mkdir(parents=True, exist_ok=False)
-    except FileExistsError as exc:  # another rollout made it just now
-        raise RolloutError(f"{folder} was made by another rollout meanwhile: choose another --id") from exc
+    new = not (folder.exists() or folder.is_symlink())
+    if new:
+        try:
+            folder.mkdir(parents=True, exist_ok=False)
+        except FileExistsError as exc:  # another rollout made it just now
+            raise RolloutError(f"{folder} was made by another rollout meanwhile: choose another --id") from exc
+    elif not folder.is_dir() or folder.is_symlink():
+        raise RolloutError(f"--id: {folder} is not a rollout's folder: choose another id")
+    else:
+        _recorded(folder)  # before a lock file is made in someone else's folder
     fd = lock(folder, candidate.rollout_id)
-    r = candidate
+    try:
+        opened = _start(args, folder, candidate) if new else _resume(folder, candidate)
+    except BaseException:
+        os.close(fd)
+        raise
+    if isinstance(opened, int):
+        os.close(fd)
+        return opened
+    return opened, folder, fd
+
+
+def _start(args, folder: Path, r: Rollout) -> Rollout:
+    """A new rollout, recorded in its new folder."""
+    from kvscope.rollout import gate
+
     scenarios = folder / "gate-scenarios.yaml"
     gate.write_scenarios(scenarios, args.gate_repeats, args.gate_queries)
     r.gate["scenarios_file"] = str(scenarios.resolve())
@@ -272,7 +266,33 @@ def _open(args, results: Path, candidate: Rollout) -> tuple[Rollout, Path, int] 
     print(f"rollout {r.rollout_id}: {', '.join(r.configs)} from {args.matrix}"
           + (f", image {args.image}" if args.image else "") + f" to {', '.join(r.hosts)}, {args.serial} "
           f"host(s) at a time; record: {folder}")
-    return r, folder, fd
+    return r
+
+
+def _resume(folder: Path, candidate: Rollout) -> Rollout | int:
+    """The rollout recorded in `folder` (its lock held), running as `candidate` asks: refused unless it is the
+    same plan with the same options and every definition its rollback could deploy passes the matrix's rules;
+    or the exit code of its report, when it has finished."""
+    from kvscope.rollout import report
+
+    r = _recorded(folder)  # again, now that no other rollout writes it
+    if _plan_key(r) != _plan_key(candidate):
+        raise RolloutError(f"rollout {r.rollout_id} ({folder}, {r.outcome}) rolled {', '.join(r.configs)} "
+                           f"from {r.matrix} (sha256 {r.matrix_sha256[:12]}), image {r.image}, serial "
+                           f"{r.serial}: not this plan. Finish it first (re-run it with --id "
+                           f"{r.rollout_id}), or choose another --id")
+    if r.outcome not in UNFINISHED:
+        print(f"rollout {r.rollout_id} has finished ({r.outcome}); nothing is rolled again:")
+        return report.main(folder)
+    if diff := differences(r, candidate):
+        raise RolloutError(f"rollout {r.rollout_id} ({folder}): this command's options differ from the record's: "
+                           + "; ".join(diff) + ". Resume it with the recorded options (rollout.md lists them)")
+    if errors := rollback_errors(r):
+        raise RolloutError(f"rollout {r.rollout_id} ({folder}): its record holds definitions a rollback may "
+                           "not deploy (the matrix's rules refuse them):\n  " + "\n  ".join(errors))
+    print(f"resuming rollout {r.rollout_id} ({r.outcome}" + (f": {r.interrupted}" if r.interrupted else "")
+          + f") from {folder}")
+    return resumed(r, candidate)
 
 
 def cmd_rollout(args) -> int:
