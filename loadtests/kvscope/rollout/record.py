@@ -38,8 +38,10 @@ EXIT_CODES = """exit codes of rollout (and of report on a rollout folder):
   0  rolled to every host, every gate passed
   1  stopped: a gate failed (FAIL, CRASHED, or inconclusive with --inconclusive stop); that batch was rolled back
      to what it served before and every other host left as it was
-  2  bad input: the inventory, the configs, no golden server, a host whose servers cannot be restored exactly, a
-     matrix file edited since the rollout started (re-running its --id with the recorded content resumes it)
+  2  bad input: the options, the inventory, the configs, no golden server, a host whose servers cannot be restored
+     exactly, a matrix file edited since the rollout started (re-running its --id with the recorded content
+     resumes it); or a rollout that is running, unfinished (without --id), resumed with other options than its
+     record's, or whose record holds a definition the matrix's rules refuse
   3  rolled to every host, but some gate was inconclusive (--inconclusive continue)
   4  a rollback failed: a host serves neither the old nor the new version (the worst outcome; the lines say which)
   130, 143: stopped by Ctrl-C or SIGTERM between steps; the record says where, and re-running with its --id
