@@ -225,8 +225,8 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
     if counts.get(Answer.UNVERIFIED):
         unverified.append(f"{counts[Answer.UNVERIFIED]} near ties golden could not score")
     if counts.get(Answer.INPUT_DIFFERS):
-        unverified.append(f"{counts[Answer.INPUT_DIFFERS]} answers input-differs (the server saw another prompt "
-                          "than golden's, as a turn after a split does: nothing to compare them with)")
+        unverified.append(f"{counts[Answer.INPUT_DIFFERS]} answers input-differs (another prompt than golden's: "
+                          "a turn after a split)")
     unverified += reference_problems
     if unverified:
         return Verdict.UNVERIFIED, "; ".join(unverified)
