@@ -351,3 +351,31 @@ def test_a_bench_killed_with_kill_9_takes_its_locust_along_and_no_resume_mixes_i
             pass
         bench.communicate()
         fake.stop()
+
+
+def endless_stream(h):
+    """A completions stream of tokens that never ends."""
+    h.send_response(200)
+    h.send_header("Content-Type", "text/event-stream")
+    h.send_header("Connection", "close")
+    h.end_headers()
+    chunk = b"data: " + json.dumps({"choices": [{"index": 0, "text": " x", "token_ids": [7]}]}).encode() + b"\n\n"
+    while not h.server.stopping.is_set():
+        h.wfile.write(chunk * 100)
+        time.sleep(0.01)
+
+
+def test_a_locust_stream_longer_than_its_max_tokens_allow_is_cut_off(tmp_path):
+    from kvscope.run import treatments
+    from kvscope.run.workload import write_jsonl
+
+    fake = Fake({"POST /v1/completions": endless_stream})
+    try:
+        request = Request(request_id="q-t0", scenario="s", phase="measure", session_id="q", turn=0,
+                          endpoint="completions", max_tokens=2, prompt="hello")
+        write_jsonl([request], tmp_path / "w.jsonl")
+        phase = treatments.run_locust(treatment(fake.url), tmp_path / "w.jsonl", tmp_path / "r.jsonl", 1, 1, 0.0, 40)
+        record = json.loads((tmp_path / "r.jsonl").read_text())
+        assert "longer than max_tokens allow" in record["error"] and phase.seconds < 20, (record["error"], phase)
+    finally:
+        fake.stop()

@@ -25,6 +25,7 @@ from kvscope.run.workload import Request, read_jsonl, sessions
 
 log = logging.getLogger("kvscope")
 AUTH = {k: v for k, v in auth.headers().items() if k == "Authorization"}  # the API key, when there is one
+LINES_PER_TOKEN = 4  # an SSE event per token is 2 lines (data and a blank one); twice that, for other events
 
 
 @events.init_command_line_parser.add_listener
@@ -194,7 +195,7 @@ class KVScopeUser(FastHttpUser):
                 else:
                     # NOTE: geventhttpclient's read(n) waits for n bytes; readline returns each SSE line as it
                     # arrives, which is what TTFT needs. FastResponse exposes no public line reader.
-                    records.parse_stream(_lines(resp._response), t0, rec, opts.kvscope_block_size,
+                    records.parse_stream(_lines(resp._response, req.max_tokens), t0, rec, opts.kvscope_block_size,
                                          opts.kvscope_prompt_ids)
                 if rec.e2e_s is not None:
                     resp.request_meta["response_time"] = rec.e2e_s * 1000
@@ -216,9 +217,12 @@ class KVScopeUser(FastHttpUser):
             records.write([rec], self.environment.parsed_options.kvscope_records)
 
 
-def _lines(raw):
-    while True:
+def _lines(raw, max_tokens: int):
+    """The stream's lines with their arrival times; more than an answer of `max_tokens` tokens takes (a chunk
+    per token, and a few more) is an error: an endless stream would grow the record until memory runs out."""
+    for _ in range(LINES_PER_TOKEN * (max_tokens + 8)):
         line = raw.readline(b"\n")
         if not line:
             return
         yield time.perf_counter(), line
+    raise ValueError(f"a stream longer than max_tokens allow ({max_tokens}): cut off")
