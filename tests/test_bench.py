@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, SESSION_CONFIGS
 
 from kvscope import artifacts
-from kvscope.analyze import fidelity
+from kvscope.analyze import fidelity, loaded, report, storefaults, verdicts
 from kvscope.artifacts import Manifest, Treatment
 from kvscope.config.matrix import CANARY_FAULTS as FAULTS
 from kvscope.run.records import read
@@ -333,3 +333,21 @@ def test_a_trace_slice_replays_open_loop_and_a_restart_keeps_the_disk_tiers_bloc
     assert sum(line.get("disk", 0) for line in loads) > 0  # from the files the prime phase wrote
     v = pd.read_csv(run / "verdicts.csv").set_index("config")
     assert v.verdict["kvscope-fs"] == "PASS" and "by tier: disk" in v.why["kvscope-fs"]
+
+
+def test_kvscope_fs_detects_every_store_fault_at_rest_and_real_resets_probe_clean(deployment, tmp_path):
+    scenarios = REPO / "loadtests" / "kvscope" / "scenarios.yaml"
+    names = "store-bitflip,store-truncate,store-swap,store-unreadable"
+    out = bench(deployment / "deployment.json", tmp_path, "--scenarios-file", str(scenarios), "--configs",
+                "baseline,kvscope-fs", "--scenarios", names, "--queries", "3", "--run-id", "rot")
+    assert out.returncode == 0, out.stderr[-2000:]
+    folder = tmp_path / "rot"
+    analysis = report.analyze(loaded.load(folder))
+    status = analysis.loaded.status
+    assert len(status) == 8 and all(r.reset.probe is not None for r in status)
+    blocks = {s.config: s.manifest.block_size for s in analysis.loaded.run.servers}
+    for r in status:  # a real vLLM's reset, kvscope's connector's included, leaves nothing serving
+        assert verdicts.reset_leak(r.reset.probe, blocks[r.config]) is None and verdicts.reset_unverified(r.reset.probe) is None, r
+    said = storefaults.table(status, analysis.scores).set_index("fault")
+    assert len(said) == 4 and (said.files > 0).all()
+    assert said.outcome.str.startswith("detected and recomputed").all(), said.to_dict("records")

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, verdicts
+from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, storefaults, verdicts
 from kvscope.analyze.loaded import LoadedRun, load
 from kvscope.artifacts import (
     Answer,
@@ -478,6 +478,11 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
               for s in run.servers if s.manifest.upstream]
     lines += _tier_lines(a.loaded, a.scores, a.min_hits)
     lines += probe_lines(run, a.loaded.status)
+    if len(rot := storefaults.table(a.loaded.status, a.scores)):
+        lines += ["", "Store faults at rest (`store_fault` scenarios): every file of the config's stores damaged "
+                  "between the prime and the measure phase; the tier must miss and recompute (answers equal "
+                  "golden's) or fail the request. `detected`: blocks the tier refused (kvscope's connector counts "
+                  "them; – where a tier has no such counter):", "", _md_table(rot), ""]
     lines += ["", "## How strong the verdict is", ""]
     lines += _floor_lines(a.scorer)
     lines += [f"- A PASS needs every expected answer scored and at least {a.min_hits} verified cache hits, and as "

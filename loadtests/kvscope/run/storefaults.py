@@ -5,9 +5,8 @@ equal golden's) or fail the request; one that loads the damage serves wrong KV, 
 Faults: `bitflip` one bit of a float's exponent in the middle of each file (the size stays); `truncate` each file
 cut to half; `swap` each file's name given to the next file's bytes (another prompt's, in a rotation);
 `unreadable` each file's mode 000 (permission denied), or, where the bench runs as root (which reads any file),
-each file replaced by a directory of its name (a read fails with EISDIR where a disk's EIO would; a tier that
-checks the type first sees no file). EIO and slow reads themselves need root tricks (a FUSE or dm-error mount)
-and are not made.
+each file replaced by a link to /proc/self/mem, which is a regular file whose read at offset 0 fails with EIO
+(a tier that refuses links fails at the open instead). A slow read needs a FUSE or dm-delay mount: not made.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from pathlib import Path
 from kvscope.artifacts import StoreFaultPhase, Treatment
 
 FAULTS = ("bitflip", "truncate", "swap", "unreadable")
+EIO_FILE = "/proc/self/mem"  # regular, and the reader's own memory at offset 0 is unmapped: read() gives EIO
 FLIP = 0x40  # the second-highest bit of a little-endian float's last byte: its exponent (fp32, fp16, bf16)
 STABLE_S, SETTLE_S = 0.5, 10.0
 
@@ -82,7 +82,7 @@ def _swap(found: list[Path]) -> None:
 def _unreadable(f: Path, root: bool) -> None:
     if root:
         f.unlink()
-        f.mkdir()
+        f.symlink_to(EIO_FILE)
     else:
         f.chmod(0)
 
@@ -107,7 +107,7 @@ def damage(server: Treatment, fault: str) -> StoreFaultPhase:
     how = {"bitflip": "one exponent bit flipped in the middle of each file (same size)",
            "truncate": "each file cut to half its size",
            "swap": "each file's name given to another file's bytes (a rotation)",
-           "unreadable": "each file replaced by a directory of its name (a read fails with EISDIR; the bench runs "
-                         "as root, which reads a file whatever its mode)" if root else
+           "unreadable": f"each file replaced by a link to {EIO_FILE} (a read fails with EIO; the bench runs as "
+                         "root, which reads a file whatever its mode)" if root else
                          "each file's mode 000 (permission denied)"}[fault]
     return StoreFaultPhase(fault=fault, files=len(found), how=how, seconds=round(time.monotonic() - started, 1))
