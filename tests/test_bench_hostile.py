@@ -312,12 +312,12 @@ def locusts(session: int) -> list[str]:
 
 def test_a_bench_killed_with_kill_9_takes_its_locust_along_and_no_resume_mixes_in_a_live_writers_records(
         tmp_path, model_dir):
-    pace = {"token_s": 0.5}
-    stream = sse(tokens=40)
+    pace = {"first_s": 20.0}
+    stream = sse(tokens=4)
 
     def completions(h):
-        if json.loads(h.body or b"{}").get("stream") and pace["token_s"]:
-            time.sleep(pace["token_s"] * 40)  # a slow server: the Locust phase lasts while the test acts
+        if json.loads(h.body or b"{}").get("stream"):
+            time.sleep(pace["first_s"])  # a slow server: the Locust phase lasts while the test acts
         stream(h)
 
     fake = Fake({"GET /v1/models": models, "POST /v1/completions": completions,
@@ -338,7 +338,7 @@ def test_a_bench_killed_with_kill_9_takes_its_locust_along_and_no_resume_mixes_i
         while locusts(bench.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert locusts(bench.pid) == [], "Locust outlived the bench killed with kill -9"
-        pace["token_s"] = 0
+        pace["first_s"] = 0
         resume = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert resume.returncode == 0, resume.stdout[-2000:] + resume.stderr[-2000:]
         for config in ("golden", "theirs"):  # each request once: nothing of the killed run's Locust
