@@ -505,3 +505,173 @@ def test_a_matrix_whose_cached_servers_could_not_be_reset_is_refused(tmp_path):
     with pytest.raises(matrix.ConfigError, match="config 'apc': field 'env': VLLM_SERVER_DEV_MODE") as err:
         matrix.load(write(tmp_path, doc))
     assert "config 'baseline'" not in str(err.value)
+
+
+# A run folder from someone else: links, FIFOs, bombs and lines cut short (issue 59)
+
+
+def _hostile_run(tmp_path, **per_config):
+    from test_report import four, make_run
+
+    return make_run(tmp_path / "run", four(), **per_config)
+
+
+def _victim(tmp_path) -> Path:
+    victim = tmp_path / "authorized_keys"
+    victim.write_text("ssh-ed25519 AAAA owner\n")
+    return victim
+
+
+def test_the_report_writes_through_no_link_of_a_run_folder_and_an_error_stays_on_one_line(tmp_path):
+    from kvscope import cli
+
+    run = _hostile_run(tmp_path, apc={"failed": [0]})
+    records = run / "records" / "apc__s.jsonl"
+    records.write_text(records.read_text().replace('"HTTP 500"', json.dumps("HTTP 500\nssh-ed25519 AAAA attacker\n")))
+    victim = _victim(tmp_path)
+    linked = ["report.md", "report.html", "summary.csv", "hit_rates.png"]
+    for name in linked:
+        (run / name).symlink_to(victim)
+    assert cli.main(["report", str(run)]) == 3
+    assert victim.read_text() == "ssh-ed25519 AAAA owner\n"
+    assert all((run / name).is_file() and not (run / name).is_symlink() for name in linked)
+    md = (run / "report.md").read_text()
+    assert "HTTP 500" in md and not any(line.startswith("ssh-ed25519") for line in md.splitlines())
+
+
+def test_run_json_is_replaced_whole_or_not_at_all(tmp_path):
+    run = _hostile_run(tmp_path)
+    before = (run / "run.json").read_bytes()
+    # the interrupt path rewrites run.json; a disk that fills on the way (a file size limit here) keeps the old one
+    code = ("import resource, sys; from pathlib import Path; from kvscope.run import treatments; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY)); "
+            "treatments._set_interrupted(Path(sys.argv[1]), 'SIGTERM during x')")
+    out = subprocess.run([sys.executable, "-c", code, str(run), str(len(before) // 2)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "File too large" in out.stderr, out.stderr[-2000:]
+    assert (run / "run.json").read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == ["records", "run.json", "status.jsonl", "workloads"]  # no temp
+
+
+def test_a_last_line_cut_short_is_set_aside_and_counted_and_the_run_reads_and_resumes(tmp_path):
+    from kvscope import cli
+    from kvscope.artifacts import StatusRow, append_jsonl, read_jsonl
+    from kvscope.run import treatments
+
+    run = _hostile_run(tmp_path)
+    records, status = run / "records" / "apc__s.jsonl", run / "status.jsonl"
+    lines = records.read_text().splitlines(keepends=True)
+    records.write_text(lines[0] + lines[1][:40])  # a full disk mid-write: half of the second record
+    rows = status.read_text().splitlines(keepends=True)
+    status.write_text("".join(rows[:-1]) + rows[-1][:20])  # and half of the last status row
+    assert cli.main(["report", str(run), "--min-hits", "1"]) == 3
+    md = (run / "report.md").read_text()
+    assert "| apc | candidate | **INCOMPLETE** (unexpected) | s: 1 of 2 answers recorded" in md
+    assert "`records/apc__s.jsonl`: its last line (40 bytes) has no newline" in md
+    assert "`status.jsonl`: its last line (20 bytes) has no newline" in md
+    # --resume reads which treatments finished, and appends its rows after the last whole line
+    assert treatments._done(status) == {("baseline", "s"), ("control", "s"), ("apc", "s")}
+    append_jsonl(status, [StatusRow(config="canary-shift", scenario="s")])
+    assert [r.config for r in read_jsonl(status, StatusRow)] == ["baseline", "control", "apc", "canary-shift"]
+
+
+def test_appends_to_a_run_folder_follow_no_link(tmp_path):
+    from kvscope.artifacts import StatusRow, append_jsonl
+
+    victim = _victim(tmp_path)
+    (tmp_path / "status.jsonl").symlink_to(victim)
+    with pytest.raises(ValueError, match=r"status\.jsonl: a symbolic link"):
+        append_jsonl(tmp_path / "status.jsonl", [StatusRow(config="a", scenario="s")])
+    assert victim.read_text() == "ssh-ed25519 AAAA owner\n"
+
+
+def test_compress_again_on_records_in_both_forms_keeps_every_record(tmp_path):
+    from kvscope import cli
+    from kvscope.artifacts import ArtifactError, Record, read_jsonl
+    from kvscope.runfolder import RunFolder
+
+    run, rf = _hostile_run(tmp_path), RunFolder(tmp_path / "run")
+    assert cli.main(["compress", str(run)]) == 0
+    late = Record(config="apc", scenario="s", phase="measure", request_id="r2", session_id="r2", turn=0,
+                  endpoint="chat", start_unix_s=2.0)
+    (run / "records" / "apc__s.jsonl").write_text(late.model_dump_json() + "\n")  # appended after compress
+    with pytest.raises(ArtifactError, match="run `kvscope compress` on it again"):
+        rf.records("apc", "s")
+    assert cli.main(["compress", str(run)]) == 0
+    assert [r.request_id for r in read_jsonl(rf.records("apc", "s"), Record)] == ["r0", "r1", "r2"]
+    assert not (run / "records" / "apc__s.jsonl").exists()
+
+
+def test_compress_follows_no_link_in_a_run_folders_records(tmp_path, capsys):
+    from kvscope import cli
+
+    run = _hostile_run(tmp_path)
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text((run / "records" / "apc__s.jsonl").read_text())
+    (run / "records" / "stolen__s.jsonl").symlink_to(outside)
+    victim = _victim(tmp_path)
+    (run / "records" / "baseline__s.jsonl.gz.part").symlink_to(victim)  # compress's temporary name, planted
+    assert cli.main(["compress", str(run)]) == 2
+    assert "stolen__s.jsonl: a symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "ssh-ed25519 AAAA owner\n"
+    assert not list((run / "records").glob("*.gz"))  # refused before anything was compressed
+    assert outside.exists() and not (run / "records" / "stolen__s.jsonl.gz").exists()
+
+
+HOSTILE_FOLDERS = {"a gzip bomb": "a line longer than", "records linked to /dev/zero": "a symbolic link",
+                   "a FIFO as status.jsonl": "a FIFO", "run.json linked outside the folder": "a symbolic link",
+                   "records/ linked to a folder elsewhere": "a symbolic link, not a folder"}
+
+
+def test_a_hostile_run_folder_gives_exit_2_and_a_clear_message_never_a_hang_or_all_memory(tmp_path):
+    import gzip
+
+    from test_report import four, make_run
+
+    for n, hostile in enumerate(HOSTILE_FOLDERS):
+        run = make_run(tmp_path / str(n), four())
+        records = run / "records" / "apc__s.jsonl"
+        if hostile == "a gzip bomb":  # 4 MB of gzip members that inflate to one 4 GiB line
+            records.unlink()
+            (run / "records" / "apc__s.jsonl.gz").write_bytes(gzip.compress(b"a" * (16 << 20), mtime=0) * 256)
+        elif hostile == "records linked to /dev/zero":
+            records.unlink()
+            records.symlink_to("/dev/zero")
+        elif hostile == "a FIFO as status.jsonl":
+            (run / "status.jsonl").unlink()
+            os.mkfifo(run / "status.jsonl")
+        elif hostile == "run.json linked outside the folder":
+            (run / "run.json").rename(tmp_path / "run.json")
+            (run / "run.json").symlink_to(tmp_path / "run.json")
+        else:
+            (run / "records").rename(tmp_path / "records")
+            (run / "records").symlink_to(tmp_path / "records")
+    # each report in one process of at most 3 GiB: where it read without bound, it would fail, not the machine
+    code = ("import contextlib, io, json, resource, sys; from kvscope import cli; "
+            "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); out = []\n"
+            "for run in sys.argv[1:]:\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err): out.append((cli.main(['report', run]), err.getvalue()))\n"
+            "print(json.dumps(out))")
+    runs = [str(tmp_path / str(n)) for n in range(len(HOSTILE_FOLDERS))]
+    done = subprocess.run([sys.executable, "-c", code, *runs], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (hostile, words), run, (code, err) in zip(HOSTILE_FOLDERS.items(), runs, json.loads(done.stdout), strict=True):
+        assert code == 2 and words in err and run in err, (hostile, err)
+        assert not (Path(run) / "report.md").exists()
+
+
+def test_compare_writes_only_into_a_new_or_empty_folder(tmp_path, capsys):
+    from test_report import four, make_run
+
+    from kvscope import cli
+
+    runs = [make_run(tmp_path / name, four()) for name in ("a", "b")]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "comparison.md").write_text("mine\n")
+    assert cli.main(["compare", ",".join(map(str, runs)), "--out", str(out)]) == 2
+    assert "not a new or empty folder" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["comparison.md"] and (out / "comparison.md").read_text() == "mine\n"
+    assert cli.main(["compare", ",".join(map(str, runs)), "--out", str(tmp_path / "new")]) == 0
+    assert (tmp_path / "new" / "comparison.md").exists()

@@ -103,6 +103,10 @@ def test_records_round_trip_and_truncated_file_is_named(tmp_path):
     assert records.read(path)[0].request_id == "r1"
     with open(path, "a") as f:
         f.write('{"config": "cfg", "scena')
+    read = records.read(path)  # a last line cut short (a full disk): set aside and counted
+    assert [r.request_id for r in read] == ["r1"] and read.torn == len('{"config": "cfg", "scena')
+    with open(path, "a") as f:  # a line that ends, but truncated: an error naming the file and line
+        f.write('\n' + rec().model_dump_json() + "\n")
     try:
         records.read(path)
         raise AssertionError("a truncated record must not pass")

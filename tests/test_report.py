@@ -331,8 +331,8 @@ def test_bench_report_interrupted_before_goldens_first_record_writes_the_report_
 
 def test_truncated_records_are_named(tmp_path):
     run = make_run(tmp_path / "run", four())
-    with open(run / "records" / "apc__s.jsonl", "a") as f:
-        f.write('{"config": "apc", "scen')
+    with open(run / "records" / "apc__s.jsonl", "a") as f:  # a line cut short, then another: not a full disk's
+        f.write('{"config": "apc", "scen\n{}\n')
     with pytest.raises(loaded.RunError, match=r"apc__s\.jsonl:3: truncated"):
         report.write(run)
 

@@ -43,6 +43,8 @@ from pydantic import (
     model_validator,
 )
 
+from kvscope import files
+
 SCHEMA_VERSION = 2  # 2: run.json nests each treatment's manifest (RunInfo)
 Role = Literal["golden", "control", "candidate", "canary"]
 Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
@@ -575,37 +577,53 @@ def dumps(model: Artifact) -> str:
 
 
 def read_json(path: Path, cls: type[A]) -> A:
+    """A JSON artifact: a regular file (no link) of at most files.MAX_LINE_BYTES."""
     try:
-        return cls.model_validate(_versioned(json.loads(Path(path).read_text())))
-    except (OSError, json.JSONDecodeError, ValidationError, RecursionError) as exc:  # nested past Python's stack
+        return cls.model_validate(_versioned(json.loads(files.read_bytes(path))))
+    except files.UnsafeFile:
+        raise
+    except (OSError, ValueError, RecursionError) as exc:  # nested past Python's stack
         raise ArtifactError(f"{path}: not a kvscope {cls.__name__}: {exc}") from exc
 
 
 def write_json(path: Path, model: Artifact) -> None:
-    Path(path).write_text(json.dumps(model.model_dump(by_alias=True), indent=2, ensure_ascii=False) + "\n")
+    """Write a JSON artifact whole or not at all (files.replace): a kill or a full disk keeps the old file."""
+    files.replace(path, json.dumps(model.model_dump(by_alias=True), indent=2, ensure_ascii=False) + "\n")
 
 
-def read_jsonl(path: Path, cls: type[A]) -> list[A]:
-    """Every row of a JSONL file (gzipped where its name ends in .gz); a truncated or foreign line, or a broken
-    gzip stream, is an error naming the file (and line)."""
-    out = []
-    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
-        try:
-            for n, line in enumerate(f, 1):
-                try:
-                    out.append(cls.model_validate(_versioned(json.loads(line))))
-                except (json.JSONDecodeError, ValidationError, RecursionError) as exc:
-                    raise ArtifactError(f"{path}:{n}: truncated or not a kvscope {cls.__name__}: {exc}") from exc
-        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-            raise ArtifactError(f"{path}: a truncated or broken gzip file: {exc}") from exc
+class Rows(list[A]):
+    """A JSONL file's rows; `torn`: the bytes of a last line cut short (no newline: a full disk or a kill while
+    it was written), set aside."""
+
+    torn: int = 0
+
+
+def read_jsonl(path: Path, cls: type[A]) -> Rows[A]:
+    """Every row of a JSONL file (gzipped where its name ends in .gz), a regular file within files' bounds; a last
+    line without its newline is set aside and counted (Rows.torn). A truncated or foreign line before it, or a
+    broken gzip stream, is an error naming the file (and line)."""
+    out: Rows[A] = Rows()
+    try:
+        for n, line in enumerate(files.lines(path), 1):
+            if not line.endswith(b"\n"):
+                out.torn = len(line)
+                break
+            try:
+                out.append(cls.model_validate(_versioned(json.loads(line))))
+            except (json.JSONDecodeError, UnicodeDecodeError, ValidationError, RecursionError) as exc:
+                raise ArtifactError(f"{path}:{n}: truncated or not a kvscope {cls.__name__}: {exc}") from exc
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ArtifactError(f"{path}: a truncated or broken gzip file: {exc}") from exc
     return out
 
 
 def append_jsonl(path: Path, rows) -> None:
-    """Append rows (models, or their dicts from another process) to a JSONL file."""
-    with open(path, "a") as f:
+    """Append rows (models, or their dicts from another process) to a JSONL file, a regular file (no link); a
+    last line an earlier write cut short is cut off first (files.open_append)."""
+    with files.open_append(path) as f:
         for row in rows:
-            f.write((dumps(row) if isinstance(row, Artifact) else json.dumps(row, ensure_ascii=False)) + "\n")
+            text = dumps(row) if isinstance(row, Artifact) else json.dumps(row, ensure_ascii=False)
+            f.write(text.encode() + b"\n")
 
 
 def _versioned(data: Any) -> Any:

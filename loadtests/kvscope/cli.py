@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from kvscope import HARNESS, __version__
+from kvscope import HARNESS, __version__, files
 from kvscope.artifacts import Verdict
 from kvscope.auth import redact_command
 from kvscope.config import matrix as matrix_mod
@@ -168,8 +168,8 @@ def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) 
     from kvscope.analyze import loaded, overview, report
 
     out = out or folder
-    if out.resolve() != folder.resolve() and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise loaded.RunError(f"--out {out}: not a new or empty folder; the report writes into one")
+    if out.resolve() != folder.resolve():
+        _new_or_empty(out, "the report")
     run = loaded.load(folder)
     a = report.analyze(run, args.min_hits, args.max_failed, overview.parse_slo(args.slo))
     kept: dict[Path, bytes] = {}
@@ -180,10 +180,11 @@ def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) 
                 f"renders {', '.join(changed)} differently: write the report elsewhere with --out DIR (make "
                 "report OUT=DIR), or rewrite the published run with --rewrite (make report REWRITE=1) and commit it")
         # its plots are drawn alike, perhaps a pixel apart (another CPU): the published bytes stay
-        kept = {f: f.read_bytes() for f in RunFolder(folder).derived() if f.suffix == ".png"}
+        kept = {f: files.read_bytes(f, files.MAX_READ_BYTES) for f in RunFolder(folder).derived()
+                if f.suffix == ".png"}
     code = report.write_report(a, out)
     for path, data in kept.items():
-        path.write_bytes(data)
+        files.replace(path, data)
     if args.json:  # the verdicts and the gate, nothing else on stdout
         print(report.as_json(a, code))
         return code
@@ -223,8 +224,18 @@ def cmd_compress(args) -> int:
 def cmd_compare(args) -> int:
     from kvscope.analyze import comparison
 
+    if args.out:
+        _new_or_empty(Path(args.out), "the comparison")
     print(comparison.write([Path(r) for r in names(args.runs)], Path(args.out) if args.out else None))
     return 0
+
+
+def _new_or_empty(out: Path, what: str) -> None:
+    """--out names a folder that is new or empty: WHAT writes its files there, and overwrites nobody's."""
+    from kvscope.analyze.loaded import RunError
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RunError(f"--out {out}: not a new or empty folder; {what} writes into one")
 
 
 def _hits(text: str) -> int:

@@ -21,9 +21,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvscope import files
 from kvscope.artifacts import ArtifactError
 
 TABLES = ("scores", "summary", "verdicts", "overview", "power", "tiers", "sweep")
+FOLDERS = ("records", "workloads", "continuations", "faults", "loads", "locust")
 PLOTS = ("fidelity_matrix", "hit_rates", "ttft_cdf", "ttft_vs_cached", "load_sweep")
 
 
@@ -36,8 +38,15 @@ class RunFolder:
 
     def create(self) -> None:
         """The folders the bench writes into first (the others are made where their files are written)."""
+        self.check_folders()
         for kind in ("records", "workloads"):
             (self.root / kind).mkdir(parents=True, exist_ok=True)
+
+    def check_folders(self) -> None:
+        """Refuse a folder of the run's files (records/, workloads/, ...) that is a link, or not a folder: the
+        files in it are read and written through no link (UnsafeFile)."""
+        for kind in FOLDERS:
+            files.check_folder(self.root / kind)
 
     @property
     def run_json(self) -> Path:
@@ -79,27 +88,29 @@ class RunFolder:
     @property
     def records_glob(self) -> str:
         """How the folder holds its records, as a report names them."""
-        forms = {p.name.endswith(".gz") for p in (self.root / "records").glob("*.jsonl*") if p.stat().st_size}
+        forms = {p.name.endswith(".gz") for p in (self.root / "records").glob("*.jsonl*") if p.lstat().st_size}
         return " and ".join(f"records/*.jsonl{'.gz' if gz else ''}" for gz in sorted(forms)) or "records/*.jsonl"
 
     def compress(self) -> list[tuple[Path, int]]:
         """Gzip every non-empty records file (the bulk of a published run; readers take either form); each
         file written with the plain file's size. An empty file stays: it says the treatment recorded nothing.
-        The gzipped file is on disk (fsync) before the plain one goes; a crash leaves the plain one whole."""
+        Records appended after an earlier compress are added after the gzipped ones. Every file is a regular
+        file (no link), checked before anything is written; the gzipped file is on disk (files.replace) before
+        the plain one goes, so a crash leaves the plain one whole."""
+        plains = sorted((self.root / "records").glob("*.jsonl"))
+        for path in plains + [_gzipped(p) for p in plains if os.path.lexists(_gzipped(p))]:
+            files.check_regular(path)
         done = []
-        for plain in sorted((self.root / "records").glob("*.jsonl")):
-            size = plain.stat().st_size
-            if not size:
-                continue
-            packed = _gzipped(plain)
-            part = packed.with_name(packed.name + ".part")
-            with open(plain, "rb") as src, open(part, "wb") as out:
-                with gzip.GzipFile(plain.name, "wb", fileobj=out, mtime=0) as dst:
+        for plain in plains:
+            with files.open_read(plain) as src:
+                size = os.fstat(src.fileno()).st_size
+                if not size:
+                    continue
+                packed = _gzipped(plain)
+                with files.replacing(packed) as out, gzip.GzipFile(plain.name, "wb", fileobj=out, mtime=0) as dst:
+                    if packed.exists():  # a last line cut short is left out, as an append would cut it
+                        dst.writelines(line for line in files.lines(packed) if line.endswith(b"\n"))
                     shutil.copyfileobj(src, dst)
-                out.flush()
-                os.fsync(out.fileno())
-            part.replace(packed)
-            _fsync_dir(packed.parent)
             plain.unlink()
             done.append((packed, size))
         return done
@@ -136,7 +147,7 @@ class RunFolder:
         """What the report writes that the folder holds: report.md, run.json, the tables and the plots (not the
         HTML page, which is not published)."""
         names = ["report.md", "run.json", *(f"{t}.csv" for t in TABLES), *(f"{p}.png" for p in PLOTS)]
-        return [self.root / n for n in names if (self.root / n).is_file()]
+        return [self.root / n for n in names if files.is_regular(self.root / n)]
 
     @property
     def published_as(self) -> Path | None:
@@ -197,11 +208,3 @@ def _git(*args: str) -> subprocess.CompletedProcess:
 
 def _gzipped(plain: Path) -> Path:
     return plain.with_name(plain.name + ".gz")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvscope import files
 from kvscope.analyze import html, plots
 from kvscope.analyze.loaded import RunError, load
 from kvscope.analyze.overview import answered, throughput, tpot
@@ -133,6 +134,7 @@ def write(folders: list[Path], out: Path | None = None) -> str:
         out.mkdir(parents=True, exist_ok=True)
         png = plot(frame, out / "speedup.png")
         text += f"\n![Speed-up per run]({png})\n"
-        (out / "comparison.md").write_text(text)
-        (out / "comparison.html").write_text(html.render(text, "kvscope comparison", {png: (out / png).read_bytes()}))
+        files.replace(out / "comparison.md", text)
+        files.replace(out / "comparison.html", html.render(text, "kvscope comparison",
+                                                           {png: files.read_bytes(out / png)}))
     return text

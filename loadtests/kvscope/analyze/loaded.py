@@ -8,7 +8,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvscope.artifacts import ArtifactError, FaultEvent, LoadEvent, Record, RunInfo, StatusRow, read_json, read_jsonl
+from kvscope import files
+from kvscope.artifacts import (
+    ArtifactError,
+    FaultEvent,
+    LoadEvent,
+    Record,
+    Rows,
+    RunInfo,
+    StatusRow,
+    read_json,
+    read_jsonl,
+)
 from kvscope.run import continuations
 from kvscope.run.records import read, request_key
 from kvscope.runfolder import RunFolder
@@ -32,6 +43,7 @@ class LoadedRun:
     loads: dict[ConfigScenario, list[LoadEvent]]  # the load logs the run kept
     expected: dict[str, int]  # measure-phase requests per scenario, from the workload files
     duplicates: dict[ConfigScenario, int]  # records that repeat a request already recorded: set aside
+    cut_short: dict[str, int]  # file (in the folder) -> bytes of its last line, set aside: no newline (a full disk)
     workload_digest: str
     published_as: Path | None = None  # a published run's path in its checkout (RunFolder.published_as)
     records_glob: str = "records/*.jsonl"  # how the folder holds its records (gzipped once compressed)
@@ -48,17 +60,26 @@ def load(folder: Path) -> LoadedRun:
     rf = RunFolder(folder)
     if not rf.run_json.exists():
         raise RunError(f"{rf.run_json}: missing; not a kvscope run folder")
+    rf.check_folders()
     run = read_json(rf.run_json, RunInfo)
     _check(rf.run_json, run)
     status = read_jsonl(rf.status, StatusRow) if rf.status.exists() else []
     treatments = [(s.config, scenario) for s in run.servers for scenario in run.scenarios]
-    recs, duplicates = _once(_records(rf, run, status))
+    raw = _records(rf, run, status)
+    recs, duplicates = _once(raw)
+    faults: dict[ConfigScenario, list[FaultEvent]] = {
+        t: read_jsonl(rf.faults(*t), FaultEvent) for t in treatments if rf.faults(*t).exists()}
+    loads: dict[ConfigScenario, list[LoadEvent]] = {
+        t: read_jsonl(rf.loads(*t), LoadEvent) for t in treatments if rf.loads(*t).exists()}
+    files_read = {rf.status: status, **{rf.records(*t): rows for t, rows in raw.items()},
+            **{rf.faults(*t): rows for t, rows in faults.items()}, **{rf.loads(*t): rows for t, rows in loads.items()}}
     return LoadedRun(
         folder=folder, run=run, status=status, recs=recs, duplicates=duplicates,
+        cut_short={str(path.relative_to(folder)): rows.torn for path, rows in files_read.items()
+                   if isinstance(rows, Rows) and rows.torn},
         unrecorded=_unrecorded(rf, run),
         continuations={t: continuations.load(folder, *t) for t in treatments},
-        faults={t: read_jsonl(rf.faults(*t), FaultEvent) for t in treatments if rf.faults(*t).exists()},
-        loads={t: read_jsonl(rf.loads(*t), LoadEvent) for t in treatments if rf.loads(*t).exists()},
+        faults=faults, loads=loads,
         expected={s: _lines(rf.workload(s, "measure")) for s in run.scenarios},
         workload_digest=_digest(rf), published_as=rf.published_as,
         records_glob=rf.records_glob)
@@ -114,10 +135,7 @@ def _unrecorded(rf: RunFolder, run: RunInfo) -> frozenset[ConfigScenario]:
 
 
 def _lines(path: Path) -> int:
-    if not path.exists():
-        return 0
-    with open(path) as f:
-        return sum(1 for _ in f)
+    return sum(1 for _ in files.lines(path)) if path.exists() else 0
 
 
 def _digest(rf: RunFolder) -> str:
@@ -126,7 +144,7 @@ def _digest(rf: RunFolder) -> str:
     digest = hashlib.sha256()
     for path in sorted(rf.workloads.glob("*.jsonl")):
         digest.update(path.name.encode())
-        for line in path.read_text().splitlines():
+        for line in files.lines(path):
             row = {k: v for k, v in json.loads(line).items() if k != "schema_version"}
             digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n")
     return digest.hexdigest()[:16]

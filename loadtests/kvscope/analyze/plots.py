@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvscope import files
 from kvscope.artifacts import Answer
 from kvscope.runfolder import RunFolder
 
@@ -71,9 +72,12 @@ def pyplot():
 
 
 def save(fig, path: Path) -> str:
+    """Draw FIG into PATH as a PNG, whole or not at all (files.replace: a link at PATH is replaced, not followed)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     pyplot().close(fig)
+    files.replace(path, png.getvalue())
     return path.name
 
 

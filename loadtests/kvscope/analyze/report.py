@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from kvscope import files
 from kvscope.analyze import fidelity, hitrate, html, overview, plots, provenance, storefaults, verdicts
 from kvscope.analyze.loaded import LoadedRun, load
 from kvscope.artifacts import (
@@ -336,14 +337,14 @@ def write_report(a: Analysis, out: Path | None = None) -> int:
               "power": a.power, **({"tiers": tier} if len(tier.columns) > 1 else {}),
               **({"sweep": sweep} if len(sweep) else {})}
     for name, frame in tables.items():
-        frame.to_csv(rf.table(name), index=False)
+        files.replace(rf.table(name), frame.to_csv(index=False))
     present = set(a.summary.config) if len(a.summary) else set()
     pngs = plots.draw(out, {s.config: s.role for s in run.servers if s.config in present}, a.summary, recs, sweep)
     text = markdown(a, pngs, tier)
-    rf.report_md.write_text(text)
+    files.replace(rf.report_md, text)
     drawn = {name: rf.plot(name.removesuffix(".png")) for name, _ in pngs}
-    images = {name: path.read_bytes() for name, path in drawn.items()}
-    rf.report_html.write_text(html.render(text, f"kvscope report: run {run.run_id}", images))
+    images = {name: files.read_bytes(path) for name, path in drawn.items()}
+    files.replace(rf.report_html, html.render(text, f"kvscope report: run {run.run_id}", images))
     write_json(rf.run_json, run.model_copy(update={"scorer": a.scorer}))
     written = {rf.report_md, rf.run_json, *(rf.table(t) for t in tables), *drawn.values()}
     for stale in set(rf.derived()) - written:  # a table or plot this rendering no longer makes
@@ -358,7 +359,7 @@ def rendered_differently(a: Analysis, folder: Path) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         write_report(a, Path(tmp))
         fresh = {f.name: f.read_bytes() for f in RunFolder(Path(tmp)).derived()}
-    held = {f.name: f.read_bytes() for f in RunFolder(folder).derived()}
+    held = {f.name: files.read_bytes(f, files.MAX_READ_BYTES) for f in RunFolder(folder).derived()}
     return sorted(name for name in fresh.keys() | held.keys() if not _alike(name, fresh.get(name), held.get(name)))
 
 
@@ -588,6 +589,11 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
         lines += ["Records set aside (`records.request_key` repeated in a treatment's file: the first is scored):", ""]
         lines += [f"- `{config}` x `{scenario}`: {n} records repeat a request already recorded; each request counts "
                   "once" for (config, scenario), n in a.loaded.duplicates.items()]
+        lines.append("")
+    if a.loaded.cut_short:
+        lines += ["Lines set aside (a last line without its newline: a write cut short by a full disk or a kill; "
+                  "what it held counts as not recorded):", ""]
+        lines += [f"- `{name}`: its last line ({n} bytes) has no newline" for name, n in a.loaded.cut_short.items()]
         lines.append("")
     restarts = [(r, p) for r in a.loaded.status for p in r.phases.values() if isinstance(p, RestartPhase)]
     if restarts:

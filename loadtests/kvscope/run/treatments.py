@@ -45,6 +45,7 @@ from kvscope.artifacts import (
 )
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
 from kvscope.deploy import servers
+from kvscope.files import replacing
 from kvscope.run import continuations, metrics, orphans, probe, storefaults
 from kvscope.run.records import SESSION_LOST
 from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
@@ -527,5 +528,6 @@ def _keep_log(server: Treatment, name: str, dest: Path) -> str:
     if src is None or not src.exists():
         return f"no {name} at {src}"
     dest.parent.mkdir(exist_ok=True)
-    shutil.copyfile(src, dest)
+    with open(src, "rb") as log, replacing(dest) as kept:  # a link at dest is replaced, not written through
+        shutil.copyfileobj(log, kept)
     return "kept"
