@@ -98,3 +98,45 @@ def test_a_models_tokens_are_not_redacted_and_credential_tokens_are(tmp_path):
 def test_a_json_value_given_with_its_flag_in_one_argument_is_redacted_by_key():
     out = auth.redact_args(['--speculative-config={"password": "pw-1", "n": 2}', "--dtype=float32"])
     assert out == ['--speculative-config={"n": 2, "password": "<redacted>"}', "--dtype=float32"]
+
+
+def check_server_args(tmp_path, servers: list) -> str:
+    """docker/check_server_args.py (vLLM's own parser, in the vLLM environment) over these rendered servers."""
+    import subprocess
+
+    from conftest import REPO
+
+    path = tmp_path / "rendered.json"
+    path.write_text(json.dumps({"kvscope_servers": [s.model_dump() for s in servers]}))
+    out = subprocess.run([str(REPO / ".venv-vllm" / "bin" / "python"), str(REPO / "docker" / "check_server_args.py"),
+                          str(path)], capture_output=True, text=True, timeout=600)
+    return out.stdout
+
+
+def test_vllms_parser_reads_what_kvscope_rendered_and_nothing_a_value_smuggled(tmp_path):
+    # each server as rendered, then as the two-word rendering (`--flag value`) gave it with a smuggling value
+    m = matrix.load(SHIPPED)
+    golden = render(m, m.get("baseline"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1")
+    exact = render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path / "stores", "127.0.0.1", exact=True)
+
+    def smuggled(server, name, *args):
+        return server.model_copy(update={"config": name, "server_args": [*server.server_args, *args]})
+
+    out = check_server_args(tmp_path, [
+        golden, exact,
+        smuggled(golden, "cache-on", "--trust-remote-code", "--enable-prefix-caching"),
+        smuggled(golden, "offload", "--disable-log-stats", "--kv-offloading-size=4"),
+        smuggled(golden, "key", "--disable-log-stats", "--api-key=sk-1"),
+        smuggled(golden, "host", "--disable-log-stats", "--host=0.0.0.0"),
+        smuggled(golden, "positional", "--enforce-eager", "other-model"),
+        smuggled(exact, "step-cap", "--disable-log-stats", "--max-num-batched-tokens=8192"),
+        smuggled(exact, "backend", "--trust-remote-code", "--attention-backend=FLASH_ATTN"),
+        smuggled(golden, "one-word", "--trust-remote-code=--enable-prefix-caching"),  # as kvscope renders it now
+    ])
+    lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    assert lines["baseline"] == "ok" and lines["kvscope-fs"].startswith("ok (attention backend TRITON_ATTN"), out
+    assert "prefix caching" in lines["cache-on"] and "KV offloading" in lines["offload"], out
+    assert "api_key" in lines["key"] and "sk-1" not in out, out
+    assert "host" in lines["host"] and "model_tag" in lines["positional"], out
+    assert "max_num_batched_tokens" in lines["step-cap"] and "attention_backend" in lines["backend"], out
+    assert "ignored explicit argument" in lines["one-word"], out
