@@ -216,7 +216,9 @@ def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFra
         verdict, why = verdicts.config_verdict(server, scores, loaded.expected, ran,
                                                reference.get(config, []) if role == "golden" else broken,
                                                min_hits, max_failed,
-                                               tiers_served(loaded, config), reset_leaks(server, status))
+                                               tiers_served(loaded, config), reset_leaks(server, status),
+                                               verdicts.source_tokens([r.metrics_delta() for r in status
+                                                                       if r.config == config]))
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
@@ -625,6 +627,12 @@ def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str
             continue
         sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
         hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
+        sources = verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == s.config])
+        if hits is None and tiers and sources:  # no load log: vLLM's per-source counter, per phase
+            out.append(f"- `{s.config}`: cached tokens each tier served, by vLLM's "
+                       "per-source counter (over its measure phases, not per request): " + ", ".join(
+                           f"{t} {sources.get(t, 0)}" for t in [*tiers, *sorted(set(sources) - set(tiers))]))
+            continue
         if hits is None:
             out.append(f"- `{s.config}`: " + (f"certifies {', '.join(tiers)}, but the run kept no load log to tell "
                                               "them apart" if tiers else

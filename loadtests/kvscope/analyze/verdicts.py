@@ -173,15 +173,54 @@ def tier_shortfall(declared: list[str], hits: dict[str, int] | None, min_hits: i
         f"{t} not exercised ({hits.get(t, 0)} verified hits, {min_hits} needed)" for t in short)
 
 
+SOURCE = "vllm:prompt_tokens_cached_by_source_total{source="  # vLLM's CacheHitSource: device, host, disk, p2p
+UNSPECIFIED = "external_unspecified"  # a connector that does not say which of its tiers served
+
+
+def source_tokens(deltas: list[dict[str, float] | None]) -> dict[str, int] | None:
+    """Cached prompt tokens per source over a config's measure phases (vLLM's prompt_tokens_cached_by_source):
+    {} where its counters were read and have no such counter, None where none were read."""
+    read = [delta for delta in deltas if delta is not None]
+    out: dict[str, int] = {}
+    for delta in read:
+        for key, value in delta.items():
+            if key.startswith(SOURCE):
+                source = key[len(SOURCE):].rstrip("}")
+                out[source] = out.get(source, 0) + int(value)
+    return out if read else None
+
+
+def counter_shortfall(declared: list[str], sources: dict[str, int] | None) -> str | None:
+    """Without a load log: why a config cannot PASS on behalf of its tiers from vLLM's per-source counter (a
+    tier that served 0 tokens was not exercised; hits the connector files as external_unspecified, or no
+    counter at all, are not observable); None when each served some. Per phase, not per request: a tier's
+    tokens are not tied to the verified hits."""
+    if not declared:
+        return None
+    if not sources:
+        return (f"its tiers ({', '.join(declared)}) cannot be observed: no load log kept, and no per-source "
+                "counter (vllm:prompt_tokens_cached_by_source)")
+    unspecified = sources.get(UNSPECIFIED, 0)
+    short = [f"{t} hits not observable (its connector reports {unspecified} cached tokens as {UNSPECIFIED})"
+             if unspecified else f"{t} not exercised (0 cached tokens from it by vLLM's per-source counter)"
+             for t in declared if sources.get(t, 0) <= 0]
+    if not short:
+        return None
+    passed = [t for t in declared if sources.get(t, 0) > 0]
+    return (f"{Verdict.PASS} for {', '.join(passed)}; " if passed else "") + "; ".join(short)
+
+
 def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, int], ran: set[str],
                    reference_problems: list[str], min_hits: int = MIN_VERIFIED_HITS,
                    max_failed: float = MAX_FAILED_SHARE,
                    served: dict[str, dict[str, int]] | None = None,
-                   leaks: list[str] | None = None) -> tuple[str, str]:
+                   leaks: list[str] | None = None,
+                   sources: dict[str, int] | None = None) -> tuple[str, str]:
     """(verdict, why) of one config from its measure-phase scores; `expected`: answers per scenario;
     `ran`: the scenarios with a status row; `reference_problems`: why golden or control was not cache-off;
     `served`: which tier served each request's blocks (its connector's load log), for the tiers it certifies;
-    `leaks`: its treatments whose reset probe found a tier still serving (reset_leak, with the scenario)."""
+    `leaks`: its treatments whose reset probe found a tier still serving (reset_leak, with the scenario);
+    `sources`: cached tokens per source (source_tokens), for its tiers where no load log was kept."""
     config, role = server.config, server.role
     sc = scores[(scores.config == config) & (scores.phase == "measure")]
     counts = sc.cls.value_counts().to_dict()
@@ -220,7 +259,8 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
     unverified = []
     if role != "control" and verified < min_hits:
         unverified.append(f"{verified} verified cache hits (at least {min_hits} needed)")
-    elif short := tier_shortfall(server.manifest.tiers, hits, min_hits):
+    elif short := (tier_shortfall(server.manifest.tiers, hits, min_hits) if hits is not None or sources is None
+                   else counter_shortfall(server.manifest.tiers, sources)):
         unverified.append(short)
     if counts.get(Answer.UNVERIFIED):
         unverified.append(f"{counts[Answer.UNVERIFIED]} near ties golden could not score")
@@ -232,6 +272,9 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
         return Verdict.UNVERIFIED, "; ".join(unverified)
     if role == "control":
         return Verdict.PASS, "within the noise floor"
+    if hits is None and sources is not None and server.manifest.tiers:
+        per_tier = ", ".join(f"{t} {sources.get(t, 0)} tokens" for t in server.manifest.tiers)
+        return Verdict.PASS, f"{verified} verified cache hits (by tier, vLLM's per-source counter: {per_tier})"
     per_tier = ", ".join(f"{t} {(hits or {}).get(t, 0)}" for t in server.manifest.tiers)
     return Verdict.PASS, f"{verified} verified cache hits" + (f" (by tier: {per_tier})" if per_tier else "")
 

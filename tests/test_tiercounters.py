@@ -1,0 +1,43 @@
+"""A tier that served nothing is never evidence, for connectors without a load log (vLLM's offloading, LMCache,
+UCM): their tiers are read off vLLM's per-source counter (prompt_tokens_cached_by_source) over the measure
+phases. A tier it names with 0 tokens was not exercised; hits filed as external_unspecified, or no such counter,
+are not observable, and the config cannot PASS on that tier's behalf."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_report import certify, four, make_run, verdicts
+
+from kvscope.analyze import report
+
+SOURCE = "vllm:prompt_tokens_cached_by_source_total{source=%s}"
+
+
+def with_counters(run, config: str, delta: dict[str, float] | None):
+    """Each config's status row; `config`'s measure phase with these counter deltas."""
+    measure = {"locust_exit": 0, "seconds": 1.0, "metrics_delta": delta}
+    (run / "status.jsonl").write_text("".join(json.dumps(
+        {"config": c, "scenario": "s", "phases": {"measure": measure} if c == config else {}}) + "\n" for c in four()))
+
+
+@pytest.mark.parametrize("delta,gate,why", [
+    ({SOURCE % "host": 256.0, SOURCE % "device": 0.0}, 0,
+     "2 verified cache hits (by tier, vLLM's per-source counter: host 256 tokens)"),
+    ({SOURCE % "external_unspecified": 256.0}, 3,
+     "host hits not observable (its connector reports 256 cached tokens as external_unspecified)"),
+    ({SOURCE % "device": 256.0}, 3, "host not exercised (0 cached tokens from it by vLLM's per-source counter)"),
+    ({"vllm:prompt_tokens_total": 400.0}, 3,
+     "its tiers (host) cannot be observed: no load log kept, and no per-source counter "
+     "(vllm:prompt_tokens_cached_by_source)"),
+])
+def test_a_tier_without_a_load_log_is_judged_by_its_per_source_counter(tmp_path, delta, gate, why):
+    run = make_run(tmp_path / "run", four(), status=False)
+    certify(run, "apc", ["host"])
+    with_counters(run, "apc", delta)
+    assert report.write(run, min_hits=1) == gate
+    assert verdicts(run).why["apc"] == why
+    if gate == 0:
+        assert "- `apc`: cached tokens each tier served, by vLLM's per-source counter (over its measure phases, " \
+               "not per request): host 256, device 0" in (run / "report.md").read_text()
