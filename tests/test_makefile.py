@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
+import pytest
 from conftest import REPO
 
 
@@ -85,3 +87,36 @@ def test_environments_and_models_are_ignored_as_folders_and_as_links(tmp_path):
         (tmp_path / name).symlink_to(tmp_path / "elsewhere")
     out = subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True).stdout
     assert out.split() == ["??", ".gitignore"]
+
+
+def test_a_users_variable_is_text_that_make_never_runs(tmp_path):
+    # a command-line or environment variable is make syntax unless the Makefile takes its value as typed:
+    # `$(shell ...)` ran as make exported it, even for `make help`
+    marker = tmp_path / "ran"
+    for name in sorted(user_variables()):
+        for where in ("command line", "environment"):
+            assign = [f"{name}=$(shell touch {marker})"] if where == "command line" else []
+            env = {**os.environ, name: f"$(shell touch {marker})"} if where == "environment" else None
+            subprocess.run(["make", "--no-print-directory", "help", *assign], cwd=REPO, capture_output=True,
+                           env=env, timeout=60)
+            assert not marker.exists(), f"{name} from the {where} ran make's $(shell)"
+    report = dry_run("report", f"RUN=$(shell touch {marker})")
+    assert not marker.exists() and f"report '$(shell touch {marker})'" in report  # passed on as text, quoted
+    assert "--run-id 'r1'" in dry_run("bench", "RUN_ID=r1")
+
+
+@pytest.mark.parametrize(("target", "variable", "stub"), [
+    ("rollout", "ROLLOUT_ARGS", "KVSCOPE=printf '<%s>\\n'"), ("images", "IMAGE_ARGS", "PLAYBOOK=printf '<%s>\\n'")])
+def test_extra_options_are_words_passed_as_typed_never_shell_syntax(tmp_path, target, variable, stub):
+    marker = tmp_path / "ran"
+
+    def run(value: str) -> str:
+        out = subprocess.run(["make", "--no-print-directory", target, "CONFIGS=kvscope-fs", f"MODEL={tmp_path}",
+                              "HARNESS=", stub, f"{variable}={value}"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    out = run(f"--help >/dev/null; touch {marker} $(date)")
+    assert not marker.exists() and "<--help>\n<>/dev/null;>\n<touch>\n" in out and "<$(date)>" in out
+    assert "<--gate-queries>\n<32>\n" in run("--gate-queries 32")
