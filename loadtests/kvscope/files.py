@@ -142,9 +142,8 @@ def open_append(path: Path) -> BinaryIO:
     full disk, a kill) is cut off first, so that what is appended starts a line of its own."""
     fd = _open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     size = os.fstat(fd).st_size
-    whole = _after_last_newline(fd, size)
-    if whole < size:
-        os.ftruncate(fd, whole)
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        os.ftruncate(fd, _after_last_newline(fd, size))
     return os.fdopen(fd, "ab")
 
 
