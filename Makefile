@@ -96,8 +96,8 @@ $(MODEL_DIR)/model.safetensors: loadtests/kvscope/deploy/model.py | $(HARNESS)
 ##@ Deployment
 # The default CONFIGS are a selection of the default matrix: a matrix of your own is checked whole, or CONFIGS=.
 VALIDATE_CONFIGS = $(if $(and $(filter file,$(origin CONFIGS)),$(filter-out file,$(origin MATRIX))),,$(CONFIGS))
-validate: $(HARNESS) ## validate the storage-config matrix (MATRIX=..., and a selection: CONFIGS=...)
-	$(KVSCOPE) --matrix $(call q,$(MATRIX)) validate $(if $(VALIDATE_CONFIGS),--configs $(call q,$(VALIDATE_CONFIGS)))
+validate: $(HARNESS) ## validate the storage-config matrix (MATRIX=..., and a selection: CONFIGS=..., for INVENTORY's platform)
+	$(KVSCOPE) --matrix $(call q,$(MATRIX)) validate --inventory $(call q,$(INVENTORY)) $(if $(VALIDATE_CONFIGS),--configs $(call q,$(VALIDATE_CONFIGS)))
 
 # DRY_RUN=1: Ansible's --check; the selection is rendered (into runs/dry-run/, apart from a live deployment's
 # files) and checked, each server's command printed, and nothing started.

@@ -199,3 +199,20 @@ def test_connector_bench_runs_the_parts_without_servers_before_it_deploys(tmp_pa
     script = (REPO / "loadtests/benchmarks/cuda-host/connector-bench.sh").read_text()
     assert script.index("if want load") < script.index("if $servers") and script.index("if want copy") < \
         script.index("if $servers")
+
+
+def validate(*variables: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVSCOPE_PYTHON": sys.executable}  # the host's Python of cuda-host.mk: the harness's
+    return subprocess.run(["make", "--no-print-directory", "validate", *variables], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_make_validate_judges_the_platform_the_inventory_deploys_to_and_says_which(tmp_path):
+    matrix = tmp_path / "matrix.yaml"
+    shutil.copy(REPO / "loadtests" / "kvscope" / "matrix.yaml", matrix)  # a matrix of one's own
+    cuda = validate(f"MATRIX={matrix}", "CONFIGS=baseline,offload-cpu", "INVENTORY=ansible/inventories/cuda-host")
+    assert cuda.returncode == 0, cuda.stdout + cuda.stderr
+    assert "judged for platform cuda (kvscope_platform of inventory ansible/inventories/cuda-host)" in cuda.stdout
+    cpu = validate(f"MATRIX={matrix}", "CONFIGS=baseline,offload-cpu")  # the embedded default: the CPU
+    assert cpu.returncode == 2 and "runs on ['cuda'], not on this platform (cpu)" in cpu.stderr
+    assert "judged for platform cpu (kvscope_platform of inventory ansible/inventories/local)" in cpu.stderr

@@ -42,9 +42,30 @@ def names(text: str) -> list[str]:
 def cmd_validate(args) -> int:
     m = matrix_mod.load(args.matrix)
     if args.configs:
-        matrix_mod.select(m, names(args.configs), args.platform)
+        platform, judged = _platform(args)
+        try:
+            matrix_mod.select(m, names(args.configs), platform)
+        except matrix_mod.ConfigError as exc:
+            raise matrix_mod.ConfigError(f"{exc}\n(judged for platform {platform} ({judged}))") from exc
+        print(f"{args.configs}: judged for platform {platform} ({judged})")
     print(f"{args.matrix}: {len(m.configs)} configs valid: {', '.join(c.name for c in m.configs)}")
     return 0
+
+
+def _platform(args) -> tuple[str, str]:
+    """The platform a selection is judged for, and whence: --platform, else the inventory's kvscope_platform
+    (where it deploys), else the CPU."""
+    if args.platform:
+        return args.platform, "--platform"
+    if args.inventory:
+        from kvscope.deploy import inventory
+
+        found = inventory.bench_hosts(args.inventory).platform
+        if found not in (None, "cpu", "cuda"):
+            raise matrix_mod.ConfigError(f"inventory {args.inventory}: kvscope_platform {found!r} is not cpu or cuda")
+        if found:
+            return found, f"kvscope_platform of inventory {args.inventory}"
+    return "cpu", "the default"
 
 
 def cmd_build_model(args) -> int:
@@ -276,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("validate", help="validate the matrix (and a selection for a platform)")
     _matrix_option(s)
     s.add_argument("--configs", default="", help="a selection to check for --platform, comma-separated")
-    s.add_argument("--platform", choices=["cpu", "cuda"], default="cpu", help="the platform the selection runs on")
+    s.add_argument("--platform", choices=["cpu", "cuda"], default=None,
+                   help="the platform the selection runs on (default: the inventory's kvscope_platform, else cpu)")
+    s.add_argument("--inventory", default=None, help="the Ansible inventory the selection deploys to")
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("bench", help="run scenarios against deployed configs; records into results/<run-id>/")

@@ -25,7 +25,7 @@ from pathlib import Path
 from kvscope import REPO
 from kvscope.config.matrix import ConfigError
 
-VARS = ("kvscope_bench_deployment", "kvscope_ssh_config", "kvscope_locust_master")
+VARS = ("kvscope_bench_deployment", "kvscope_ssh_config", "kvscope_locust_master", "kvscope_platform")
 
 
 class InventoryError(ConfigError):
@@ -90,6 +90,11 @@ class BenchHosts:
     @property
     def master(self) -> str | None:
         return self.value("kvscope_locust_master")
+
+    @property
+    def platform(self) -> str | None:
+        """The platform the inventory deploys to (kvscope_platform: cpu or cuda)."""
+        return self.value("kvscope_platform")
 
     def deployments(self, run_id: str | None) -> list[Path] | None:
         """Each vLLM host's deployment.json on this machine; None where the inventory does not say."""
