@@ -216,3 +216,27 @@ def test_make_validate_judges_the_platform_the_inventory_deploys_to_and_says_whi
     cpu = validate(f"MATRIX={matrix}", "CONFIGS=baseline,offload-cpu")  # the embedded default: the CPU
     assert cpu.returncode == 2 and "runs on ['cuda'], not on this platform (cpu)" in cpu.stderr
     assert "judged for platform cpu (kvscope_platform of inventory ansible/inventories/local)" in cpu.stderr
+
+
+def test_vault_encrypted_bench_variables_are_decrypted_as_ansible_does_or_refused_without_the_ciphertext(
+        tmp_path, monkeypatch):
+    password = tmp_path / "vault-pass"
+    password.write_text("s3cret-pass\n")
+    vaulted = subprocess.run([sys.executable, "-m", "ansible", "vault", "encrypt_string", "--vault-password-file",
+                              str(password), "runs/{host}/deployment.json", "--name", "kvscope_bench_deployment"],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+    (tmp_path / "inv").mkdir()
+    inv = write(tmp_path / "inv", TWO, vaulted + "kvscope_locust_master: 10.0.0.1\n")
+    monkeypatch.delenv("ANSIBLE_VAULT_IDENTITY_LIST", raising=False)
+    monkeypatch.setenv("ANSIBLE_VAULT_PASSWORD_FILE", str(password))  # how ansible-playbook takes it too
+    assert inventory.bench_hosts(inv).deployments(None) == [Path("runs/a/deployment.json"),
+                                                            Path("runs/b/deployment.json")]
+    for env in ("", str(tmp_path / "wrong")):
+        (tmp_path / "wrong").write_text("not-it\n")
+        if env:
+            monkeypatch.setenv("ANSIBLE_VAULT_PASSWORD_FILE", env)
+        else:
+            monkeypatch.delenv("ANSIBLE_VAULT_PASSWORD_FILE")
+        with pytest.raises(inventory.InventoryError, match="kvscope_bench_deployment is vault-encrypted") as err:
+            inventory.bench_hosts(inv).deployments(None)
+        assert "ANSIBLE_VAULT" not in str(err.value).replace("ANSIBLE_VAULT_PASSWORD_FILE", "")  # no ciphertext

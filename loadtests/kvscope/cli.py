@@ -14,6 +14,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import cast, get_args
 
 from kvscope import HARNESS, __version__, files
 from kvscope.artifacts import Verdict
@@ -52,7 +53,7 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def _platform(args) -> tuple[str, str]:
+def _platform(args) -> tuple[matrix_mod.Platform, str]:
     """The platform a selection is judged for, and whence: --platform, else the inventory's kvscope_platform
     (where it deploys), else the CPU."""
     if args.platform:
@@ -61,10 +62,11 @@ def _platform(args) -> tuple[str, str]:
         from kvscope.deploy import inventory
 
         found = inventory.bench_hosts(args.inventory).platform
-        if found not in (None, "cpu", "cuda"):
-            raise matrix_mod.ConfigError(f"inventory {args.inventory}: kvscope_platform {found!r} is not cpu or cuda")
-        if found:
-            return found, f"kvscope_platform of inventory {args.inventory}"
+        if found is not None:
+            if found not in get_args(matrix_mod.Platform):
+                raise matrix_mod.ConfigError(f"inventory {args.inventory}: kvscope_platform {found!r} is not one of "
+                                             f"{', '.join(get_args(matrix_mod.Platform))}")
+            return cast(matrix_mod.Platform, found), f"kvscope_platform of inventory {args.inventory}"
     return "cpu", "the default"
 
 

@@ -32,9 +32,16 @@ class InventoryError(ConfigError):
     """An inventory that cannot be read, or whose bench settings do not make sense (bad input: exit 2)."""
 
 
+VAULT_PASSWORD_ENV = ("ANSIBLE_VAULT_PASSWORD_FILE", "ANSIBLE_VAULT_IDENTITY_LIST")  # as ansible-playbook reads them
+
+
+def _ansible_env() -> dict[str, str]:
+    return {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+
+
 def read(inventory: str) -> dict:
     """The inventory as `ansible-inventory --list` gives it (hosts by group, _meta.hostvars unrendered)."""
-    env = {**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible" / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    env = _ansible_env()
     try:
         out = subprocess.run([sys.executable, "-m", "ansible", "inventory", "-i", inventory, "--list"],
                              capture_output=True, text=True, env=env, timeout=120)
@@ -43,6 +50,32 @@ def read(inventory: str) -> dict:
     if out.returncode != 0:
         raise InventoryError(f"inventory {inventory}: {out.stderr.strip()[-500:]}")
     return json.loads(out.stdout)
+
+
+def decrypt(inventory: str, name: str, ciphertext: str) -> str:
+    """A vault-encrypted variable's value, decrypted by ansible-vault with the password Ansible takes from the
+    environment ($ANSIBLE_VAULT_PASSWORD_FILE or $ANSIBLE_VAULT_IDENTITY_LIST); refused, without the
+    ciphertext, where there is none or it does not fit."""
+    why = f"inventory {inventory}: {name} is vault-encrypted"
+    if not any(os.environ.get(v) for v in VAULT_PASSWORD_ENV):
+        raise InventoryError(f"{why}, and no vault password is given: set ANSIBLE_VAULT_PASSWORD_FILE (as for "
+                             "ansible-playbook), or give the value by its flag")
+    try:  # a session of its own: no terminal to prompt on
+        out = subprocess.run([sys.executable, "-m", "ansible", "vault", "decrypt", "--output", "-"], input=ciphertext,
+                             capture_output=True, text=True, env=_ansible_env(), timeout=120, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        raise InventoryError(f"{why}: ansible-vault gave no answer in 120 s") from exc
+    if out.returncode != 0:
+        error = next((line for line in reversed(out.stderr.splitlines()) if "ERROR" in line), "no error line")
+        raise InventoryError(f"{why}, and ansible-vault cannot decrypt it: {error[-300:]}")
+    return out.stdout
+
+
+def _literal(inventory: str, name: str, value) -> str:
+    """A bench variable's value as text: a vault-encrypted one decrypted."""
+    if isinstance(value, dict) and set(value) == {"__ansible_vault"}:
+        return decrypt(inventory, name, str(value["__ansible_vault"]))
+    return str(value)
 
 
 def hosts(doc: dict, group: str) -> list[str]:
@@ -69,16 +102,18 @@ class BenchHosts:
     servers: list[str]
     workers: list[str] = field(default_factory=list)
     found: dict[str, set[str]] = field(default_factory=dict)  # each variable's values over the hosts
+    vaulted: set[str] = field(default_factory=set)  # variables given vault-encrypted: never shown in a message
 
     def value(self, name: str) -> str | None:
         """A bench variable's one literal value, None where no host has it."""
         seen = self.found.get(name, set())
+        shown = "vault-encrypted values" if name in self.vaulted else ", ".join(sorted(seen))
         if len(seen) > 1:
-            raise InventoryError(f"inventory {self.inventory}: {name} differs between hosts "
-                                 f"({', '.join(sorted(seen))}); the bench takes one")
+            raise InventoryError(f"inventory {self.inventory}: {name} differs between hosts ({shown}); the bench "
+                                 "takes one")
         value = next(iter(seen), None)
         if value is not None and ("{{" in value or "{%" in value):
-            raise InventoryError(f"inventory {self.inventory}: {name} is a template ({value!r}); the bench reads it "
+            raise InventoryError(f"inventory {self.inventory}: {name} is a template ({shown}); the bench reads it "
                                  "without Ansible's templating: give a literal value")
         return value
 
@@ -106,8 +141,9 @@ class BenchHosts:
         try:
             return [Path(pattern.format(host=h, run_id=run_id)) for h in self.servers]
         except (KeyError, IndexError, ValueError) as exc:
-            raise InventoryError(f"kvscope_bench_deployment {pattern!r}: only {{host}} and {{run_id}} may be "
-                                 f"filled in ({exc})") from exc
+            shown = "(vault-encrypted)" if "kvscope_bench_deployment" in self.vaulted else f"{pattern!r} ({exc})"
+            raise InventoryError(f"kvscope_bench_deployment {shown}: only {{host}} and {{run_id}} may be "
+                                 "filled in") from exc
 
 
 def bench_hosts(inventory: str) -> BenchHosts:
@@ -119,6 +155,15 @@ def bench_hosts(inventory: str) -> BenchHosts:
         raise InventoryError(f"inventory {inventory}: no hosts in group vllm_servers")
     workers = hosts(doc, "locust_workers")
     hostvars = doc.get("_meta", {}).get("hostvars", {})
-    values = {name: {str(v) for h in found + workers if (v := hostvars.get(h, {}).get(name)) is not None}
-              for name in VARS}
-    return BenchHosts(inventory, found, workers, values)
+    given = {name: [v for h in found + workers if (v := hostvars.get(h, {}).get(name)) is not None] for name in VARS}
+    vaulted = {name for name, vs in given.items() if any(isinstance(v, dict) for v in vs)}
+    texts: dict[str, str] = {}  # each value read once (a ciphertext is decrypted once)
+
+    def text(name: str, value) -> str:
+        key = json.dumps(value, sort_keys=True, default=str)
+        if key not in texts:
+            texts[key] = _literal(inventory, name, value)
+        return texts[key]
+
+    values = {name: {text(name, v) for v in vs} for name, vs in given.items()}
+    return BenchHosts(inventory, found, workers, values, vaulted)
