@@ -14,7 +14,7 @@ LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]+")  # a line ends at 
 # emphasis, code, table cells, and the "(" that would make "[text]" a link or an image; "_" inside a word
 # emphasises nothing, and stays as it is
 SPECIAL = re.compile(r"[\\`*|]|(?<=\])\(|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
-ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}  # HTML, autolinks, quotes
+ENTITIES = {"&": "&amp;", "<": "&lt;"}  # HTML and autolinks open with "<"; a ">" inside a line is text
 
 
 class Md(str):
@@ -32,5 +32,5 @@ def md(value: object, code: bool = False) -> str:
         fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
         pad = " " if text.startswith("`") or text.endswith("`") else ""
         return f"{fence}{pad}{text}{pad}{fence}"
-    text = re.sub("[&<>]", lambda m: ENTITIES[m.group(0)], text)
+    text = re.sub("[&<]", lambda m: ENTITIES[m.group(0)], text)
     return SPECIAL.sub(lambda m: "\\" + m.group(0), text)
