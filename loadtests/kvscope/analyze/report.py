@@ -254,9 +254,10 @@ def probe_lines(run: RunInfo, status: list[StatusRow]) -> list[str]:
     for r in rows:
         probe = r.reset.probe  # type: ignore[union-attr]
         if leak := verdicts.reset_leak(probe, blocks[r.config]):
-            out.append(f"- `{r.config}` x `{r.scenario}`: **{leak}**; its speed figures are withheld")
+            out.append(f"- {md(r.config, True)} x {md(r.scenario, True)}: **{md(leak)}**; its speed figures are "
+                       "withheld")
         elif why := verdicts.reset_unverified(probe):
-            out.append(f"- `{r.config}` x `{r.scenario}`: reset unverified: {why}")
+            out.append(f"- {md(r.config, True)} x {md(r.scenario, True)}: reset unverified: {md(why)}")
         else:
             clean += 1
     read = sorted({verdicts.probe_tier(k) for r in rows if r.reset and r.reset.probe
