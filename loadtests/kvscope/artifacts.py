@@ -131,9 +131,16 @@ class RenderedServer(Artifact):
     upstream: list[str] = Field(default_factory=list)  # upstream reports about this path, for the report
     exact: bool = False  # served batch-invariant (the platform's exact mode)
     exact_workarounds: list[str] | None = None  # the upstream issues whose exact-mode workaround it runs (None:
-    # not recorded, a run before 2026-12-06)
+    # not recorded, a run before 2026-12-06: written without the key, as it was)
     tiers: list[str] = Field(default_factory=list)  # the tiers it certifies (its connector's load log names them)
     writer: str | None = None  # shared-store scenarios: the config whose server writes what this one loads
+
+    @model_serializer(mode="wrap")
+    def _unrecorded_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("exact_workarounds", []) is None:
+            del out["exact_workarounds"]
+        return out
 
     @model_validator(mode="before")
     @classmethod
