@@ -140,3 +140,17 @@ def test_vllms_parser_reads_what_kvscope_rendered_and_nothing_a_value_smuggled(t
     assert "host" in lines["host"] and "model_tag" in lines["positional"], out
     assert "max_num_batched_tokens" in lines["step-cap"] and "attention_backend" in lines["backend"], out
     assert "ignored explicit argument" in lines["one-word"], out
+
+
+@pytest.mark.parametrize("args", [["--kv-offloading-size=4"], ["--kv-offloading-size", "4"], ["--enable-prefix-caching"],
+                                  ['--kv-transfer-config={"kv_connector": "X"}']])
+def test_a_recorded_golden_with_a_cache_flag_in_either_spelling_is_not_cache_off(args):
+    # servers are rendered `--flag=value` now; manifests of older runs hold `--flag value`
+    from kvscope.analyze.verdicts import cache_off_problems
+    from kvscope.artifacts import Manifest, Treatment
+
+    golden = Treatment(config="baseline", manifest=Manifest(
+        config="baseline", role="golden", port=8100, platform="cuda", served_model_name="m", server_args=args,
+        vllm_version="0.28.0", kv_capacity_tokens=1, block_size=32, prefix_caching=False, model_path="/m",
+        model_hash="h"))
+    assert cache_off_problems(golden, [0]) == [f"it ran with {args[0].split('=')[0]}"]

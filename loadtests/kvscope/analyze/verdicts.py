@@ -40,7 +40,8 @@ def cache_off_problems(server: Treatment, cached_tokens: list[int | None]) -> li
     problems = []
     if server.manifest.prefix_caching:
         problems.append("its manifest says prefix caching was on")
-    problems += [f"it ran with {flag}" for flag in CACHE_ARGS if flag in args]
+    problems += [f"it ran with {flag}" for flag in CACHE_ARGS
+                 if any(a == flag or a.startswith(flag + "=") for a in args)]  # `--flag V` or `--flag=V`
     hits = sum(1 for c in cached_tokens if c)
     if hits:
         problems.append(f"{hits} of its answers report cached prompt tokens")
