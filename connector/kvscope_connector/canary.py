@@ -280,7 +280,8 @@ class _PartialBlocks:
         j, key, n, _ = plan
         self.scheduler.after_alloc(request, blocks, num_external_tokens - n)
         self.loading[request.request_id] = j
-        self.scheduler.ram_index.move_to_end(key)
+        if key in self.scheduler.ram_index:  # else the worker misses it and vLLM computes the block
+            self.scheduler.ram_index.move_to_end(key)
         self.scheduler.meta.loads.append(LoadSpec(blocks.get_block_ids()[0][j], key, TierName.RAM,
                                                   request_id=request.request_id, index=j, count=0))
 
@@ -288,6 +289,9 @@ class _PartialBlocks:
         """After a step's plan: remember the blocks it stores into RAM, forget those it evicts and the
         finished requests. Returns the step's borrowed blocks: request id -> index."""
         bs = self.scheduler.block_size
+        if meta.reset:  # the worker empties its RAM tier before this step's stores
+            self.children.clear()
+            self.parent.clear()
         for spec in meta.stores:
             state, prompt = self.scheduler.reqs.get(spec.request_id), self.prompts.get(spec.request_id)
             if spec.to_ram and state is not None and prompt is not None:
@@ -299,9 +303,6 @@ class _PartialBlocks:
                 self.children[self.parent.pop(key)].pop(key, None)
         for request_id in finished:
             self.prompts.pop(request_id, None)
-        if meta.reset:
-            self.children.clear()
-            self.parent.clear()
         loading, self.loading = self.loading, {}
         return loading
 
