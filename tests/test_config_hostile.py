@@ -154,3 +154,19 @@ def test_a_recorded_golden_with_a_cache_flag_in_either_spelling_is_not_cache_off
         vllm_version="0.28.0", kv_capacity_tokens=1, block_size=32, prefix_caching=False, model_path="/m",
         model_hash="h"))
     assert cache_off_problems(golden, [0]) == [f"it ran with {args[0].split('=')[0]}"]
+
+
+MALFORMED_NAMES = ["--seed 1 --enable-prefix-caching", "--enable-prefix-caching ", "--seed=1 --enable-prefix-caching",
+                   "--attention-backend=FLASH_ATTN", "--seed\n--enable-prefix-caching", "---enable-prefix-caching"]
+
+
+@pytest.mark.parametrize("name", MALFORMED_NAMES)
+def test_a_flag_name_that_is_not_one_option_is_refused_in_the_matrix_and_in_the_overrides(tmp_path, name):
+    # vLLM's parser reads a word with a space as a positional argument, and '--x=v' as the value v: a name is one
+    # option's name (dotted keys allowed), never a second word or a value; kvscope once dropped '=...' silently
+    with pytest.raises(matrix.ConfigError, match="not an option's name"):
+        load_with(tmp_path, "baseline", {name: True})
+    if not name.startswith("---"):  # an override's leading dashes are its own, however many
+        with pytest.raises(matrix.ConfigError, match="not an option's name"):
+            parse_overrides(json.dumps({name.removeprefix("--"): True}))
+    assert load_with(tmp_path, "baseline", {"--compilation-config.mode": 0})  # a dotted key is a name

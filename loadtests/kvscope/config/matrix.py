@@ -44,6 +44,9 @@ WATCHED_FLAGS = RESERVED_FLAGS | set(CACHE_FLAGS) | {CACHE_OFF}
 # A value shaped as an option ('--x', '-O3'), not a number ('-1', '-.5'): once the value of a flag that takes
 # none, vLLM's parser would read it as an option of its own.
 OPTION_SHAPED = re.compile(r"^\s*-(?![\d.])")
+# An option's name as vLLM's parser reads one word: '--name' or '--name.key' (a key of a JSON option); a space
+# would make the word a positional argument, an '=' its value.
+FLAG_NAME = re.compile(r"^--[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$")
 
 
 def vllm_flag(flag: str) -> str:
@@ -92,6 +95,9 @@ def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
         whole = read if (read := option_read(flag, WATCHED_FLAGS)) != option else None
         if not flag.startswith("--"):
             errors.append(f"flag '{flag}' must start with '--'")
+        elif not FLAG_NAME.match(flag):
+            errors.append(f"flag {flag!r} is not an option's name (letters, digits, '-' and '_', keys after '.'): "
+                          "vLLM's parser would read a space as another word and '=' as a value")
         elif option in RESERVED_FLAGS:
             errors.append(f"flag '{flag}' is set by kvscope itself and may not appear in a config or override")
         elif whole:
