@@ -25,7 +25,7 @@ USERS     ?= 2
 # A user's variable is text, never make syntax: each one given on the command line or in the environment becomes
 # a simple variable that holds its value as typed, so `$(shell ...)` in it is never run (not even by `make help`,
 # which exports it).
-USER_VARS := CONFIGS SCENARIOS USERS REPEATS MATRIX MODEL INVENTORY RUNTIME EXACT OVERRIDES RUN_DIR PORT_OFFSET \
+USER_VARS := CONFIGS SCENARIOS USERS REPEATS MATRIX MODEL INVENTORY RUNTIME EXACT OVERRIDES SERVING_PATH RUN_DIR PORT_OFFSET \
   QUERIES RESULTS KVSCOPE_PYTHON DRY_RUN RUN_ID RESUME SLO RUN RUNS OUT REWRITE SERIAL IMAGE ROLLOUT_ID ROLLOUT_ARGS \
   PYTHON3 TORCH_INDEX IMAGE_ARGS
 $(foreach v,$(USER_VARS),$(if $(filter command line environment,$(origin $(v))),$(eval override $(v) := $$(value $(v)))))
@@ -42,6 +42,7 @@ endef
 PLAYBOOK  := $(VENV)/bin/ansible-playbook -i $(call q,$(INVENTORY))
 USER_ARGS  = -e $(call q,kvscope_matrix=$(abspath $(MATRIX))) $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(MODEL)))) \
   $(if $(EXACT),-e vllm_exact=true) $(if $(OVERRIDES),-e $(call q,{"vllm_flag_overrides": $(subst $(nl), ,$(OVERRIDES))})) \
+  $(if $(SERVING_PATH),-e $(call q,vllm_serving_path=$(SERVING_PATH))) \
   $(if $(RUN_DIR),-e $(call q,kvscope_run_dir=$(abspath $(RUN_DIR)))) $(if $(PORT_OFFSET),-e $(call q,vllm_port_offset=$(PORT_OFFSET))) \
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container -e vllm_image=kvscope/kvscope-cpu:latest)
 # What a rollout hands every playbook besides the new matrix and image (`make rollout`; ROLLOUT_ARGS adds options).
@@ -69,7 +70,7 @@ comma       := ,
 -include ansible/bench/$(notdir $(patsubst %/,%,$(INVENTORY))).mk
 
 ##@ Set-up
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed ## install both environments (idempotent)
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VLLM_VENV)/parsers/.installed ## install both environments (idempotent)
 
 $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
@@ -86,6 +87,12 @@ $(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) -e connector
 	$(VLLM_VENV)/bin/pip install -q $(PIP_CV) pytest
+	touch $@
+
+# The sources of each vLLM a CUDA host may serve (wheels.txt's, each stack's): the tests parse rendered flags
+# with every release's own parser (docker/check_server_args.py --on-cpu).
+$(VLLM_VENV)/parsers/.installed: docker/parser-vllms.sh docker/cuda-host/wheels.txt $(wildcard docker/cuda-host/stacks/*.txt) | $(VLLM_VENV)/.installed
+	bash docker/parser-vllms.sh $(VLLM_VENV)/parsers
 	touch $@
 
 model: $(MODEL_DIR)/model.safetensors ## build the tiny offline Qwen3 model (deterministic)
@@ -192,6 +199,7 @@ help: ## list the targets and the variables they read
 #> RUNTIME       process (default) or container (the CPU image, make images-cpu)
 #> EXACT         1: serve batch-invariant and judge bitwise (GPU; refused on the CPU)
 #> OVERRIDES     server flags over every config's, as JSON: OVERRIDES='{"dtype": "bfloat16"}'
+#> SERVING_PATH  a serving path of the matrix over every config: fp8-kv, fp8-e5m2-kv, ngram-spec, small-chunk-full-pool (docs/paths.md)
 #> RUN_DIR       deploy, bench, teardown: the deployment's folder on a one-host inventory (a second one beside the first)
 #> PORT_OFFSET   deploy: added to every config's port (a second deployment beside the first)
 #> QUERIES       make bench: queries per scenario, over each scenario's own

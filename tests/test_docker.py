@@ -90,6 +90,34 @@ def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
     assert blend.returncode != 0 and "exact mode sets --max-num-batched-tokens" in blend.stderr
 
 
+PINNED_VLLMS = sorted({line.split("==")[1].strip() for f in [REPO / "docker" / "cuda-host" / "wheels.txt",
+                        *(REPO / "docker" / "cuda-host" / "stacks").glob("*.txt")]
+                        for line in f.read_text().splitlines() if line.startswith("vllm==")})
+
+
+@pytest.mark.parametrize("version", PINNED_VLLMS)
+def test_gpu_configs_parse_with_the_parser_of_every_vllm_a_cuda_host_may_serve(tmp_path, model_dir, version):
+    # each pinned release's own parser (its sources, `make setup`: docker/parser-vllms.sh), in normal mode and
+    # in exact mode as rendered for that release (the step cap only before 0.27.0)
+    sources = REPO / ".venv-vllm" / "parsers" / version
+    assert (sources / "vllm" / "__init__.py").is_file(), "run `make setup` (docker/parser-vllms.sh)"
+    configs = ["baseline", *(c for c in GPU_CONFIGS if not c.startswith("ucm-blend"))]
+    both = []
+    for mode in ([], ["--exact", "--vllm-version", version]):
+        doc = json.loads(open(render_cuda(tmp_path / (mode[0] if mode else "normal"), MATRIX, configs, *mode)).read())
+        both += [{**s, "config": f"{s['config']}{'/exact' if mode else ''}"} for s in doc["kvscope_servers"]]
+    (tmp_path / "both.json").write_text(json.dumps({"kvscope_servers": both}))
+    out = subprocess.run([str(REPO / ".venv-vllm" / "bin" / "python"), str(REPO / "docker" / "check_server_args.py"),
+                          "--on-cpu", str(tmp_path / "both.json")], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(sources)})
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    capped = version.split(".")[:2] < ["0", "27"] and version.startswith("0.")
+    for name in configs:
+        assert f"{name}: ok" in out.stdout
+        assert (f"{name}/exact: ok (attention backend TRITON_ATTN, steps of at most 255 tokens and 32 requests)"
+                in out.stdout) is capped, out.stdout
+
+
 def test_the_argument_check_catches_a_misspelt_flag_and_a_bad_value(tmp_path, model_dir):
     doc = yaml.safe_load((MATRIX).read_text())
     by_name = {c["name"]: c for c in doc["configs"]}
