@@ -96,3 +96,4 @@ def test_the_report_says_what_the_tier_did_with_each_fault():
     assert said["unreadable"] == "not exercised: no file was damaged"
     assert outcomes.outcome(4, 3, 0, 0, 2, None).startswith("every answer equals golden's (2 cache hits); whether")
     assert outcomes.outcome(4, 3, 0, 0, 0, 0).endswith("reported no damage: not exercised")
+    assert outcomes.outcome(4, 0, 0, 0, 0, 0) == "not exercised: no answer was recorded"  # Locust sent nothing

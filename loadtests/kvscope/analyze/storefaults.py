@@ -15,6 +15,8 @@ def outcome(files: int, answers: int, fail: int, failed: int, hits: int, detecte
     """In words, from the measure phase: FAILs first (served wrong), then failures, then the tier's detections."""
     if not files:
         return "not exercised: no file was damaged"
+    if not answers:
+        return "not exercised: no answer was recorded"
     if fail:
         return f"served wrong: {fail} of {answers} answers FAIL"
     if failed:
