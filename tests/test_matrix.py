@@ -388,3 +388,93 @@ def test_file_tokens_that_the_connector_would_refuse_stop_the_render_before_a_de
         with pytest.raises(matrix.ConfigError, match=f"config 'kvscope-fs': file_tokens {tokens!r} is not"):
             render(m, cfg, "cpu", tmp_path, tmp_path / "stores", "127.0.0.1",
                    parse_overrides(overrides) if overrides else None)
+
+
+# Serving paths (SERVING_PATH=, docs/paths.md): named flag sets over every config, recorded per server.
+CPU_BENCH = ("baseline", "control", "apc", "kvscope-ram", "kvscope-fs", "kvscope-shared", "canary")
+
+
+@pytest.mark.parametrize("name", ["fp8-kv", "fp8-e5m2-kv", "ngram-spec", "small-chunk-full-pool"])
+def test_each_cpu_serving_path_renders_over_every_cpu_config_and_is_recorded(tmp_path, name):
+    m = matrix.load(SHIPPED)
+    path = m.paths[name]
+    for config in CPU_BENCH:
+        out = render(m, m.get(config), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1", serving_path=name)
+        assert out.serving_path == name and json.loads(out.model_dump_json())["serving_path"] == name
+        for flag, value in path.flags.items():
+            assert flag_value(out.server_args, flag) == str(value), (config, flag)
+        if out.role in ("golden", "control"):  # the reference serves the same path, still cache-off
+            assert "--no-enable-prefix-caching" in out.server_args
+    assert "--kv-cache-dtype" not in " ".join(render(m, m.get("apc"), "cpu", tmp_path, tmp_path, "h").server_args)
+
+
+def test_a_server_without_a_serving_path_is_written_without_the_key(tmp_path):
+    m = matrix.load(SHIPPED)
+    out = render(m, m.get("apc"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
+    assert out.serving_path is None and "serving_path" not in json.loads(out.model_dump_json())
+
+
+def test_a_serving_path_is_refused_where_it_cannot_apply(tmp_path, doc):
+    m = matrix.load(SHIPPED)
+    with pytest.raises(matrix.ConfigError, match="unknown serving path 'fp9-kv'; the matrix has: fp8-kv"):
+        render(m, m.get("apc"), "cpu", tmp_path, tmp_path, "h", serving_path="fp9-kv")
+    with pytest.raises(matrix.ConfigError, match=r"serving path 'small-chunk-full-pool': field 'platforms': runs on "
+                                                 r"\['cpu'\], not on this platform \(cuda\)"):
+        render(m, m.get("apc"), "cuda", tmp_path, tmp_path, "h", serving_path="small-chunk-full-pool")
+    # a config that sets a path's flag itself (in any spelling vLLM reads) cannot take the path
+    cfg(doc, "apc")["flags"]["--kv_cache_dtype"] = "auto"
+    cfg(doc, "kvscope-ram")["flags"]["--max-num-batched"] = 64  # vLLM reads the prefix as --max-num-batched-tokens
+    m = matrix.load(write(tmp_path, doc))
+    with pytest.raises(matrix.ConfigError, match="config 'apc' cannot take serving path 'fp8-kv': the config sets "
+                                                 "'--kv-cache-dtype', which the path sets"):
+        render(m, m.get("apc"), "cpu", tmp_path, tmp_path, "h", serving_path="fp8-kv")
+    with pytest.raises(matrix.ConfigError, match="config 'kvscope-ram' cannot take serving path "
+                                                 "'small-chunk-full-pool': the config sets '--max-num-batched'"):
+        render(m, m.get("kvscope-ram"), "cpu", tmp_path, tmp_path, "h", serving_path="small-chunk-full-pool")
+    with pytest.raises(matrix.ConfigError, match="the flag overrides sets '--kv-cache-dtype'"):
+        render(m, m.get("baseline"), "cpu", tmp_path, tmp_path, "h", parse_overrides('{"kv-cache-dtype": "auto"}'),
+               serving_path="fp8-kv")
+    # a path that would give the golden server a cache is refused there, as an override would be
+    doc["paths"]["apc-everywhere"] = {"description": "d", "covers": "c", "platforms": ["cpu"],
+                                      "flags": {"--enable-prefix-caching": True}}
+    m = matrix.load(write(tmp_path, doc))
+    with pytest.raises(matrix.ConfigError, match="config 'baseline': the flag overrides would give the golden server"):
+        render(m, m.get("baseline"), "cpu", tmp_path, tmp_path, "h", serving_path="apc-everywhere")
+
+
+def test_a_serving_path_of_the_matrix_is_validated_like_a_config(tmp_path, doc):
+    doc["paths"]["bad"] = {"description": "d", "covers": "c", "platforms": ["cpu"], "flags": {"--port": 1}}
+    doc["paths"]["Bad name"] = {"description": "d", "covers": "c", "platforms": ["cpu"], "flags": {"--x": 1},
+                                "colour": "red"}
+    with pytest.raises(matrix.ConfigError) as err:
+        matrix.load(write(tmp_path, doc))
+    assert "paths.bad.flags" in str(err.value) and "set by kvscope itself" in str(err.value)
+    assert "Bad name" in str(err.value) and "paths.Bad name.colour" in str(err.value)
+
+
+def test_the_plumbing_renders_a_serving_path_and_refuses_an_unknown_one_with_exit_2(tmp_path, model_dir):
+    base = [sys.executable, "-m", "kvscope.plumbing", "render", "--configs", "baseline,canary", "--platform", "cpu",
+            "--model", str(model_dir), "--run-dir", str(tmp_path), "--out", str(tmp_path / "r.json")]
+    ok = subprocess.run(base + ["--serving-path", "fp8-kv"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    servers = json.loads((tmp_path / "r.json").read_text())["kvscope_servers"]
+    assert [s["serving_path"] for s in servers] == ["fp8-kv", "fp8-kv"]
+    assert all("--kv-cache-dtype=fp8" in s["server_args"] for s in servers)
+    bad = subprocess.run(base + ["--serving-path", "fp8"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown serving path 'fp8'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_bench_refuses_servers_of_different_serving_paths():
+    from kvscope.artifacts import Manifest, Treatment
+    from kvscope.run.treatments import serving_path
+
+    def server(config, role, path):
+        return Treatment(config=config, manifest=Manifest(
+            config=config, role=role, port=8100, platform="cpu", served_model_name="m", server_args=[],
+            vllm_version="0.32.0", kv_capacity_tokens=1, block_size=64, prefix_caching=False, model_path="/m",
+            model_hash="h", serving_path=path))
+
+    assert serving_path([server("baseline", "golden", "fp8-kv"), server("apc", "candidate", "fp8-kv")]) == "fp8-kv"
+    assert serving_path([server("baseline", "golden", None), server("apc", "candidate", None)]) is None
+    with pytest.raises(matrix.ConfigError, match="serving paths differ: apc fp8-kv, baseline none"):
+        serving_path([server("baseline", "golden", None), server("apc", "candidate", "fp8-kv")])

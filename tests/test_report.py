@@ -601,3 +601,18 @@ def test_one_plot_drawn_on_two_cpus_counts_as_alike_and_a_changed_plot_does_not(
     assert not plots.drawn_alike(_png(xs, ys, 4000 * 1.004), drawn)  # an axis limit moved: every line with it
     assert not plots.drawn_alike(_png(xs, [0.1, 0.5, 0.8, 1.0], 4000), drawn)  # one point moved
     assert not plots.drawn_alike(_png([*xs, 3500], [*ys, 1.0], 4000), drawn)  # a point added
+
+
+def test_the_environment_names_the_serving_path_each_server_ran(tmp_path):
+    plain = make_run(tmp_path / "plain", four())
+    report.write(plain, min_hits=1)
+    assert "serving path" not in (plain / "report.md").read_text()  # none picked: no line, no key
+    run = make_run(tmp_path / "fp8", four())
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"] = [{**s, "serving_path": "fp8-kv"} for s in doc["servers"]]
+    (run / "run.json").write_text(json.dumps(doc))
+    report.write(run, min_hits=1)
+    md = (run / "report.md").read_text()
+    assert ("- serving path (docs/paths.md): `fp8-kv` on `baseline`, `control`, `apc`, `canary-shift`\n"
+            in md.split("## Environment", 1)[1])
+    assert all(s["serving_path"] == "fp8-kv" for s in json.loads((run / "run.json").read_text())["servers"])

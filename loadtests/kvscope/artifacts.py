@@ -134,12 +134,14 @@ class RenderedServer(Artifact):
     # not recorded, a run before 2026-12-06: written without the key, as it was)
     tiers: list[str] = Field(default_factory=list)  # the tiers it certifies (its connector's load log names them)
     writer: str | None = None  # shared-store scenarios: the config whose server writes what this one loads
+    serving_path: str | None = None  # the matrix's serving path it ran (SERVING_PATH=); None: none, no key written
 
     @model_serializer(mode="wrap")
     def _unrecorded_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        if out.get("exact_workarounds", []) is None:
-            del out["exact_workarounds"]
+        for key in ("exact_workarounds", "serving_path"):
+            if out.get(key, []) is None:
+                del out[key]
         return out
 
     @model_validator(mode="before")

@@ -28,7 +28,7 @@ def cmd_render(args) -> int:
     overrides = parse_overrides(args.overrides)
     rendered = artifacts.Rendered(kvscope_servers=[
         render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset, args.exact,
-               args.vllm_version or None)
+               args.vllm_version or None, args.serving_path or None)
         for c in chosen])
     if args.max_gpu_share:
         claims = {r.config: r.gpu_share for r in rendered.kvscope_servers}
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overrides", default="{}", metavar="JSON",
                    help='server flags over every config\'s, e.g. \'{"dtype": "bfloat16"}\'')
     s.add_argument("--port-offset", type=int, default=0, help="added to every config's port")
+    s.add_argument("--serving-path", default="", metavar="NAME",
+                   help="a serving path of the matrix's 'paths' (fp8-kv, ...): its flags over every config's")
     s.add_argument("--exact", action="store_true",
                    help="serve batch-invariant: the platform's exact mode (matrix: platforms.<p>.exact)")
     s.add_argument("--vllm-version", default="",

@@ -462,6 +462,12 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
                   "report gives fidelity only: no speed-up, TTFT or throughput here. Measure speed with the same "
                   "workload in normal mode (without `EXACT=1`); `make compare` of the two runs gives the mode's "
                   "cost.", ""]
+        if all(s.manifest.exact_workarounds is not None for s in run.servers):  # recorded since 2026-12-06
+            workarounds = sorted({w for s in run.servers for w in s.manifest.exact_workarounds or []})
+            lines += [f"Exact mode ran with the workarounds its vLLM needs: {', '.join(workarounds)} (the matrix's "
+                      "`platforms.<p>.exact.workarounds`: flags added before the release that fixed each)."
+                      if workarounds else "Exact mode ran without workarounds (none listed for this vLLM release).",
+                      ""]
     lines += ["`hits`: measured requests that reused cached tokens; TTFT p50 of those hits and of golden's answers "
               "to the same requests; speed-up = golden / config on those requests (above 1: faster), with a 95 % "
               "bootstrap interval; hit rates are token shares, measured per request and for an ideal LRU of the "
@@ -513,6 +519,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
               f"(served as {md(first.served_model_name, True)}) sha256 {md(first.model_hash[:16] + '…', True)}, KV "
               f"capacity {first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
               md(f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}"),
+              *_serving_path_lines(run.servers),
               *_imports(run.servers),
               f"- load: {md(', '.join(f'{k} {v}' for k, v in run.load.model_dump().items()))}; workload digest "
               f"`{a.loaded.workload_digest}`",
@@ -641,9 +648,9 @@ def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str
         hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
         sources = verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == s.config])
         if hits is None and tiers and sources:  # no load log: vLLM's per-source counter, per phase
-            out.append(f"- `{s.config}`: cached tokens each tier served, by vLLM's "
+            out.append(f"- {md(s.config, code=True)}: cached tokens each tier served, by vLLM's "
                        "per-source counter (over its measure phases, not per request): " + ", ".join(
-                           f"{t} {sources.get(t, 0)}" for t in [*tiers, *sorted(set(sources) - set(tiers))]))
+                           f"{md(t)} {sources.get(t, 0)}" for t in [*tiers, *sorted(set(sources) - set(tiers))]))
             continue
         if hits is None:
             out.append(f"- {md(s.config, code=True)}: " + (f"certifies {md(', '.join(tiers))}, but the run kept no "
@@ -687,6 +694,18 @@ def _floor_lines(floor: Scorer) -> list[str]:
             f"{md(d.pair)}, {md(d.request, code=True)} token {d.position}: {d.nats:.3g} nat"
             for d in floor.largest_differences) + ".")
     return lines
+
+
+def _serving_path_lines(servers) -> list[str]:
+    """Which serving path (SERVING_PATH=, docs/paths.md) each server ran; nothing where none ran one."""
+    by_path: dict[str, list[str]] = {}
+    for s in servers:
+        by_path.setdefault(s.manifest.serving_path or "", []).append(s.config)
+    if list(by_path) == [""]:
+        return []
+    return ["- serving path (docs/paths.md): " + "; ".join(
+        (f"{md(path, code=True)} on " if path else "none on ") + ", ".join(md(c, code=True) for c in configs)
+        for path, configs in by_path.items())]
 
 
 def _imports(servers) -> list[str]:

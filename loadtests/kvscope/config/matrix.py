@@ -277,15 +277,40 @@ class StorageConfig(Strict):
         return self
 
 
+class ServingPath(Strict):
+    """A serving path a user picks for a whole bench (`make bench SERVING_PATH=fp8-kv`): vLLM flags applied over
+    every config's, as OVERRIDES are, but named, so that the report and run.json say which path each server ran.
+    A config that sets one of its flags itself cannot take the path (rendering refuses it)."""
+
+    description: str = Field(min_length=1, description="what the path serves differently, in a sentence")
+    covers: str = Field(min_length=1, description="the upstream wrong-KV bug class it exercises")
+    platforms: list[Platform] = Field(min_length=1, description="where vLLM runs it")
+    flags: dict[str, FlagValue] = Field(min_length=1, description="vLLM flags every server of the bench gets")
+    upstream: list[Link] = Field(default_factory=list, description="upstream reports of that bug class")
+
+    _flags = field_validator("flags")(_check_flags)
+
+
 class Matrix(Strict):
     platforms: dict[Platform, PlatformDefaults] = Field(description="per-platform server defaults")
     configs: list[StorageConfig]
+    paths: dict[Annotated[str, Field(pattern=NAME)], ServingPath] = Field(
+        default_factory=dict, description="serving paths a bench may pick (SERVING_PATH=), by name")
 
     def get(self, name: str) -> StorageConfig:
         for cfg in self.configs:
             if cfg.name == name:
                 return cfg
         raise ConfigError(f"unknown config '{name}'; the matrix has: {', '.join(c.name for c in self.configs)}")
+
+    def path(self, name: str, platform: Platform) -> ServingPath:
+        """The serving path NAME on PLATFORM; refuses a name the matrix lacks and a path vLLM does not run there."""
+        if name not in self.paths:
+            raise ConfigError(f"unknown serving path '{name}'; the matrix has: {', '.join(self.paths) or 'none'}")
+        if platform not in self.paths[name].platforms:
+            raise ConfigError(f"serving path '{name}': field 'platforms': runs on {self.paths[name].platforms}, "
+                              f"not on this platform ({platform})")
+        return self.paths[name]
 
     def golden(self) -> StorageConfig:
         return next(c for c in self.configs if c.role == "golden")
@@ -341,10 +366,10 @@ def load(path: Path, base: Path | None = None) -> Matrix:
             errors.append(_describe(exc, f"{path}: platform '{key}'"))
     matrix = None
     try:
-        matrix = Matrix(platforms=platforms, configs=configs) if not errors else None
+        matrix = Matrix(platforms=platforms, configs=configs, paths=raw.get("paths") or {}) if not errors else None
     except ValidationError as exc:
         errors.append(_describe(exc, str(path)))
-    for key in set(raw) - {"platforms", "configs"}:
+    for key in set(raw) - {"platforms", "configs", "paths"}:
         errors.append(f"{path}: field '{key}': unknown key")
     errors.extend(_cross_config_errors(configs))
     for cfg in configs:  # python_path: relative to the matrix file, and there

@@ -68,11 +68,13 @@ def parse_overrides(text: str) -> dict:
 def render(
     matrix: Matrix, cfg: StorageConfig, platform: Platform, model_dir: Path, store_root: Path, host: str,
     overrides: dict | None = None, port_offset: int = 0, exact: bool = False, vllm_version: str | None = None,
+    serving_path: str | None = None,
 ) -> RenderedServer:
     """Everything a runtime needs to start `cfg`; `port_offset` moves its port (a second deployment beside
     one on the matrix's ports); `exact`: serve batch-invariant (the platform's exact mode over the config's
     own flags and environment, with the workarounds the serving `vllm_version` needs: all where it is
-    unknown). The model is served under its folder's name."""
+    unknown); `serving_path`: the matrix's path of that name, its flags over the config's. The model is served
+    under its folder's name."""
     defaults = matrix.platforms[platform]
     if exact and defaults.exact is None:
         raise ConfigError(f"platform '{platform}': no exact mode in the matrix (field 'platforms.{platform}.exact'); "
@@ -82,7 +84,11 @@ def render(
     stores = store_paths(cfg, store_root)
     port = cfg.port + port_offset
     args = ["--model", str(model_dir), "--served-model-name", model_dir.name, "--host", host, "--port", str(port)]
-    flags = {**defaults.flags, **cfg.flags, **mode_flags, **(overrides or {})}
+    path_flags = matrix.path(serving_path, platform).flags if serving_path else {}
+    if errors := _path_errors(path_flags, {"the config": cfg.flags, "exact mode": mode_flags,
+                                                        "the flag overrides": overrides or {}}):
+        raise ConfigError(f"config '{cfg.name}' cannot take serving path '{serving_path}': {'; '.join(errors)}")
+    flags = {**defaults.flags, **cfg.flags, **mode_flags, **path_flags, **(overrides or {})}
     if mode and (mine := {o for f in cfg.flags if (o := option_read(f, _options(mode_flags)))}):
         raise ConfigError(f"config '{cfg.name}': exact mode sets {', '.join(sorted(mine))} (platforms.{platform}"
                           ".exact), which the config sets too; batch invariance needs the platform's choice")
@@ -105,8 +111,7 @@ def render(
                           served_model_name=model_dir.name, server_args=args, env=env, stores=stores,
                           store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages),
                           upstream=list(cfg.upstream), exact=mode is not None, exact_workarounds=workarounds,
-                          tiers=list(cfg.tiers),
-                          writer=cfg.writer)
+                          tiers=list(cfg.tiers), writer=cfg.writer, serving_path=serving_path)
 
 
 KVSCOPE_CONNECTOR = {"kvscope_connector", "kvscope_connector.canary"}  # modules of kvscope's connector
@@ -150,6 +155,14 @@ def _override_errors(overrides: dict, mode_flags: dict) -> list[str]:
         elif option and value in (None, False):
             errors.append(f"'{flag}' would drop {option}, which exact mode sets")
     return errors
+
+
+def _path_errors(path_flags: dict, sources: dict[str, dict]) -> list[str]:
+    """A serving path's flag that a config, exact mode or an override also sets (in any spelling vLLM reads):
+    one of the two would be dropped silently, so the path would not be what was served."""
+    options = _options(path_flags)
+    return [f"{source} sets '{flag}', which the path sets ({option}); a bench serves one or the other"
+            for source, flags in sources.items() for flag in flags if (option := option_read(flag, options))]
 
 
 def model_errors(model_dir: Path) -> list[str]:

@@ -284,6 +284,17 @@ def serving_mode(servers_: list[Treatment], exact: bool) -> Mode:
     return "normal" if plain else "exact"
 
 
+def serving_path(servers_: list[Treatment]) -> str | None:
+    """The serving path (SERVING_PATH=) every server ran, None for none; servers of different paths are refused
+    before a request is sent: golden on one path and a cache on another would judge the path, not the cache."""
+    paths = {s.deployed_as: s.manifest.serving_path for s in servers_}
+    if len(set(paths.values())) > 1:
+        raise ConfigError("the servers' serving paths differ: " + ", ".join(
+            f"{config} {path or 'none'}" for config, path in sorted(paths.items()))
+            + "; deploy them all with one SERVING_PATH (make deploy SERVING_PATH=...)")
+    return next(iter(paths.values()), None)
+
+
 def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[str, tuple[str, int, int]]:
     """Label -> (scenario, users, repeat) of every treatment column of a run: a scenario's name alone, with
     `@u<users>` under a load sweep and `#<repeat>` when repeated (each repeat replays the same requests)."""
@@ -322,6 +333,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     if endpoints is not None and exact:  # the owner of the endpoints says so; the control pair checks it
         chosen = [s.model_copy(update={"manifest": s.manifest.model_copy(update={"exact": True})}) for s in chosen]
     mode = serving_mode(chosen, exact)
+    serving_path(chosen)
     all_scenarios = load_scenarios(scenarios_file)
     if queries is not None:
         if queries < 1:
