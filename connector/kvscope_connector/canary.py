@@ -25,7 +25,8 @@ near the numerical floor:
               reassigned (vllm#52234, NIXL's read-after-release race). Its bytes are unloaded's wherever the
               slot still holds what its former owner stored; they differ where vLLM wrote the slot since.
 - partial:    a hit also gets, beyond its last whole block, the next block of another prompt with the same
-              blocks before it, claimed as loaded up to the request's last prompt token at most: the last,
+              blocks before it and another first token there, claimed as loaded up to the request's last
+              prompt token at most: the last,
               partial block of a prefix from another prompt (Mooncake#4153). vLLM hands a connector whole
               blocks and this connector stores only full prompt blocks, so the canary plays the buggy tier at
               the hit's end on the scheduler side: it claims those tokens too and loads the other prompt's
@@ -254,8 +255,9 @@ class _PartialBlocks:
 
     def borrow(self, request, num_computed_tokens: int, hit: int) -> int:
         """Tokens to claim beyond a hit of `hit` tokens after the computed ones (> 0, whole blocks): the next
-        block of another stored prompt whose blocks before it are the request's, where its tokens differ from
-        the request's own, up to the request's last prompt token (always computed). 0 where none is stored."""
+        block of another stored prompt whose blocks before it are the request's and whose first token differs
+        from the request's own (so every claimed position's KV is wrong from the second layer on), up to the
+        request's last prompt token (always computed). 0 where none is stored."""
         bs, prompt = self.scheduler.block_size, self.prompts[request.request_id]
         state = self.scheduler.reqs.get(request.request_id)
         hit_end = num_computed_tokens + hit
@@ -266,7 +268,7 @@ class _PartialBlocks:
         own = state.keys[j] if j < len(state.keys) else None
         mine = tuple(prompt[hit_end:hit_end + n])
         for key, tokens in reversed(self.children.get(state.keys[j - 1], {}).items()):
-            if key != own and key in self.scheduler.ram_index and tokens[:n] != mine:
+            if key != own and key in self.scheduler.ram_index and tokens[:1] != mine[:1]:
                 self.plans[request.request_id] = (j, key, n, hit + n)
                 return n
         return 0
