@@ -79,3 +79,9 @@ def test_every_repository_path_a_page_names_exists(page):
 def test_the_readme_stays_a_front_page():
     # measurement history lives in each run's README and docs/status.md, not here (issue 62)
     assert len((REPO / "README.md").read_text().splitlines()) <= 130
+
+
+def test_the_readme_docs_table_lists_every_page_in_docs():
+    rows = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| [docs/")]
+    listed = {line.split("](", 1)[1].split(")", 1)[0] for line in rows}
+    assert {p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")} - listed == set()
