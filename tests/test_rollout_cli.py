@@ -9,6 +9,7 @@ import base64
 import fcntl
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -322,3 +323,18 @@ def test_every_shipped_configs_definition_is_one_a_rollback_may_deploy_in_either
         assert definition_errors(eq) == [], cfg.name
         checked += 1
     assert checked >= 5
+
+
+@pytest.mark.parametrize("planted", ["rollout.md", "batches/01/logs/change.log", "batches"])
+def test_a_resume_refuses_a_link_in_the_rollouts_folder_and_writes_through_none(setup, capsys, tmp_path, planted):
+    folder = interrupted(setup, "r")
+    victim = tmp_path / "victim"
+    victim.write_text("ssh-ed25519 AAAA owner\n") if planted != "batches" else victim.mkdir()
+    if (folder / planted).exists():
+        shutil.move(folder / planted, tmp_path / "moved")  # the rollout's own, kept aside
+    (folder / planted).symlink_to(victim)
+    before = len(setup.playbook_calls())
+    assert setup.rollout("--id", "r") == 2
+    assert f"{folder / planted}: a symbolic link" in capsys.readouterr().err
+    assert len(setup.playbook_calls()) == before
+    assert (victim.read_text() == "ssh-ed25519 AAAA owner\n") if planted != "batches" else not list(victim.iterdir())

@@ -75,6 +75,16 @@ def check_folder(path: Path) -> None:
         raise _refuse(path, "a folder")
 
 
+def check_tree(root: Path) -> None:
+    """Refuse ROOT unless it is a folder, and anything in it, at any depth, that is not a folder or a regular file
+    (a link, a FIFO, a socket, a device): UnsafeFile, naming it."""
+    check_folder(root)
+    for folder, dirs, names in os.walk(root):  # a link to a folder is listed, never entered
+        for path in (Path(folder) / name for name in dirs + names):
+            if not is_regular(path) and _kind(path) != "a folder":
+                raise _refuse(path, "a folder or a regular file")
+
+
 def check_regular(path: Path) -> None:
     """Refuse PATH unless it is a regular file (UnsafeFile)."""
     os.close(_open(path, os.O_RDONLY))

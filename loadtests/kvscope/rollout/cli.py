@@ -12,6 +12,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kvscope import files
 from kvscope.auth import extra_var_secrets, redact_command
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import inventory
@@ -275,6 +276,10 @@ def _resume(folder: Path, candidate: Rollout) -> Rollout | int:
     or the exit code of its report, when it has finished."""
     from kvscope.rollout import report
 
+    try:  # what the rollout writes into its folder (rollout.md, logs, batches' copies) goes through no link
+        files.check_tree(folder)
+    except files.UnsafeFile as exc:
+        raise RolloutError(f"rollout folder {folder}: {exc}") from exc
     r = _recorded(folder)  # again, now that no other rollout writes it
     if _plan_key(r) != _plan_key(candidate):
         raise RolloutError(f"rollout {r.rollout_id} ({folder}, {r.outcome}) rolled {', '.join(r.configs)} "
