@@ -170,3 +170,15 @@ def test_a_flag_name_that_is_not_one_option_is_refused_in_the_matrix_and_in_the_
         with pytest.raises(matrix.ConfigError, match="not an option's name"):
             parse_overrides(json.dumps({name.removeprefix("--"): True}))
     assert load_with(tmp_path, "baseline", {"--compilation-config.mode": 0})  # a dotted key is a name
+
+
+@pytest.mark.parametrize("command", ["make bench OVERRIDES='{\"hf_token\": \"hf-secret-1234\"}'",
+                                     "kvscope bench --overrides '{\"hf-token\": \"hf-secret-1234\"}'",
+                                     "kvscope bench --overrides='{\"hf-token\": \"hf-secret-1234\"}'",
+                                     "make deploy OVERRIDES='{hf_token: hf-secret-1234, dtype: bfloat16}'"])
+def test_a_secret_in_a_json_value_of_a_recorded_command_is_redacted(command):
+    # OVERRIDES may carry a credential flag's value (vLLM's --hf-token): the recorded command keeps none of it
+    out = auth.redact_command(command)
+    assert "hf-secret-1234" not in out and auth.REDACTED in out, out
+    kept = "make bench OVERRIDES='{\"dtype\": \"bfloat16\", \"max-num-seqs\": 123456}'"
+    assert auth.redact_command(kept) == kept

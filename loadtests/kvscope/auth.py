@@ -108,8 +108,20 @@ def redact_command(command: str, secrets: Iterable[str] = ()) -> str:
             text = name + "=" + REDACTED
         out += [command[end:word.start()], text]
         end, previous = word.end(), word.group(0)
+        secrets = [*secrets, *_mapping_secrets(word.group(0))]
     known = {*_known_secrets(), *(v for v in secrets if len(v) >= MIN_SECRET_CHARS)}
     return _scrub("".join(out) + command[end:], sorted(known, key=len, reverse=True))
+
+
+def _mapping_secrets(word: str) -> list[str]:
+    """The values that a JSON or YAML mapping in one shell word gives secret-looking keys, after a NAME= or
+    --flag= (OVERRIDES='{"hf_token": ...}', --overrides '{...}')."""
+    try:
+        text = "".join(shlex.split(word))
+    except ValueError:
+        return []
+    text = re.sub(r"^-*[A-Za-z_][\w.-]*=", "", text)
+    return extra_var_secrets([text]) if text.lstrip().startswith(("{", "[")) else []
 
 
 def extra_var_secrets(extra_vars: list[str]) -> list[str]:
