@@ -49,6 +49,11 @@ TWO = ("all:\n  children:\n    vllm_servers:\n      hosts:\n        a:\n        
     ("kvscope_bench_deployment: runs/{node}/deployment.json\nkvscope_locust_master: 10.0.0.1\n",
      "only {host} and {run_id}"),
     ("kvscope_bench_deployment: results/{run_id}/{host}.json\nkvscope_locust_master: 10.0.0.1\n", "give --run-id"),
+    # a hostile inventory's pattern: an attribute (a traceback), a width of 300 MB (all memory), Python's internals
+    ("kvscope_bench_deployment: runs/{host.nope}.json\n", "only {host} and {run_id}"),
+    ("kvscope_bench_deployment: 'runs/{host:>300000000}.json'\n", "only {host} and {run_id}"),
+    ("kvscope_bench_deployment: 'runs/{host.__class__.__mro__}.json'\n", "only {host} and {run_id}"),
+    ("kvscope_bench_deployment: 'runs/{host!r}.json'\n", "only {host} and {run_id}"),
 ])
 def test_bench_settings_that_cannot_work_are_refused_with_the_variable_named(tmp_path, group_vars, message):
     with pytest.raises(inventory.InventoryError, match=message):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import string
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -136,14 +137,18 @@ class BenchHosts:
         pattern = self.value("kvscope_bench_deployment")
         if pattern is None:
             return None
-        if "{run_id}" in pattern and run_id is None:
-            raise InventoryError(f"kvscope_bench_deployment {pattern!r} names the run id: give --run-id")
-        try:
-            return [Path(pattern.format(host=h, run_id=run_id)) for h in self.servers]
-        except (KeyError, IndexError, ValueError) as exc:
+        try:  # a field is {host} or {run_id} as such: no attribute, index, conversion or width
+            fields = [name if not (spec or conv) else f"{name}!{conv}:{spec}"
+                      for _, name, spec, conv in string.Formatter().parse(pattern) if name is not None]
+            if wrong := [f for f in fields if f not in ("host", "run_id")]:
+                raise ValueError(f"{{{wrong[0]}}}")
+        except ValueError as exc:
             shown = "(vault-encrypted)" if "kvscope_bench_deployment" in self.vaulted else f"{pattern!r} ({exc})"
             raise InventoryError(f"kvscope_bench_deployment {shown}: only {{host}} and {{run_id}} may be "
                                  "filled in") from exc
+        if "run_id" in fields and run_id is None:
+            raise InventoryError(f"kvscope_bench_deployment {pattern!r} names the run id: give --run-id")
+        return [Path(pattern.format(host=h, run_id=run_id)) for h in self.servers]
 
 
 def bench_hosts(inventory: str) -> BenchHosts:
