@@ -25,8 +25,8 @@ near the numerical floor:
               reassigned (vllm#52234, NIXL's read-after-release race). Its bytes are unloaded's wherever the
               slot still holds what its former owner stored; they differ where vLLM wrote the slot since.
 - partial:    a hit also gets, beyond its last whole block, the next block of another prompt with the same
-              blocks before it and another first token there, claimed as loaded up to the request's last
-              prompt token at most: the last,
+              blocks before it (of several, the one whose tokens differ earliest), claimed as loaded up to the
+              request's last prompt token at most: the last,
               partial block of a prefix from another prompt (Mooncake#4153). vLLM hands a connector whole
               blocks and this connector stores only full prompt blocks, so the canary plays the buggy tier at
               the hit's end on the scheduler side: it claims those tokens too and loads the other prompt's
@@ -255,9 +255,10 @@ class _PartialBlocks:
 
     def borrow(self, request, num_computed_tokens: int, hit: int) -> int:
         """Tokens to claim beyond a hit of `hit` tokens after the computed ones (> 0, whole blocks): the next
-        block of another stored prompt whose blocks before it are the request's and whose first token differs
-        from the request's own (so every claimed position's KV is wrong from the second layer on), up to the
-        request's last prompt token (always computed). 0 where none is stored."""
+        block of another stored prompt whose blocks before it are the request's and whose tokens differ from
+        the request's own there, the one that differs earliest (every position from its first difference on
+        holds wrong KV from the second layer on), up to the request's last prompt token (always computed).
+        0 where none is stored."""
         bs, prompt = self.scheduler.block_size, self.prompts[request.request_id]
         state = self.scheduler.reqs.get(request.request_id)
         hit_end = num_computed_tokens + hit
@@ -267,11 +268,17 @@ class _PartialBlocks:
             return 0
         own = state.keys[j] if j < len(state.keys) else None
         mine = tuple(prompt[hit_end:hit_end + n])
+        best: tuple[int, str] | None = None  # (the first position it differs at, its key)
         for key, tokens in reversed(self.children.get(state.keys[j - 1], {}).items()):
-            if key != own and key in self.scheduler.ram_index and tokens[:1] != mine[:1]:
-                self.plans[request.request_id] = (j, key, n, hit + n)
-                return n
-        return 0
+            if key == own or key not in self.scheduler.ram_index:
+                continue
+            first = next((i for i, (a, b) in enumerate(zip(tokens, mine)) if a != b), None)
+            if first is not None and (best is None or first < best[0]):
+                best = (first, key)
+        if best is None:
+            return 0
+        self.plans[request.request_id] = (j, best[1], n, hit + n)
+        return n
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Plan a request's loads: its own hit's, then its borrowed block's."""
