@@ -122,7 +122,8 @@ def test_every_file_of_the_run_folder_is_a_typed_artifact(short_run):
     models = {"records": artifacts.Record, "workloads": artifacts.Request, "continuations": artifacts.Continuation,
               "faults": artifacts.FaultEvent}
     assert artifacts.read_json(run / "run.json", artifacts.RunInfo).scorer.version == fidelity.SCORER_VERSION
-    assert len(artifacts.read_jsonl(run / "status.jsonl", artifacts.StatusRow)) == 28
+    treatments = (len(SESSION_CONFIGS.split(",")) - 1 + len(FAULTS)) * 2  # a canary's per fault; two scenarios
+    assert len(artifacts.read_jsonl(run / "status.jsonl", artifacts.StatusRow)) == treatments
     for folder, model in models.items():
         files = sorted((run / folder).glob("*.jsonl"))
         assert files, folder

@@ -14,7 +14,7 @@ from test_report import four, make_run
 
 from kvscope.analyze import report, verdicts
 from kvscope.artifacts import Manifest, StatusRow, Treatment
-from kvscope.run import probe, treatments
+from kvscope.run import treatments
 
 PROMPT_TOKENS = 160
 
@@ -23,8 +23,8 @@ class Fake:
     """A server with a GPU prefix cache and a host tier; `leaky`: its reset leaves the host tier serving;
     `silent`: no usage details and no /metrics."""
 
-    def __init__(self, leaky: bool = False, silent: bool = False):
-        self.leaky, self.silent = leaky, silent
+    def __init__(self, leaky: bool = False, silent: bool = False, no_reset: bool = False):
+        self.leaky, self.silent, self.no_reset = leaky, silent, no_reset
         self.gpu: set[str] = set()
         self.host: set[str] = set()
         self.counters = {"vllm:prompt_tokens_total": 0, "vllm:prefix_cache_hits_total": 0,
@@ -75,7 +75,7 @@ def serve():
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.path.startswith("/reset_prefix_cache"):
+                if self.path.startswith("/reset_prefix_cache") and not fake.no_reset:
                     fake.reset()
                     self._send(200, "")
                 elif self.path == "/v1/completions":
@@ -105,9 +105,7 @@ def serve():
 def treatment_reset(server: Treatment):
     """What a treatment does before its first phase: warm up, reset, probe."""
     treatments.warm_up(server)
-    cleared = treatments.reset(server)
-    cleared.probe = probe.reset_probe(server)
-    return cleared
+    return treatments.reset_and_probe(server)
 
 
 def test_a_reset_that_empties_every_tier_probes_clean(serve):
@@ -130,6 +128,14 @@ def test_a_server_without_counters_leaves_the_reset_unverified(serve):
     cleared = treatment_reset(serve(Fake(silent=True)))
     assert verdicts.reset_leak(cleared.probe, 64) is None
     assert "exposes none of the counters" in verdicts.reset_unverified(cleared.probe)
+
+
+def test_a_server_kvscope_cannot_reset_is_not_probed(serve):
+    # a server kvscope did not deploy (no /reset_prefix_cache): its cache was never emptied, so a hit there
+    # is no reset that failed to reset; the report says its cache state is not controlled instead
+    cleared = treatment_reset(serve(Fake(no_reset=True)))
+    assert cleared.reset_prefix_cache_http == 404 and cleared.probe is None
+    assert verdicts.reset_leak(cleared.probe, 64) is None
 
 
 def test_a_leaky_reset_makes_the_treatment_invalid_and_withholds_its_speed(serve, tmp_path):

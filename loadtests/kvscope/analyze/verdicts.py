@@ -137,7 +137,7 @@ def reset_leak(probe: ResetProbe | None, block_size: int) -> str | None:
 def reset_unverified(probe: ResetProbe | None) -> str | None:
     """Why a reset probe cannot vouch for a reset: no probe, no answer, or no counter at all; else None."""
     if probe is None:
-        return "no reset probe (a run recorded before probes)"
+        return "no reset probe (the reset itself failed, or a run recorded before probes)"
     if probe.error:
         return f"the probe got no answer ({probe.error})"
     if probe.cached_tokens is None and not probe.counters:

@@ -490,6 +490,16 @@ def _set_interrupted(folder: Path, why: str | None) -> None:
         write_json(run_json, info.model_copy(update={"interrupted": why}))
 
 
+def reset_and_probe(server: Treatment) -> Reset:
+    """Empty a server's tiers, then probe whether they are empty (the warm-up's prompt again). A server whose
+    reset failed (one kvscope did not deploy has no /reset_prefix_cache) is not probed: its cache was never
+    emptied, and the report says its cache state is not controlled."""
+    cleared = reset(server)
+    if cleared.reset_prefix_cache_http == 200:
+        cleared.probe = probe.reset_probe(server)
+    return cleared
+
+
 def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict, opts: dict, status_path: Path,
                progress: str) -> None:
     """Reset one server, run a scenario's phases on it, and append its status row."""
@@ -498,8 +508,7 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
     print(f"{progress}: warm-up, reset", end="", flush=True)
     warm_up(server, min(WARM_UP_S, opts["timeout_s"]))  # an idle CPU server's first request is slow; keep that
     # out of cold TTFT
-    cleared = reset(server)
-    cleared.probe = probe.reset_probe(server)  # did the reset empty every tier? (the warm-up's prompt again)
+    cleared = reset_and_probe(server)
     writer = opts.get("writer")
     if writer is not None:  # a shared store: the writer stores what this server then loads
         cleared.writer, cleared.writer_reset = writer.config, reset(writer)
