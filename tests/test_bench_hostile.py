@@ -180,16 +180,21 @@ def test_no_probe_and_no_locust_request_follows_a_redirect_to_another_address(tm
 
 # --- answers without end: bounded in size and in total time -------------------------------------------------
 
-def endless(h):
-    """A 200 whose body never ends (no length, no chunking: it lasts until the connection closes)."""
+def forever(h, kind: str, block: bytes, pause_s: float):
+    """A 200 whose body never ends (no length, no chunking: it lasts until the connection closes): `block`
+    again and again, `pause_s` apart, until the fake server stops."""
     h.send_response(200)
-    h.send_header("Content-Type", "application/json")
+    h.send_header("Content-Type", kind)
     h.send_header("Connection", "close")
     h.end_headers()
-    block = b'{"choices": [{"text": "' + b"x" * 65536 + b'"}]}\n'
     while not h.server.stopping.is_set():
         h.wfile.write(block)
-        time.sleep(0.002)  # ~30 MB/s: enough to pass any sane size limit in a second
+        time.sleep(pause_s)
+
+
+def endless(h):
+    """A JSON body that never ends, ~30 MB/s: enough to pass any sane size limit in a second."""
+    forever(h, "application/json", b'{"choices": [{"text": "' + b"x" * 65536 + b'"}]}\n', 0.002)
 
 
 def slowloris(h):
@@ -355,14 +360,8 @@ def test_a_bench_killed_with_kill_9_takes_its_locust_along_and_no_resume_mixes_i
 
 def endless_stream(h):
     """A completions stream of tokens that never ends."""
-    h.send_response(200)
-    h.send_header("Content-Type", "text/event-stream")
-    h.send_header("Connection", "close")
-    h.end_headers()
     chunk = b"data: " + json.dumps({"choices": [{"index": 0, "text": " x", "token_ids": [7]}]}).encode() + b"\n\n"
-    while not h.server.stopping.is_set():
-        h.wfile.write(chunk * 100)
-        time.sleep(0.01)
+    forever(h, "text/event-stream", chunk * 100, 0.01)
 
 
 def test_a_locust_stream_longer_than_its_max_tokens_allow_is_cut_off(tmp_path):
