@@ -280,3 +280,11 @@ def test_the_lmcache_repro_script_passes_a_correct_cache_and_fails_one_that_load
     wrong = lmcache_repro(deployment, "canary")
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
     assert re.search(r"repeat \S+: cached [1-9]\d* tokens, DIFFERS", wrong.stdout), wrong.stdout
+
+
+def test_a_servers_extensible_kv_cache_is_read_from_its_cache_config_labels():
+    from kvscope.deploy import servers
+    assert servers.extensible_kv_cache({"enable_extensible_kv_cache": "True"}) is True
+    assert servers.extensible_kv_cache({"enable_extensible_kv_cache": "False"}) is False
+    assert servers.extensible_kv_cache({"enable_extensible_kv_cache": "None"}) is None  # before it was resolved
+    assert servers.extensible_kv_cache({"block_size": "16"}) is None  # a vLLM without it

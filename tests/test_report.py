@@ -616,3 +616,19 @@ def test_the_environment_names_the_serving_path_each_server_ran(tmp_path):
     assert ("- serving path (docs/paths.md): `fp8-kv` on `baseline`, `control`, `apc`, `canary-shift`\n"
             in md.split("## Environment", 1)[1])
     assert all(s["serving_path"] == "fp8-kv" for s in json.loads((run / "run.json").read_text())["servers"])
+
+
+def test_the_environment_says_per_server_whether_vllms_extensible_kv_cache_sized_it(tmp_path):
+    # vLLM 0.34 sizes its KV cache after warm-up on CUDA (enable_extensible_kv_cache) unless
+    # --kv-cache-memory-bytes is set; older servers do not report it, and their reports stay as they were
+    plain = make_run(tmp_path / "plain", four())
+    report.write(plain, min_hits=1)
+    assert "extensible KV cache" not in (plain / "report.md").read_text()
+    run = make_run(tmp_path / "v034", four())
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"] = [{**s, "extensible_kv_cache": s["config"] == "apc"} for s in doc["servers"]]
+    (run / "run.json").write_text(json.dumps(doc))
+    report.write(run, min_hits=1)
+    env = (run / "report.md").read_text().split("## Environment", 1)[1]
+    assert "- KV cache sized by vLLM's extensible KV cache (after warm-up) on `apc`; by its profile or " \
+           "`--kv-cache-memory-bytes` on `baseline`, `control`, `canary-shift`\n" in env

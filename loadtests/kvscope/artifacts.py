@@ -188,6 +188,7 @@ class Manifest(RenderedServer):
     packages: dict[str, Any] = Field(default_factory=dict)
     connector_imports: dict[str, str] = Field(default_factory=dict)  # module -> "ok" or why it did not import
     kv_capacity_tokens: int | None
+    extensible_kv_cache: bool | None = None  # vLLM 0.34+ on CUDA: KV sized after warm-up (None: not reported)
     block_size: int
     prefix_caching: bool
     max_model_len: int | None = None

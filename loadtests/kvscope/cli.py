@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shlex
 import signal
 import sys
@@ -19,8 +18,12 @@ from typing import cast, get_args
 from kvscope import HARNESS, __version__, files
 from kvscope.artifacts import Verdict
 from kvscope.auth import redact_command
+from kvscope.commandline import DEFAULT_MATRIX, RUN_ID, names, run_cli
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import servers
+from kvscope.deploy.folder import LOCAL as LOCAL_DEPLOYMENT
+from kvscope.deploy.folder import DeploymentFolder
+from kvscope.rollout.folder import RolloutFolder
 from kvscope.runfolder import RunFolder
 
 EXIT_CODES = """exit codes of bench --report and report (the gate):
@@ -31,13 +34,7 @@ EXIT_CODES = """exit codes of bench --report and report (the gate):
      --report: a treatment got no answer at all (a server that is down)
   130, 143, 1: bench stopped by Ctrl-C, by SIGTERM, or by a crash; run.json says why, the finished
      treatments are kept (scored when --report), and --resume continues the run"""
-DEFAULT_MATRIX = HARNESS / "matrix.yaml"
 DEFAULT_SCENARIOS = "rag-zipf,rag-relevance,multiturn,repeat-867"
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # one folder name under --results, never a path
-
-
-def names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",") if n.strip()]
 
 
 def cmd_validate(args) -> int:
@@ -94,7 +91,7 @@ def _deployment_and_workers(args) -> tuple[list[Path], dict | None]:
 
     bench = inventory.bench_hosts(args.inventory) if args.inventory else inventory.BenchHosts("", [])
     deployments = ([Path(d) for d in names(args.deployment)] if args.deployment
-                   else bench.deployments(args.run_id) or [Path("runs/local/deployment.json")])
+                   else bench.deployments(args.run_id) or [DeploymentFolder(LOCAL_DEPLOYMENT).deployment])
     workers = names(args.worker_hosts) if args.worker_hosts else bench.workers
     if not workers:
         return deployments, None
@@ -217,7 +214,7 @@ def _report(folder: Path, args, out: Path | None = None, rewrite: bool = False) 
 
 
 def cmd_report(args) -> int:
-    if (Path(args.run) / "rollout.json").exists():  # a rollout's record (kvscope rollout): rollout.md
+    if RolloutFolder(args.run).record.exists():  # a rollout's record (kvscope rollout): rollout.md
         from kvscope.rollout import report as rollout_report
 
         if args.json or args.out or args.rewrite:
@@ -387,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("status", help="list the servers of a deployment folder and whether they run")
-    s.add_argument("--run-dir", default="runs/local", help="the deployment folder (deploy's kvscope_run_dir)")
+    s.add_argument("--run-dir", default=str(LOCAL_DEPLOYMENT), help="the deployment folder (deploy's kvscope_run_dir)")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("build-model", help="build the tiny offline Qwen3 model (or --shape qwen3-4b)")
@@ -397,19 +394,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny (CPU tests), or Qwen3-4B's shape with random weights (GPU runs)")
     s.set_defaults(func=cmd_build_model)
     return p
-
-
-def run_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    """Parse, run, and turn bad input into exit code 2 with a message naming the item."""
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except matrix_mod.ConfigError as exc:
-        print(f"kvscope: invalid configuration:\n{exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # RunError and ArtifactError name their file
-        print(f"kvscope: {exc}", file=sys.stderr)
-        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

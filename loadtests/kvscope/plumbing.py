@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from kvscope import artifacts
-from kvscope.cli import DEFAULT_MATRIX, names, run_cli
+from kvscope.commandline import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
 from kvscope.config.render import model_errors, parse_overrides, render
 from kvscope.deploy import servers

