@@ -139,7 +139,7 @@ class RenderedServer(Artifact):
     @model_serializer(mode="wrap")
     def _unrecorded_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        for key in ("exact_workarounds", "serving_path"):
+        for key in ("exact_workarounds", "serving_path", "extensible_kv_cache"):  # the last: a Manifest's
             if out.get(key, []) is None:
                 del out[key]
         return out
@@ -188,7 +188,8 @@ class Manifest(RenderedServer):
     packages: dict[str, Any] = Field(default_factory=dict)
     connector_imports: dict[str, str] = Field(default_factory=dict)  # module -> "ok" or why it did not import
     kv_capacity_tokens: int | None
-    extensible_kv_cache: bool | None = None  # vLLM 0.34+ on CUDA: KV sized after warm-up (None: not reported)
+    extensible_kv_cache: bool | None = None  # vLLM 0.34+ on CUDA: KV sized after warm-up (None: not reported,
+    # no key written)
     block_size: int
     prefix_caching: bool
     max_model_len: int | None = None
