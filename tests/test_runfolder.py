@@ -20,6 +20,10 @@ from kvscope.artifacts import (
     read_jsonl,
     write_json,
 )
+from kvscope.config import matrix as matrix_mod
+from kvscope.config.render import render
+from kvscope.deploy.folder import DeploymentFolder
+from kvscope.rollout.folder import RolloutFolder, host_state
 from kvscope.runfolder import TABLES, RunFolder
 
 # A run folder's files and folders, as a path expression would name them outside the module.
@@ -29,11 +33,105 @@ HAND_BUILT = re.compile(r'/ "(records|faults|loads|continuations|workloads|locus
 PUBLISHED = RunFolder(REPO / "results" / "2026-12-01-cpu-vllm0.32-lifecycle")  # with a restart and a shared store
 
 
-def test_no_run_folder_path_is_built_outside_its_module():
-    sources = [p for p in (REPO / "loadtests" / "kvscope").rglob("*.py") if p.name != "runfolder.py"]
+# A deployment folder's and a rollout folder's files, as a quoted name or a path expression would spell them.
+DEPLOYMENT_HAND_BUILT = re.compile(r'''["'](?:[^"'\s]*/)?(?:server\.(?:pid|log)|manifest\.json|failed\.json|'''
+                                   r'''rendered(?:-[^"'\s]*)?\.json|deployment\.json)["']|/ ["']stores["']|["']runs/local\b''')
+ROLLOUT_HAND_BUILT = re.compile(r'''["'](?:[^"'\s]*/)?(?:\.?rollout\.(?:json|md)(?:\.tmp)?|\.lock|gate-scenarios\.yaml|'''
+                                r'''restore-[^"'\s]*)["']|/ ["'](?:batches|logs|state|gate)["']|["'](?:batches|logs|state)/''')
+OWNERS = [(HAND_BUILT, "kvscope/runfolder.py"), (DEPLOYMENT_HAND_BUILT, "kvscope/deploy/folder.py"),
+          (ROLLOUT_HAND_BUILT, "kvscope/rollout/folder.py")]
+
+
+@pytest.mark.parametrize(("hand_built", "owner"), OWNERS, ids=["run", "deployment", "rollout"])
+def test_no_folder_path_is_built_outside_its_owner(hand_built, owner):
+    sources = [p for p in (REPO / "loadtests").rglob("*.py") if p != REPO / "loadtests" / owner]
     found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in sources
-             for i, line in enumerate(p.read_text().splitlines(), 1) if HAND_BUILT.search(line)]
+             for i, line in enumerate(p.read_text().splitlines(), 1) if hand_built.search(line)]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(("line", "pattern"), [('run_dir / "server.pid"', DEPLOYMENT_HAND_BUILT),
+                                               ('f"{config}/manifest.json"', DEPLOYMENT_HAND_BUILT),
+                                               ('Path(run_dir).resolve() / "stores"', DEPLOYMENT_HAND_BUILT),
+                                               ('Path("runs/local/deployment.json")', DEPLOYMENT_HAND_BUILT),
+                                               ('default="runs/local"', DEPLOYMENT_HAND_BUILT),
+                                               ('folder / "batches" / f"{n:02d}"', ROLLOUT_HAND_BUILT),
+                                               ('Path(folder) / "rollout.json"', ROLLOUT_HAND_BUILT),
+                                               ('step.log = "logs/final.log"', ROLLOUT_HAND_BUILT)])
+def test_the_guard_sees_a_hand_built_path(line, pattern):
+    assert pattern.search(line)
+
+
+# The Ansible roles, the playbooks, the make overlays and the shell scripts spell the deployment folder's paths
+# in YAML and bash; each is read here as a template (a variable part as *) and must be one the model makes.
+SPELLERS = sorted([*(REPO / "ansible").rglob("*.yml"), *(REPO / "ansible").rglob("*.sh"), *(REPO / "ansible").rglob("*.mk"),
+                   *(REPO / "loadtests" / "benchmarks").rglob("*.sh"), REPO / "Makefile"])
+SPELT_PATH = re.compile(r"\b(?:RUN_DIR|STATE_DIR)(?:/[\w.*-]+)*")
+SPELT_NAME = re.compile(r"(?<![\w.*-])(?:server|manifest|failed|deployment|rendered)[\w*-]*\.(?:pid|log|json)(?![\w-])")
+
+
+def _as_template(line: str) -> str:
+    """A line with the deployment folder as RUN_DIR, rollout-state's folder as STATE_DIR, and every other
+    variable (Jinja, bash, make) as *."""
+    line = re.sub(r"\{\{\s*kvscope_run_dir\s*\}\}|\bkvscope_run_dir(?=\s*~)|\$\{?run_dir\}?|\$\(RUN_DIR\)", "RUN_DIR", line)
+    line = re.sub(r"\{\{\s*rollout_state_to\s*\}\}", "STATE_DIR", line)
+    line = re.sub(r"\s*~\s*'([^']*)'", r"\1", line)  # Jinja's concatenation: kvscope_run_dir ~ '/' ~ x ~ '/server.pid'
+    line = re.sub(r"\s*~\s*[\w.]+", "*", line)
+    line = re.sub(r"\{\{\s*\(?\s*((?:RUN_DIR|STATE_DIR)[^|}]*?)\)?\s*(?:\|[^}]*)?\}\}", r"\1", line)
+    line = re.sub(r"\{\{.*?\}\}", "*", line)
+    return re.sub(r"\$\{?\w+\}?|\$\(\w+\)", "*", line)
+
+
+def test_ansible_and_the_scripts_spell_the_deployment_folder_as_its_model():
+    folder = DeploymentFolder(Path("RUN_DIR"))
+    server = folder.server("*")
+    paths = {str(p) for p in (folder.root, folder.rendered, folder.rendered_for("*"), folder.deployment, folder.stores,
+                              folder.shared_stores, server.root, server.pid, server.log, server.manifest, server.failed,
+                              host_state(Path("STATE_DIR"), "*"))}
+    names = {Path(p).name for p in paths} - {"*", "RUN_DIR", "STATE_DIR"}
+    spelt = [(f"{p.relative_to(REPO)}:{i}", _as_template(line)) for p in SPELLERS
+             for i, line in enumerate(p.read_text().splitlines(), 1)]
+    found_paths = [(where, m) for where, line in spelt for m in SPELT_PATH.findall(line)]
+    found_names = [(where, m) for where, line in spelt for m in SPELT_NAME.findall(line)]
+    assert not [f"{where}: {m}" for where, m in found_paths if m not in paths]
+    assert not [f"{where}: {m}" for where, m in found_names if m not in names]
+    # the scan reads what the roles spell: every file of a server folder, the folder's own files and the stores
+    assert {m for _, m in found_paths} >= {str(server.pid), str(server.log), str(folder.rendered), str(folder.shared_stores)}
+    assert {m for _, m in found_names} >= {"server.pid", "server.log", "manifest.json", "failed.json", "deployment.json"}
+
+
+@pytest.mark.parametrize(("line", "template"), [
+    ('"{{ kvscope_run_dir }}/{{ server.config }}/server.pid"', "RUN_DIR/*/server.pid"),
+    ("> {{ (kvscope_run_dir ~ '/' ~ item.server.config ~ '/server.log') | quote }} 2>&1", "RUN_DIR/*/server.log"),
+    ('cp "$run_dir/deployment.json" "$out/"', "RUN_DIR/deployment.json"),
+    ("--deployment $(call q,$(RUN_DIR)/deployment.json)", "RUN_DIR/deployment.json"),
+    ('dest: "{{ rollout_state_to }}/{{ inventory_hostname }}.json"', "STATE_DIR/*.json")])
+def test_a_spelt_path_reads_as_its_template(line, template):
+    assert SPELT_PATH.findall(_as_template(line)) == [template]
+
+
+def test_the_renderer_puts_shared_stores_where_the_deployment_folder_has_them(tmp_path):
+    # config.render lays out stores/ (config stage: it does not import the deploy stage); the NFS role mounts
+    # the shared folder the model names
+    m = matrix_mod.load(REPO / "loadtests" / "kvscope" / "matrix.yaml")
+    cfg = next(c for c in m.configs if c.shared_stores)
+    folder = DeploymentFolder(tmp_path)
+    out = render(m, cfg, "cpu", tmp_path, folder.stores, "127.0.0.1")
+    shared = [p for p in out.stores.values() if Path(p).parent == folder.shared_stores]
+    assert shared and len(shared) == len(cfg.shared_stores)
+
+
+def test_the_deployment_and_rollout_layouts(tmp_path):
+    folder = DeploymentFolder(str(tmp_path))
+    assert folder.server("apc").pid == tmp_path / "apc" / "server.pid"
+    assert folder.rendered_for("node1") == tmp_path / "rendered-node1.json"
+    (tmp_path / "apc").mkdir()
+    folder.server("apc").manifest.write_text("{}")
+    assert [s.config for s in folder.servers_with("manifest.json")] == ["apc"]
+    rollout = RolloutFolder(tmp_path)
+    batch = rollout.batch(3)
+    assert batch.log("change") == tmp_path / "batches" / "03" / "logs" / "change.log"
+    assert rollout.relative(batch.gate_run("h1")) == "batches/03/gate/h1" and batch.rollout == rollout
 
 
 def test_the_layout(tmp_path):

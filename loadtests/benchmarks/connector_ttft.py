@@ -38,6 +38,7 @@ import numpy as np
 
 from kvscope import auth
 from kvscope.artifacts import Deployment, Manifest, Request, read_json
+from kvscope.deploy.folder import LOCAL, DeploymentFolder
 from kvscope.run.metrics import delta, scrape
 from kvscope.run.records import new_record, parse_stream, request_body
 
@@ -218,7 +219,7 @@ def miss_verdicts(miss: dict[str, float], base: str, peers: list[str]) -> list[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--deployment", default="runs/local/deployment.json")
+    ap.add_argument("--deployment", default=str(DeploymentFolder(LOCAL).deployment))
     ap.add_argument("--configs", default="kvscope-ram,kvscope-fs",
                     help="kvscope connector configs to measure, comma-separated")
     ap.add_argument("--peers", default="apc", help="caches to set them against (on a GPU: offload-cpu-tier,apc)")

@@ -15,6 +15,7 @@ from kvscope.commandline import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
 from kvscope.config.render import model_errors, parse_overrides, render
 from kvscope.deploy import servers
+from kvscope.deploy.folder import DeploymentFolder, ServerFolder
 
 
 def cmd_render(args) -> int:
@@ -24,7 +25,7 @@ def cmd_render(args) -> int:
     if errors := model_errors(model):
         raise matrix_mod.ConfigError(f"model {model} cannot be served: {'; '.join(errors)} "
                                      "(the tiny default: `make model`; your own: MODEL=/path/to/hf-model)")
-    store_root = Path(args.run_dir).resolve() / "stores"
+    store_root = DeploymentFolder(Path(args.run_dir).resolve()).stores
     overrides = parse_overrides(args.overrides)
     rendered = artifacts.Rendered(kvscope_servers=[
         render(m, c, args.platform, model, store_root, args.host, overrides, args.port_offset, args.exact,
@@ -60,24 +61,25 @@ def cmd_wait(args) -> int:
 def cmd_stop(args) -> int:
     pid_file = Path(args.pid_file)
     print(f"{pid_file}: {servers.stop(pid_file, args.grace_s)}")
-    servers.write_deployment(pid_file.parent.parent)
+    servers.write_deployment(ServerFolder.of(pid_file).deployment.root)
     return 0
 
 
 def cmd_manifest(args) -> int:
     from kvscope.deploy.model import model_hash
 
-    run_dir = Path(args.run_dir)
+    folder = DeploymentFolder(args.run_dir)
+    server = folder.server(args.config)
     rendered = servers.rendered_servers(Path(args.rendered))[args.config]
     model = Path(args.model)
     python = args.server_python
-    doc = servers.manifest(run_dir / args.config / "server.pid", rendered, model, model_hash(model), args.host,
+    doc = servers.manifest(server.pid, rendered, model, model_hash(model), args.host,
                            servers.package_versions(python) if python else None, args.container,
                            servers.connector_imports(python, servers.connector_modules(rendered), rendered.env)
                            if python else None)
-    artifacts.write_json(run_dir / args.config / "manifest.json", doc)
-    (run_dir / args.config / "failed.json").unlink(missing_ok=True)
-    servers.write_deployment(run_dir)
+    artifacts.write_json(server.manifest, doc)
+    server.failed.unlink(missing_ok=True)
+    servers.write_deployment(folder.root)
     failed = {m: why for m, why in doc.connector_imports.items() if why != "ok"}
     print(f"{args.config}: port {doc.port} pid {doc.pid} vLLM {doc.vllm_version} KV {doc.kv_capacity_tokens} tokens"
           + (f"; connector modules that do not import: {failed}" if failed else ""))

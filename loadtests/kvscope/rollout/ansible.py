@@ -24,6 +24,8 @@ from pydantic import ValidationError
 from kvscope import REPO
 from kvscope.artifacts import Deployment, Rendered, RenderedServer, write_json
 from kvscope.auth import extra_var_secrets, redact_command
+from kvscope.deploy.folder import DEPLOYMENT, RENDERED
+from kvscope.rollout.folder import BatchFolder, host_state
 from kvscope.rollout.record import HostState, ServerState, restorable
 
 ANSIBLE_DIR = REPO / "ansible"
@@ -80,12 +82,12 @@ class Ansible:
     def state(self, hosts: list[str], dest: Path, log: Path) -> dict[str, HostState]:
         """What each host serves now; a host that could not be read gets a state with `error`."""
         dest.mkdir(parents=True, exist_ok=True)
-        for old in dest.glob("*.json"):
+        for old in dest.glob(host_state(Path(), "*").name):
             old.unlink()
         rc = self.playbook("rollout-state.yml", hosts, [f"rollout_state_to={dest.resolve()}"], log)
         out = {}
         for host in hosts:
-            path = dest / f"{host}.json"
+            path = host_state(dest, host)
             if not path.exists():
                 out[host] = HostState(host=host, run_dir="?", error=f"not read (rollout-state.yml exit {rc}; {log})")
                 continue
@@ -117,7 +119,7 @@ class Ansible:
             assert s.rendered is not None and s.manifest is not None  # checked before the change
             groups.setdefault((s.image, s.manifest.model_path), []).append(s)
         for n, ((image, model), servers) in enumerate(groups.items()):
-            source = folder / f"restore-{host}-{n}.json"
+            source = BatchFolder(folder).restore_source(host, n)
             write_json(source, Rendered(kvscope_servers=[s.rendered for s in servers if s.rendered is not None]))
             extra = [f"vllm_rendered_source={source.resolve()}", f"vllm_configs={','.join(s.config for s in servers)}",
                      f"kvscope_model_dir={model}"] + ([f"vllm_image={image}"] if image else [])
@@ -129,10 +131,10 @@ def parse_state(doc: dict) -> HostState:
     """A host's rollout-state.yml file -> HostState: every server it runs or failed to start, with its health,
     its image and what restores it."""
     files = {name: json.loads(base64.b64decode(text)) for name, text in doc.get("files", {}).items()}
-    deployment = Deployment.model_validate(files.get("deployment.json") or {})
+    deployment = Deployment.model_validate(files.get(DEPLOYMENT) or {})
     rendered: dict[str, RenderedServer] = {}
-    if files.get("rendered.json"):
-        rendered = {r.config: r for r in Rendered.model_validate(files["rendered.json"]).kvscope_servers}
+    if files.get(RENDERED):
+        rendered = {r.config: r for r in Rendered.model_validate(files[RENDERED]).kvscope_servers}
     health = {m.group(1): m.group(4).strip() for line in doc.get("status", []) if (m := STATUS_LINE.match(line))}
     images = {}
     for line in doc.get("containers", []):

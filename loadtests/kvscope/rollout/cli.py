@@ -17,6 +17,7 @@ from kvscope.auth import extra_var_secrets, redact_command
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import inventory
 from kvscope.rollout.ansible import Ansible, RolloutError
+from kvscope.rollout.folder import RECORD, RolloutFolder
 from kvscope.rollout.record import (
     EXIT_BAD_INPUT,
     EXIT_CODES,
@@ -128,7 +129,7 @@ def _regular(path: Path) -> bool:
 def _unfinished(results: Path, inventory: str) -> list[Rollout]:
     """The unfinished rollouts of `inventory` recorded in `results` (a record that cannot be read is skipped)."""
     found = []
-    for path in sorted(results.glob("*/rollout.json")):
+    for path in sorted(results.glob(f"*/{RECORD}")):
         if not _regular(path):
             continue
         try:
@@ -142,7 +143,7 @@ def _unfinished(results: Path, inventory: str) -> list[Rollout]:
 
 def _recorded(folder: Path) -> Rollout:
     """The record of the rollout in `folder` (one that --id names)."""
-    if not _regular(folder / "rollout.json"):
+    if not _regular(RolloutFolder(folder).record):
         raise RolloutError(f"--id: {folder} is not a rollout's folder (no rollout.json file in it): choose another id")
     try:
         return load(folder)
@@ -153,7 +154,7 @@ def _recorded(folder: Path) -> Rollout:
 def lock(folder: Path, rollout_id: str) -> int:
     """Hold the rollout's lock (FOLDER/.lock, an flock) for this process's life: a second `kvscope rollout` of it
     is refused while this one runs. Returns the lock's file descriptor, which must stay open."""
-    path = folder / ".lock"
+    path = RolloutFolder(folder).lock
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -260,7 +261,7 @@ def _start(args, folder: Path, r: Rollout) -> Rollout:
     """A new rollout, recorded in its new folder."""
     from kvscope.rollout import gate
 
-    scenarios = folder / "gate-scenarios.yaml"
+    scenarios = RolloutFolder(folder).gate_scenarios
     gate.write_scenarios(scenarios, args.gate_repeats, args.gate_queries)
     r.gate["scenarios_file"] = str(scenarios.resolve())
     save(folder, r)

@@ -30,6 +30,7 @@ from kvscope.rollout import gate as gate_mod
 from kvscope.rollout import report
 from kvscope.rollout.ansible import RolloutError
 from kvscope.rollout.ansible import run as run_child
+from kvscope.rollout.folder import BatchFolder, RolloutFolder
 from kvscope.rollout.record import (
     EXIT_BAD_INPUT,
     EXIT_INCONCLUSIVE,
@@ -115,6 +116,7 @@ class Engine:
     def __init__(self, rollout: Rollout, folder: Path, ops: Ops, gate: Gate | None = None,
                  stop: StopFlag | None = None, out=print):
         self.r, self.folder, self.ops = rollout, Path(folder), ops
+        self.layout = RolloutFolder(folder)
         self.gate = gate or run_gate
         self.stop = stop or StopFlag()
         self.out = out
@@ -130,7 +132,7 @@ class Engine:
         step = Step(name=name)
         where = f"batch {batch.index}/{len(self.r.batches)} {','.join(batch.hosts)}" if batch else "rollout"
         if batch is not None:
-            step.log = str(Path("batches") / f"{batch.index:02d}" / "logs" / f"{name}.log")
+            step.log = self.layout.relative(self.layout.batch(batch.index).log(name))
             batch.steps.append(step)
         started = time.monotonic()
         self.save()
@@ -148,10 +150,7 @@ class Engine:
                      + ("" if step.outcome == "ok" else f": {step.outcome}"), flush=True)
 
     def log(self, step: Step) -> Path:
-        return self.folder / str(step.log or "logs/rollout.log")
-
-    def batch_dir(self, batch: Batch) -> Path:
-        return self.folder / "batches" / f"{batch.index:02d}"
+        return self.folder / step.log if step.log else self.layout.log("rollout")
 
     # the rollout
 
@@ -160,8 +159,8 @@ class Engine:
         try:
             if not self.r.initial:
                 with self.step(None, "record", "every host, before anything changes") as step:
-                    step.log = "logs/initial.log"
-                    self.r.initial = self.ops.state(self.r.hosts, self.folder / "state" / "initial", self.log(step))
+                    step.log = self.layout.relative(self.layout.log("initial"))
+                    self.r.initial = self.ops.state(self.r.hosts, self.layout.state("initial"), self.log(step))
                 self._choose_golden()
             for batch in self.r.batches:
                 code = self._batch(batch)
@@ -208,11 +207,11 @@ class Engine:
             return None
         if batch.state == "rolled-back":
             return EXIT_STOPPED
-        folder = self.batch_dir(batch)
+        folder = self.layout.batch(batch.index)
         if batch.state == "pending":
             self._check_matrix(batch)
             with self.step(batch, "record", "what the hosts serve before the change") as step:
-                batch.before = self.ops.state(batch.hosts, folder / "state" / "before", self.log(step))
+                batch.before = self.ops.state(batch.hosts, folder.state("before"), self.log(step))
             self._check_restorable(batch)
             batch.state = "changing"
             self.save()
@@ -228,7 +227,7 @@ class Engine:
             self.stop.check()
         if batch.state == "gating":
             with self.step(batch, "after", "what the hosts serve after the change") as step:
-                batch.after = self.ops.state(batch.hosts, folder / "state" / "after", self.log(step))
+                batch.after = self.ops.state(batch.hosts, folder.state("after"), self.log(step))
             batch.gates = []
             for host in batch.hosts:
                 with self.step(batch, f"gate-{host}", f"gate on {host}") as step:
@@ -267,7 +266,7 @@ class Engine:
         """What the batch's change deploys: the checked content, written read-only into the batch's folder, so that
         an edit of the matrix file during the change (its teardown takes minutes) is not deployed."""
         content = self._check_matrix(batch)
-        copy = self.batch_dir(batch) / "matrix.yaml"
+        copy = self.layout.batch(batch.index).matrix
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.unlink(missing_ok=True)  # a resumed change's, read-only
         copy.write_bytes(content)
@@ -294,7 +293,7 @@ class Engine:
             return GateResult(host=host, folder="", exit_code=1, verdicts=dict.fromkeys(missing, Verdict.CRASHED),
                               why=missing)
         try:
-            return self.gate(self.r, batch, host, self.batch_dir(batch))
+            return self.gate(self.r, batch, host, self.layout.batch(batch.index).root)
         except RolloutError as exc:  # no golden to compare with: no verdict, so the change does not stay
             golden = self.r.golden.get("config", "golden")
             return GateResult(host=host, folder="", exit_code=1, verdicts={golden: Verdict.CRASHED},
@@ -302,14 +301,14 @@ class Engine:
 
     def _rollback(self, batch: Batch) -> int:
         """Put the batch's hosts back to what they served before; verify it. During this, Ctrl-C waits."""
-        folder = self.batch_dir(batch)
+        folder = self.layout.batch(batch.index)
         with self.stop.defer():
             with self.step(batch, "rollback", "stop the new version, start what the hosts served before") as step:
-                rcs = {h: self.ops.restore(batch.before[h], folder, self.log(step)) for h in batch.hosts}
+                rcs = {h: self.ops.restore(batch.before[h], folder.root, self.log(step)) for h in batch.hosts}
                 if any(rcs.values()):
                     step.outcome = "failed on " + ", ".join(f"{h} (exit {rc})" for h, rc in rcs.items() if rc)
             with self.step(batch, "restored", "what the hosts serve after the rollback") as step:
-                batch.restored = self.ops.state(batch.hosts, folder / "state" / "restored", self.log(step))
+                batch.restored = self.ops.state(batch.hosts, folder.state("restored"), self.log(step))
             ok = all(same(batch.before[h], batch.restored[h], self.r.configs) for h in batch.hosts)
             batch.state = "rolled-back" if ok else "rollback-failed"
             batch.decision = "stopped, rolled back" if ok else "stopped, ROLLBACK FAILED"
@@ -319,8 +318,8 @@ class Engine:
     def _finish(self, outcome: str, code: int) -> int:
         try:
             with self.step(None, "record", "every host, at the end") as step:
-                step.log = "logs/final.log"
-                self.r.final = self.ops.state(self.r.hosts, self.folder / "state" / "final", self.log(step))
+                step.log = self.layout.relative(self.layout.log("final"))
+                self.r.final = self.ops.state(self.r.hosts, self.layout.state("final"), self.log(step))
         except KeyboardInterrupt:
             pass
         self.r.outcome = outcome  # type: ignore[assignment]
@@ -333,26 +332,25 @@ class Engine:
 
 def run_gate(r: Rollout, batch: Batch, host: str, folder: Path) -> GateResult:
     """The gate's bench in a child process: golden and the host's new servers, the fixed gate workload."""
-    gate_dir = folder / "gate"
-    gate_dir.mkdir(parents=True, exist_ok=True)
+    layout = BatchFolder(folder)
+    layout.gate.mkdir(parents=True, exist_ok=True)
     run_id = host
     n = 1
-    while (gate_dir / run_id).exists():  # an earlier attempt (a resumed batch) stays beside it
+    while layout.gate_run(run_id).exists():  # an earlier attempt (a resumed batch) stays beside it
         n += 1
         run_id = f"{host}.{n}"
     golden_host, golden_config = r.golden["host"], r.golden["config"]
     golden_state = batch.after.get(golden_host) or r.initial[golden_host]
     servers = [_treatment(golden_state, golden_config)] + [_treatment(batch.after[host], c) for c in r.configs]
-    spec = gate_mod.GateSpec(results=str(gate_dir.resolve()), run_id=run_id,
+    spec = gate_mod.GateSpec(results=str(layout.gate.resolve()), run_id=run_id,
                              scenarios_file=str((Path(r.gate["scenarios_file"])).resolve()), servers=servers,
                              users=r.gate.get("users", 2), timeout_s=r.gate.get("timeout_s", 600),
                              min_hits=r.gate.get("min_hits", 20))
-    spec_file = gate_dir / f"{run_id}.spec.json"
-    write_json(spec_file, spec)
-    log = gate_dir / f"{run_id}.log"
-    code = run_child([sys.executable, "-m", "kvscope.rollout.gate", str(spec_file)], log)
-    rel = str((gate_dir / run_id).relative_to(folder.parent.parent))
-    return gate_mod.result(host, gate_dir / run_id, rel, code, r.configs)
+    write_json(layout.gate_spec(run_id), spec)
+    code = run_child([sys.executable, "-m", "kvscope.rollout.gate", str(layout.gate_spec(run_id))],
+                     layout.gate_log(run_id))
+    gate_run = layout.gate_run(run_id)
+    return gate_mod.result(host, gate_run, layout.rollout.relative(gate_run), code, r.configs)
 
 
 def _treatment(state: HostState, config: str) -> Treatment:

@@ -29,6 +29,7 @@ from kvscope.config.matrix import (
     flag_errors,
     whole_and_key_errors,
 )
+from kvscope.rollout.folder import RolloutFolder
 
 BatchState = Literal["pending", "changing", "gating", "passed", "rolling-back", "rolled-back", "rollback-failed"]
 Outcome = Literal["running", "completed", "stopped", "rollback-failed", "interrupted"]
@@ -136,13 +137,13 @@ class Rollout(Artifact):
 
 def save(folder: Path, rollout: Rollout) -> None:
     """Write rollout.json atomically: a Ctrl-C never leaves half a record."""
-    tmp = Path(folder) / ".rollout.json.tmp"
-    write_json(tmp, rollout)
-    os.replace(tmp, Path(folder) / "rollout.json")
+    layout = RolloutFolder(folder)
+    write_json(layout.record_tmp, rollout)
+    os.replace(layout.record_tmp, layout.record)
 
 
 def load(folder: Path) -> Rollout:
-    return read_json(Path(folder) / "rollout.json", Rollout)
+    return read_json(RolloutFolder(folder).record, Rollout)
 
 
 def sha256(path: Path) -> str:

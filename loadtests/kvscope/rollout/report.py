@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvscope.artifacts import Verdict
+from kvscope.rollout.folder import RolloutFolder
 from kvscope.rollout.record import (
     EXIT_BAD_INPUT,
     EXIT_INCONCLUSIVE,
@@ -174,7 +175,7 @@ def markdown(r: Rollout) -> str:
 
 
 def write(folder: Path, r: Rollout) -> Path:
-    out = Path(folder) / "rollout.md"
+    out = RolloutFolder(folder).report
     out.write_text(markdown(r))
     return out
 

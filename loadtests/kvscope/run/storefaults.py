@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from kvscope.artifacts import StoreFaultPhase, Treatment
+from kvscope.deploy.folder import DeploymentFolder
 
 FAULTS = ("bitflip", "truncate", "swap", "unreadable")
 EIO_FILE = "/proc/self/mem"  # regular, and the reader's own memory at offset 0 is unmapped: read() gives EIO
@@ -27,7 +28,7 @@ STABLE_S, SETTLE_S = 0.5, 10.0
 def files(server: Treatment) -> list[Path]:
     """The regular files of a config's stores (no links followed), its connector's logs left out; only stores
     inside the deployment's stores folder (as reset() wipes them)."""
-    root = Path(server.run_dir).resolve() / "stores" if server.run_dir else None
+    root = DeploymentFolder(Path(server.run_dir).resolve()).stores if server.run_dir else None
     extra = (server.manifest.kv_transfer_config or {}).get("kv_connector_extra_config", {})
     logs = {Path(extra[k]).resolve() for k in ("load_log", "fault_log") if extra.get(k)}
     out = []

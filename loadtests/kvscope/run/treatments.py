@@ -45,6 +45,7 @@ from kvscope.artifacts import (
 )
 from kvscope.config.matrix import ROLE_ORDER, ConfigError
 from kvscope.deploy import servers
+from kvscope.deploy.folder import DeploymentFolder
 from kvscope.files import replacing
 from kvscope.run import continuations, metrics, orphans, probe, storefaults
 from kvscope.run.records import SESSION_LOST
@@ -80,7 +81,7 @@ def reset(server: Treatment) -> Reset:
     except (urllib.error.URLError, OSError) as exc:
         status = type(exc).__name__
     wiped, refused = [], []
-    root = Path(server.run_dir).resolve() / "stores" if server.run_dir else None
+    root = DeploymentFolder(Path(server.run_dir).resolve()).stores if server.run_dir else None
     for name in sorted(server.manifest.stores) if server.manifest.store_reset == "wipe" else []:
         path = Path(server.manifest.stores[name]).resolve()
         if root is None or path == root or not path.is_relative_to(root):
@@ -227,7 +228,7 @@ def _phase(server: Treatment, workload: Path, reqs: list[Request], records: Path
     after = _snapshot(base)
     row.metrics_delta = metrics.delta(before, after) if before is not None and after is not None else None
     row.metrics_error = None if row.metrics_delta is not None else "server did not answer /metrics"
-    log = Path(server.run_dir or ".") / server.deployed_as / "server.log"
+    log = DeploymentFolder(Path(server.run_dir or ".")).server(server.deployed_as).log
     if row.metrics_error and log.exists():  # the server died mid-run: say why, from its own log
         row.server_error = servers.first_error(log.read_text(errors="replace"))
     row.sessions = len(sessions(reqs))
