@@ -2,13 +2,102 @@
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO
+
+from kvscope.artifacts import Manifest, Treatment, read_json
+from kvscope.run import locustspec, orphans, treatments
+from kvscope.run.locustspec import LocustSpec, LocustWorkers
 
 
 def test_the_plumbing_the_ansible_roles_call_stands_on_no_part_of_the_users_cli():
     probe = "import sys, kvscope.plumbing; print(sorted(m for m in sys.modules if m == 'kvscope.cli'))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+# --- Locust reads one spec file ------------------------------------------------------------------------------
+
+
+def treatment(config: str = "canary-shift", role: str = "canary", fault: str | None = "shift") -> Treatment:
+    return Treatment(config=config, fault=fault, manifest=Manifest(
+        config="canary", role=role, port=8123, platform="endpoint", served_model_name="m", server_args=[],
+        vllm_version=None, kv_capacity_tokens=None, block_size=16, prefix_caching=False, model_path="/nowhere",
+        model_hash="served:m", store_reset="keep"))
+
+
+POPEN = subprocess.Popen
+
+
+class Ran:
+    """What run_locust started, instead of starting it: the master's command and each worker's ssh command."""
+
+    def __init__(self, monkeypatch):
+        self.master: list[str] = []
+        self.workers: list[list[str]] = []
+        monkeypatch.setattr(treatments.subprocess, "run", self.run)
+        monkeypatch.setattr(treatments.subprocess, "Popen", self.popen)
+
+    def run(self, cmd, **kw):
+        self.master = cmd
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def popen(self, cmd, **kw):
+        self.workers.append(cmd)
+        return POPEN(["true"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def kvscope_options(cmd: list[str]) -> list[str]:
+    return [a for a in cmd if a.startswith("--kvscope-")]
+
+
+def test_locust_gets_one_spec_file_and_no_other_kvscope_option(tmp_path, monkeypatch):
+    ran = Ran(monkeypatch)
+    treatments.run_locust(treatment(), tmp_path / "w.jsonl", tmp_path / "r.jsonl", 4, 3, 2.5, 60,
+                          spec=tmp_path / "locust" / "x.spec.json")
+    assert kvscope_options(ran.master) == [locustspec.FLAG]
+    path = Path(ran.master[ran.master.index(locustspec.FLAG) + 1])
+    assert path == tmp_path / "locust" / "x.spec.json"
+    assert read_json(path, LocustSpec) == LocustSpec(
+        workload=str(tmp_path / "w.jsonl"), records=str(tmp_path / "r.jsonl"), config="canary-shift", block_size=16, model="m",
+        workers=3, rate=2.5, fault="shift", prompt_ids=False)
+    assert ran.master[ran.master.index("--processes") + 1] == "3"
+
+
+def test_golden_keeps_its_prompt_ids_and_a_spec_defaults_beside_the_records(tmp_path, monkeypatch):
+    ran = Ran(monkeypatch)
+    treatments.run_locust(treatment("baseline", "golden", None), tmp_path / "w.jsonl", tmp_path / "r.jsonl", 1, 1,
+                          0.0, 60)
+    spec = read_json(Path(ran.master[ran.master.index(locustspec.FLAG) + 1]), LocustSpec)
+    assert spec.prompt_ids and spec.fault is None and spec.workers == 1 and spec.records == str(tmp_path / "r.jsonl")
+    assert "--processes" not in ran.master
+
+
+def test_workers_on_other_hosts_get_the_same_spec_path_in_their_ssh_command(tmp_path, monkeypatch):
+    ran = Ran(monkeypatch)
+    remote = LocustWorkers(hosts=["kvh1", "kvh2"], ssh_config="/etc/kv/ssh", master_host="10.77.0.1")
+    treatments.run_locust(treatment(), tmp_path / "w.jsonl", tmp_path / "r.jsonl", 2, 1, 0.0, 60, remote)
+    path = ran.master[ran.master.index(locustspec.FLAG) + 1]
+    assert read_json(Path(path), LocustSpec).workers == 2  # the master waits for both hosts' records
+    assert [w[:4] for w in ran.workers] == [["ssh", "-F", "/etc/kv/ssh", "kvh1"], ["ssh", "-F", "/etc/kv/ssh", "kvh2"]]
+    for w in ran.workers:
+        worker = shlex.split(w[4])
+        assert kvscope_options(worker) == [locustspec.FLAG] and worker[worker.index(locustspec.FLAG) + 1] == path
+        assert worker[worker.index("--master-host") + 1] == "10.77.0.1" and "--worker" in worker
+
+
+def test_a_resume_is_refused_while_a_locust_runs_on_a_spec_of_its_run_folder(tmp_path):
+    spec = tmp_path / "run" / "locust" / "a__s.measure.spec.json"
+    other = tmp_path / "other" / "locust" / "a__s.measure.spec.json"
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", locustspec.FLAG, str(path)])
+                for path in (spec, other)]
+    try:
+        assert orphans.writers(tmp_path / "run") == [sleepers[0].pid]
+    finally:
+        for s in sleepers:
+            s.kill()
+            s.wait()

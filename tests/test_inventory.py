@@ -63,12 +63,12 @@ def test_bench_settings_that_cannot_work_are_refused_with_the_variable_named(tmp
 def test_a_flag_wins_over_the_inventorys_setting_even_one_that_would_be_refused(tmp_path):
     from kvscope import cli
     from kvscope.config.matrix import ConfigError
+    from kvscope.run.locustspec import LocustWorkers
 
     inv = write(tmp_path, TWO, "kvscope_bench_deployment: '{{ x }}/deployment.json'\n")  # and no master
     args = cli.build_parser().parse_args(["bench", "--inventory", inv, "--deployment", "d.json",
                                           "--master-host", "10.0.0.9"])
-    assert cli._deployment_and_workers(args) == ([Path("d.json")], {"hosts": ["a"], "ssh_config": None,
-                                                                     "master_host": "10.0.0.9"})
+    assert cli._deployment_and_workers(args) == ([Path("d.json")], LocustWorkers(hosts=["a"], master_host="10.0.0.9"))
     args = cli.build_parser().parse_args(["bench", "--inventory", inv, "--deployment", "d.json"])
     with pytest.raises(ConfigError, match="need --master-host .or the inventory's kvscope_locust_master"):
         cli._deployment_and_workers(args)
@@ -245,3 +245,21 @@ def test_vault_encrypted_bench_variables_are_decrypted_as_ansible_does_or_refuse
         with pytest.raises(inventory.InventoryError, match="kvscope_bench_deployment is vault-encrypted") as err:
             inventory.bench_hosts(inv).deployments(None)
         assert "ANSIBLE_VAULT" not in str(err.value).replace("ANSIBLE_VAULT_PASSWORD_FILE", "")  # no ciphertext
+
+
+def test_an_inventory_carries_its_own_make_overlay_whatever_its_folder_is_named(tmp_path):
+    # the Makefile once picked ansible/bench/<folder name>.mk: a copy of the netns inventory named otherwise lost
+    # its steps, and any inventory named netns got them
+    mine = tmp_path / "my-cluster"
+    shutil.copytree(INVENTORIES / "netns", mine)
+    impostor = tmp_path / "netns"
+    shutil.copytree(INVENTORIES / "local", impostor)
+
+    def deploy(inv: Path) -> str:
+        return subprocess.run(["make", "-n", "-B", "deploy", f"INVENTORY={inv}", "MODEL=/tmp/m"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60).stdout
+
+    assert "netns-hosts.sh up" in deploy(mine) and "netns-hosts.sh up" not in deploy(impostor)
+    assert "netns-hosts.sh up" in deploy(INVENTORIES / "netns") and "netns-hosts.sh up" not in deploy(INVENTORIES / "local")
+    # Ansible does not read the overlay as an inventory source
+    assert inventory.read(str(mine))["_meta"]["hostvars"].keys() >= {"kvh1", "kvh2"}

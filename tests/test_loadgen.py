@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO
 
 from kvscope.artifacts import Manifest, Treatment
+from kvscope.run import orphans
 from kvscope.run.records import read
 from kvscope.run.treatments import run_locust
 from kvscope.run.workload import Request, write_jsonl
@@ -58,14 +59,20 @@ def test_closed_loop_sends_back_to_back(sse_server, tmp_path):
     assert starts[-1] - starts[0] < 1.0  # no pacing: 20 short streams back to back
 
 
-def test_records_that_cannot_be_written_are_counted_and_the_run_still_ends(sse_server, tmp_path):
+def test_records_that_cannot_be_written_are_counted_and_the_run_still_ends(sse_server, tmp_path, monkeypatch):
     write_jsonl(requests(6), tmp_path / "w.jsonl")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))  # Locust's: every write into a file fails, as on a full disk
-    try:
-        row = run_locust(sse_server, tmp_path / "w.jsonl", tmp_path / "r.jsonl", users=2, processes=1, rate=0.0,
-                         timeout_s=120)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    dies_with_me = orphans.dies_with_me
+
+    def no_file_can_grow():  # in Locust alone (its spec is written before): every write fails, as on a full disk
+        die = dies_with_me()
+
+        def in_the_child():
+            die()
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        return in_the_child
+
+    monkeypatch.setattr(orphans, "dies_with_me", no_file_can_grow)
+    row = run_locust(sse_server, tmp_path / "w.jsonl", tmp_path / "r.jsonl", users=2, processes=1, rate=0.0,
+                     timeout_s=120)
     assert row.seconds < 60, row  # not the timeout: each lost session still counts as done
     assert row.sessions_lost == 6 and "File too large" in row.sessions_lost_tail[-1]

@@ -24,6 +24,7 @@ from kvscope.deploy import servers
 from kvscope.deploy.folder import LOCAL as LOCAL_DEPLOYMENT
 from kvscope.deploy.folder import DeploymentFolder
 from kvscope.rollout.folder import RolloutFolder
+from kvscope.run.locustspec import LocustWorkers
 from kvscope.runfolder import RunFolder
 
 EXIT_CODES = """exit codes of bench --report and report (the gate):
@@ -84,7 +85,7 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _deployment_and_workers(args) -> tuple[list[Path], dict | None]:
+def _deployment_and_workers(args) -> tuple[list[Path], LocustWorkers | None]:
     """The deployment.json of each host and the Locust workers (None: all local): the flags given, else the
     inventory's bench variables (deploy/inventory.py), else the embedded default's deployment."""
     from kvscope.deploy import inventory
@@ -99,7 +100,7 @@ def _deployment_and_workers(args) -> tuple[list[Path], dict | None]:
     if not master:
         raise matrix_mod.ConfigError(f"Locust workers on {', '.join(workers)} need --master-host (or the inventory's "
                                      "kvscope_locust_master): the address they reach this machine at")
-    return deployments, {"hosts": workers, "ssh_config": args.ssh_config or bench.ssh_config, "master_host": master}
+    return deployments, LocustWorkers(hosts=workers, ssh_config=args.ssh_config or bench.ssh_config, master_host=master)
 
 
 def cmd_bench(args) -> int:

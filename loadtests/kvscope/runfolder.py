@@ -7,7 +7,7 @@
     continuations/<config>__<scenario>.jsonl   golden's scoring of answers that split from its own
     faults/<config>__<scenario>.jsonl          a canary treatment's fault log
     loads/<config>__<scenario>.jsonl           the connector's load log of a treatment
-    locust/<config>__<scenario>.<phase>*       Locust's own CSVs (nothing reads them; not published)
+    locust/<config>__<scenario>.<phase>*       Locust's own CSVs, and the LocustSpec it ran (.spec.json; not published)
     <table>.csv, <plot>.png, report.md/.html   what the report derives (TABLES, plots.py; report.html not published)
 """
 
@@ -126,6 +126,10 @@ class RunFolder:
 
     def locust(self, config: str, scenario: str, phase: str) -> Path:
         return self.root / "locust" / f"{config}__{scenario}.{phase}"
+
+    def locust_spec(self, config: str, scenario: str, phase: str) -> Path:
+        """The LocustSpec of a treatment's phase, beside Locust's CSVs."""
+        return self.root / "locust" / f"{config}__{scenario}.{phase}.spec.json"
 
     def table(self, name: str) -> Path:
         if name not in TABLES:

@@ -1,16 +1,18 @@
 """kvscope's Locust user: takes the next workload session, streams each request, emits one record each.
 
 The user stays thin: `records.parse_stream` defines every measurement. Records leave through Locust's own
-channels: a local run appends them to --kvscope-records as they finish; a worker sends them to the master
+channels: a local run appends them to its spec's records file as they finish; a worker sends them to the master
 with each `report_to_master` and, when its share is done, in a `kvscope_done` message; the master writes
 one merged file and ends the run once every worker is done.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+from pathlib import Path
 
 import gevent
 import numpy as np
@@ -19,7 +21,9 @@ from locust import FastHttpUser, constant, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
 from kvscope import auth
+from kvscope.artifacts import read_json
 from kvscope.run import orphans, records
+from kvscope.run.locustspec import FLAG, LocustSpec
 from kvscope.run.records import request_key
 from kvscope.run.workload import Request, read_jsonl, sessions
 
@@ -30,17 +34,18 @@ LINES_PER_TOKEN = 4  # an SSE event per token is 2 lines (data and a blank one);
 
 @events.init_command_line_parser.add_listener
 def _add_options(parser):
-    parser.add_argument("--kvscope-workload", default="", help="workload JSONL to replay")
-    parser.add_argument("--kvscope-records", default="", help="JSONL file the records are appended to")
-    parser.add_argument("--kvscope-config", default="", help="storage config under test (for the records)")
-    parser.add_argument("--kvscope-block-size", type=int, help="server KV block size in tokens (its manifest's)")
-    parser.add_argument("--kvscope-model", default="", help="the served model name (the server's manifest's)")
-    parser.add_argument("--kvscope-workers", type=int, default=1, help="worker processes sharing the workload")
-    parser.add_argument("--kvscope-rate", type=float, default=0.0, help="sessions/s (open loop); 0 = closed loop")
-    parser.add_argument("--kvscope-arrivals", choices=["constant", "poisson"], default="poisson")
-    parser.add_argument("--kvscope-seed", type=int, default=0, help="seed of the Poisson arrivals")
-    parser.add_argument("--kvscope-fault", default="", help="canary fault class sent with every request")
-    parser.add_argument("--kvscope-prompt-ids", action="store_true", help="keep prompt token ids (golden)")
+    parser.add_argument(FLAG, default="", help="the LocustSpec the bench wrote: the workload, the records file, the "
+                        "config, the arrivals (run/locustspec.py)")
+
+
+@functools.cache
+def _read_spec(path: str) -> LocustSpec:
+    return read_json(Path(path), LocustSpec)
+
+
+def spec(environment) -> LocustSpec:
+    """This run's spec, read once per process."""
+    return _read_spec(environment.parsed_options.kvscope_spec)
 
 
 class _Feed:
@@ -53,19 +58,19 @@ class _Feed:
         self.buffer: list[dict] = []
 
     def start(self, environment) -> None:
-        opts = environment.parsed_options
+        run = spec(environment)
         index = environment.runner.worker_index if isinstance(environment.runner, WorkerRunner) else 0
-        mine = sessions(read_jsonl(opts.kvscope_workload))[index::max(1, opts.kvscope_workers)]
+        mine = sessions(read_jsonl(Path(run.workload)))[index::max(1, run.workers)]
         self.remaining = len(mine)
         if any(s[0].arrival_s is not None for s in mine):  # a replayed trace: at its own arrival times
             self.pacing = True
             gevent.spawn(self._replay, mine)
-        elif opts.kvscope_rate <= 0:
+        elif run.rate <= 0:
             for s in mine:
                 self.queue.put(s)
         else:
             self.pacing = True
-            gevent.spawn(self._pace, mine, opts.kvscope_rate, opts.kvscope_arrivals, opts.kvscope_seed + index)
+            gevent.spawn(self._pace, mine, run.rate, run.arrivals, run.seed + index)
         if not mine:
             self.finish(environment)
 
@@ -126,7 +131,7 @@ def _on_init(environment, **_kw):
         orphans.die_with_parent(os.getppid())
     if not isinstance(runner, MasterRunner):
         return
-    path = environment.parsed_options.kvscope_records
+    path = Path(spec(environment).records)
     done: set[str] = set()
 
     @environment.events.worker_report.add_listener
@@ -141,7 +146,7 @@ def _on_init(environment, **_kw):
             log.error("%s: %d records of worker %s not written: %s", records.SESSION_LOST, len(msg.data["records"]),
                       msg.node_id, exc)
         done.add(msg.node_id)
-        if len(done) >= environment.parsed_options.kvscope_workers:
+        if len(done) >= spec(environment).workers:
             gevent.spawn_later(0.1, runner.quit)
 
     runner.register_message("kvscope_done", _worker_done)
@@ -177,11 +182,11 @@ class KVScopeUser(FastHttpUser):
             FEED.done_one(self.environment)
 
     def _send(self, req: Request, history: list[dict]) -> records.Record:
-        opts = self.environment.parsed_options
+        run = spec(self.environment)
         runner = self.environment.runner
         worker = runner.worker_index if isinstance(runner, WorkerRunner) else 0
-        path, body = records.request_body(req, history, opts.kvscope_model, fault=opts.kvscope_fault or None)
-        rec = records.new_record(req, opts.kvscope_config, time.time(), worker)
+        path, body = records.request_body(req, history, run.model, fault=run.fault)
+        rec = records.new_record(req, run.config, time.time(), worker)
         t0 = time.perf_counter()
         try:
             with self.client.post(path, json=body, stream=True, catch_response=True, name=req.scenario,
@@ -195,8 +200,8 @@ class KVScopeUser(FastHttpUser):
                 else:
                     # NOTE: geventhttpclient's read(n) waits for n bytes; readline returns each SSE line as it
                     # arrives, which is what TTFT needs. FastResponse exposes no public line reader.
-                    records.parse_stream(_lines(resp._response, req.max_tokens), t0, rec, opts.kvscope_block_size,
-                                         opts.kvscope_prompt_ids)
+                    records.parse_stream(_lines(resp._response, req.max_tokens), t0, rec, run.block_size,
+                                         run.prompt_ids)
                 if rec.e2e_s is not None:
                     resp.request_meta["response_time"] = rec.e2e_s * 1000
                 resp.success() if rec.error is None else resp.failure(rec.error)
@@ -214,7 +219,7 @@ class KVScopeUser(FastHttpUser):
         if isinstance(self.environment.runner, WorkerRunner):
             FEED.buffer.append(rec.model_dump())
         else:
-            records.write([rec], self.environment.parsed_options.kvscope_records)
+            records.write([rec], Path(spec(self.environment).records))
 
 
 def _lines(raw, max_tokens: int):

@@ -14,8 +14,12 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+from kvscope.run.locustspec import FLAG
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-RECORDS_FLAG = "--kvscope-records"  # the Locust option naming the file a process appends records to
+# The Locust options naming a file of a run folder: the spec (which names the records file a process appends to),
+# and an older kvscope's records file
+FLAGS = (FLAG, "--kvscope-records")
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
 
 
@@ -32,9 +36,10 @@ def dies_with_me() -> Callable[[], None]:
     return lambda: die_with_parent(parent)
 
 
-def writers(records_folder: Path) -> list[int]:
-    """The pids of the processes (other than this one) whose command line appends records into `records_folder`."""
-    records = str(Path(records_folder).resolve()) + os.sep
+def writers(run_folder: Path) -> list[int]:
+    """The pids of the processes (other than this one) whose command line runs Locust on a file of `run_folder`
+    (its spec, or an older kvscope's records file): they append records into it."""
+    inside = str(Path(run_folder).resolve()) + os.sep
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
@@ -43,6 +48,6 @@ def writers(records_folder: Path) -> list[int]:
             args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # gone meanwhile
             continue
-        if any(a == RECORDS_FLAG and b.startswith(records) for a, b in zip(args, args[1:])):
+        if any(a in FLAGS and b.startswith(inside) for a, b in zip(args, args[1:])):
             found.append(int(proc.name))
     return sorted(found)

@@ -47,7 +47,8 @@ from kvscope.config.matrix import ROLE_ORDER, ConfigError
 from kvscope.deploy import servers
 from kvscope.deploy.folder import DeploymentFolder
 from kvscope.files import replacing
-from kvscope.run import continuations, metrics, orphans, probe, storefaults
+from kvscope.run import continuations, locustspec, metrics, orphans, probe, storefaults
+from kvscope.run.locustspec import LocustSpec, LocustWorkers
 from kvscope.run.records import SESSION_LOST
 from kvscope.run.workload import Request, generate, load_scenarios, sessions, write_jsonl
 from kvscope.run.workload import read_jsonl as read_workload
@@ -157,23 +158,23 @@ def gpus() -> str | None:
 
 
 def run_locust(server: Treatment, workload: Path, records: Path, users: int, processes: int, rate: float,
-               timeout_s: float, remote: dict | None = None, stats: Path | None = None) -> LocustPhase:
-    """One headless Locust run of a workload file against one server; returns its status. With `stats`,
-    Locust's own CSV tables are kept under that prefix.
+               timeout_s: float, remote: LocustWorkers | None = None, stats: Path | None = None,
+               spec: Path | None = None) -> LocustPhase:
+    """One headless Locust run of a workload file against one server; returns its status. Locust reads what to
+    replay from a LocustSpec written to `spec` (default: beside the records). With `stats`, Locust's own CSV
+    tables are kept under that prefix.
 
-    remote = {"hosts": [...], "ssh_config": path or None, "master_host": address}: Locust's distributed mode across
-    hosts: this process is the master, one worker per host started over ssh with the same options (the
-    repository and venvs at the same paths there); workers send their records to the master."""
-    kvscope_args = ["-f", str(LOCUSTFILE), "--host", server.url,
-                    "--kvscope-workload", str(Path(workload).resolve()),
-                    "--kvscope-records", str(Path(records).resolve()),
-                    "--kvscope-config", server.config, "--kvscope-block-size", str(server.manifest.block_size),
-                    "--kvscope-model", server.manifest.served_model_name,
-                    "--kvscope-rate", str(rate)]
-    if server.fault:
-        kvscope_args += ["--kvscope-fault", server.fault]
-    if server.role == "golden":
-        kvscope_args.append("--kvscope-prompt-ids")
+    remote: Locust's distributed mode across hosts: this process is the master, one worker per host started over
+    ssh with the same options (the repository, the venvs, the workload and the spec at the same paths there);
+    workers send their records to the master."""
+    spec = Path(spec or Path(records).with_suffix(".spec.json")).resolve()
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    write_json(spec, LocustSpec(
+        workload=str(Path(workload).resolve()), records=str(Path(records).resolve()), config=server.config,
+        block_size=server.manifest.block_size, model=server.manifest.served_model_name,
+        workers=len(remote.hosts) if remote else max(1, processes), rate=rate, fault=server.fault,
+        prompt_ids=server.role == "golden"))
+    kvscope_args = ["-f", str(LOCUSTFILE), "--host", server.url, locustspec.FLAG, str(spec)]
     cmd = [sys.executable, "-m", "locust", *kvscope_args, "--headless", "-u", str(users), "-r", str(users),
            "-t", f"{int(timeout_s)}s", "--stop-timeout", "30", "--only-summary", "--loglevel", "WARNING"]
     if stats is not None:
@@ -181,20 +182,19 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
         cmd += ["--csv", str(stats)]  # its HTML report embeds ~1 MB of scripts per phase: left out
     workers = []
     if remote:
-        hosts = remote["hosts"]
-        cmd += ["--master", "--master-bind-host", remote["master_host"], "--expect-workers", str(len(hosts)),
-                "--expect-workers-max-wait", "120", "--kvscope-workers", str(len(hosts))]
-        worker = [sys.executable, "-m", "locust", *kvscope_args, "--worker", "--master-host", remote["master_host"],
-                  "--kvscope-workers", str(len(hosts)), "--loglevel", "WARNING"]
+        cmd += ["--master", "--master-bind-host", remote.master_host, "--expect-workers", str(len(remote.hosts)),
+                "--expect-workers-max-wait", "120"]
+        worker = [sys.executable, "-m", "locust", *kvscope_args, "--worker", "--master-host", remote.master_host,
+                  "--loglevel", "WARNING"]
         files = [f"{k}={os.environ[k]}" for k in (auth.KEY_FILE_ENV, "SSL_CERT_FILE") if os.environ.get(k)]
         if files:  # the key file (never the key) and a CA file, at the same paths on every host
             worker = ["env", *files, *worker]
-        ssh = ["ssh", "-F", str(remote["ssh_config"])] if remote.get("ssh_config") else ["ssh"]
+        ssh = ["ssh", "-F", remote.ssh_config] if remote.ssh_config else ["ssh"]
         workers = [subprocess.Popen([*ssh, host, shlex.join(worker)], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True, preexec_fn=orphans.dies_with_me())
-                   for host in hosts]
+                   for host in remote.hosts]
     elif processes > 1:
-        cmd += ["--processes", str(processes), "--kvscope-workers", str(processes)]
+        cmd += ["--processes", str(processes)]
     started = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 180,  # kills it on Ctrl-C,
@@ -219,12 +219,12 @@ def run_locust(server: Treatment, workload: Path, records: Path, users: int, pro
         worker_errors=worker_errors, sessions_lost=len(lost), sessions_lost_tail=lost[-3:])
 
 
-def _phase(server: Treatment, workload: Path, reqs: list[Request], records: Path, locust: Path,
+def _phase(server: Treatment, workload: Path, reqs: list[Request], records: Path, locust: Path, spec: Path,
            opts) -> LocustPhase:
     base = server.url
     before = _snapshot(base)
     row = run_locust(server, workload, records, opts["users"], opts["processes"], opts["rate"], opts["timeout_s"],
-                     opts["remote"], locust)
+                     opts["remote"], locust, spec)
     after = _snapshot(base)
     row.metrics_delta = metrics.delta(before, after) if before is not None and after is not None else None
     row.metrics_error = None if row.metrics_delta is not None else "server did not answer /metrics"
@@ -305,7 +305,7 @@ def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[
 
 def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: list[str], scenario_names: list[str],
         users: int | list[int] = 4, processes: int = 1, rate: float = 0.0, timeout_s: float = 1800,
-        command: str = "", run_id: str | None = None, remote: dict | None = None, resume: bool = False,
+        command: str = "", run_id: str | None = None, remote: LocustWorkers | None = None, resume: bool = False,
         endpoints: list[Treatment] | None = None, repeats: int = 1, exact: bool = False,
         queries: int | None = None, restart_cmd: str | None = None) -> Path:
     """Run every scenario on every chosen server, deployed (`deployments`) or given as `endpoints`, at each
@@ -363,7 +363,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
     rf = RunFolder(folder)
     if resume and not rf.run_json.exists():
         raise ConfigError(f"--resume: {folder} has no run.json; nothing to continue")
-    if resume and (pids := orphans.writers(rf.records_folder)):
+    if resume and (pids := orphans.writers(folder)):
         raise ConfigError(f"--resume: process(es) {', '.join(map(str, pids))} still writes into {folder} (the "
                           "interrupted bench's Locust, or another bench): their records would mix with the resumed "
                           "run's; wait for them to end, or stop them")
@@ -390,7 +390,7 @@ def run(deployments: list[Path], results: Path, scenarios_file: Path, configs: l
         write_json(rf.run_json, RunInfo(
             run_id=run_id, command=command, machine=machine(), servers=chosen, crashed=crashed, scenarios=scenarios,
             load=Load(users=levels[0] if len(levels) == 1 else levels, repeats=repeats, processes=processes,
-                      rate_sessions_per_s=rate, locust_worker_hosts=(remote or {}).get("hosts", [])),
+                      rate_sessions_per_s=rate, locust_worker_hosts=remote.hosts if remote else []),
             kv_capacity_tokens_for_sizing=capacity, mode=mode))
 
     opts = {"processes": processes, "rate": rate, "timeout_s": timeout_s, "remote": remote,
@@ -535,7 +535,7 @@ def _treatment(server: Treatment, scenario: str, folder: Path, phase_files: dict
                 print(f", {phase} on {writer.config}", end="", flush=True)
             print(f", {phase} {len(part)} requests", end="", flush=True)
             row.phases[phase] = _phase(target, workload, part, records, rf.locust(server.config, scenario, phase),
-                                       opts)
+                                       rf.locust_spec(server.config, scenario, phase), opts)
     if server.fault:
         row.fault_log = _keep_log(server, "fault_log", rf.faults(server.config, scenario))
     if connector_log(server, "load_log") is not None:
