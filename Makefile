@@ -51,13 +51,14 @@ ROLLOUT_VARS = $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 # What a target needs before it runs: the harness's environment, and both environments before a deploy
-# (ansible/bench/cuda-host.mk: nothing, the host's Python holds everything).
+# (the cuda-host inventory's overlay.mk: nothing, the host's Python holds everything).
 HARNESS   := $(VENV)/.installed
 SETUP     := setup
 
 # How deploy and bench use the inventory: its hosts, addresses and Locust workers are the inventory's own
-# variables, read by every path (loadtests/kvscope/deploy/inventory.py); ansible/bench/<inventory>.mk may
-# add steps around them (netns.mk: make the namespace hosts first; gb10.mk: collect each node's files).
+# variables, read by every path (loadtests/kvscope/deploy/inventory.py); the inventory folder's own overlay.mk
+# may add steps around them (netns: make the namespace hosts first; gb10: collect each node's files).
+# Ansible does not read it as an inventory source (ansible.cfg ignores .mk).
 PRE_DEPLOY  :=
 DEPLOY_ARGS  = -e $(call q,vllm_configs=$(CONFIGS))
 BENCH_ARGS   = --configs $(call q,$(CONFIGS))
@@ -67,7 +68,7 @@ RESTART_CMD  = $(PLAYBOOK) ansible/restart.yml $(DEPLOY_ARGS) $(USER_ARGS) -e re
 POST_BENCH  :=
 PRE_ROLLOUT :=
 comma       := ,
--include ansible/bench/$(notdir $(patsubst %/,%,$(INVENTORY))).mk
+-include $(patsubst %/,%,$(INVENTORY))/overlay.mk
 
 ##@ Set-up
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VLLM_VENV)/parsers/.installed ## install both environments (idempotent)

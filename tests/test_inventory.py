@@ -110,7 +110,7 @@ def test_make_bench_hands_the_inventory_to_the_bench():
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host would deploy for real")
 def test_the_cuda_host_bench_runs_the_make_targets_with_the_hosts_python_up_to_the_gpu_check(tmp_path):
-    # the CUDA-host scripts once had their own deploy and teardown; now make's, with ansible/bench/cuda-host.mk:
+    # the CUDA-host scripts once had their own deploy and teardown; now make's, with the inventory's overlay.mk:
     # no environment made, the host's Python (here the harness's, first on PATH) runs Ansible and kvscope
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "RESULTS": str(tmp_path / "res"),
            "RUN_DIR": str(tmp_path / "run"), "PORT_OFFSET": "700"}
@@ -130,7 +130,7 @@ def test_the_cuda_host_bench_runs_the_make_targets_with_the_hosts_python_up_to_t
 def test_the_cuda_host_bench_deploys_benches_and_tears_down_through_make_on_a_cpu_copy_of_its_inventory(tmp_path):
     # the whole CUDA-host flow, with the cuda-host inventory's settings but the CPU platform: the script runs
     # make bench (deploy, bench, report) and make teardown with the host's Python, and sets nothing up
-    inv = tmp_path / "cuda-host"  # the folder's name picks ansible/bench/cuda-host.mk
+    inv = tmp_path / "gpu-copy"  # its overlay.mk comes with it, whatever the folder is named
     shutil.copytree(INVENTORIES / "cuda-host", inv)
     group_vars = (inv / "group_vars" / "all.yml").read_text().replace("kvscope_platform: cuda", "kvscope_platform: cpu")
     (inv / "group_vars" / "all.yml").write_text(

@@ -40,7 +40,7 @@ def test_bench_records_the_command_as_the_user_typed_it():
 def user_variables() -> set[str]:
     """The variables the Makefile and its inventory includes read that a user sets: each `?=` default, and each
     one read that they never assign (or assign from its own value, as RUN_ID), make's own left out."""
-    text = "\n".join(p.read_text() for p in [REPO / "Makefile", *(REPO / "ansible" / "bench").glob("*.mk")])
+    text = "\n".join(p.read_text() for p in [REPO / "Makefile", *(REPO / "ansible" / "inventories").glob("*/overlay.mk")])
     read = set(re.findall(r"\$\(([A-Z][A-Z0-9_]*)\)", text))
     internal = {name for name, op, value in re.findall(r"^(?:[a-z-]+: *)?([A-Z][A-Z0-9_]*) *([:?]?)= *(.*)$", text, re.M)
                 if op != "?" and f"$({name})" not in value}

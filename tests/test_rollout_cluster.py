@@ -82,7 +82,7 @@ def cluster(tmp_path_factory, model_dir):
     if up.returncode != 0:
         pytest.fail(f"namespace hosts did not come up (root and openssh-server needed):\n{up.stderr}")
     run_root = tmp_path_factory.mktemp("rollout") / "runs"
-    two_hosts(run_root.parent / "netns")  # named so: make rollout reads ansible/bench/netns.mk, as for the user's
+    two_hosts(run_root.parent / "netns")  # its overlay.mk copied with it: make rollout reads it, as for the user's
     try:
         # kvh1: the golden baseline and kvscope-fs; kvh2: kvscope-fs (one playbook run, the hosts at once)
         configs = "{{ 'baseline,kvscope-fs' if inventory_hostname == 'kvh1' else 'kvscope-fs' }}"

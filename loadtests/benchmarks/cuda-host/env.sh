@@ -1,9 +1,9 @@
 # Sourced by the CUDA-host benchmarks, from the repository root: they deploy, bench and tear down with the same
-# make targets as every other path (ansible/bench/cuda-host.mk: the host's Python, the checkout on its path),
+# make targets as every other path (the inventory's overlay.mk: the host's Python, the checkout on its path),
 # and run the connector's own benchmarks with that Python.
 export PYTHONPATH="$PWD/loadtests:$PWD/connector${PYTHONPATH:+:$PYTHONPATH}" ANSIBLE_CONFIG=ansible/ansible.cfg
 export PYTHONUNBUFFERED=1
-inv=${INVENTORY:-ansible/inventories/cuda-host}  # another CUDA host's inventory: a folder named cuda-host (its .mk)
+inv=${INVENTORY:-ansible/inventories/cuda-host}  # another CUDA host's inventory: a copy, its overlay.mk with it
 # EXACT=1: serve batch-invariant (the matrix's exact mode). A second deployment beside the first: its own
 # RUN_DIR (default runs/cuda-host) and PORT_OFFSET (added to every config's port).
 run_dir=${RUN_DIR:-runs/cuda-host}
