@@ -51,7 +51,7 @@ ROLLOUT_VARS = $(if $(strip $(MODEL)),-e $(call q,kvscope_model_dir=$(abspath $(
   $(if $(filter container,$(RUNTIME)),-e kvscope_runtime=container)
 export ANSIBLE_CONFIG := ansible/ansible.cfg
 # What a target needs before it runs: the harness's environment, and both environments before a deploy
-# (the cuda-host inventory's overlay.mk: nothing, the host's Python holds everything).
+# (the cuda-processes inventory's overlay.mk: nothing, the host's Python holds everything).
 HARNESS   := $(VENV)/.installed
 SETUP     := setup
 
@@ -205,7 +205,7 @@ help: ## list the targets and the variables they read
 #> PORT_OFFSET   deploy: added to every config's port (a second deployment beside the first)
 #> QUERIES       make bench: queries per scenario, over each scenario's own
 #> RESULTS       make bench: the folder run folders go to (default results)
-#> KVSCOPE_PYTHON  INVENTORY=ansible/inventories/cuda-host: the host's Python holding vLLM and the harness (python3)
+#> KVSCOPE_PYTHON  INVENTORY=ansible/inventories/cuda-processes: the host's Python holding vLLM and the harness (python3)
 #> DRY_RUN       make deploy DRY_RUN=1: render and check the selection, print each server's command, start nothing
 #> RUN_ID        the run folder's name under results/ (default: the time, UTC)
 #> RESUME        make bench RESUME=1 RUN_ID=<id>: continue that run folder, keeping its finished treatments

@@ -45,7 +45,7 @@ def test_hadolint_passes_on_every_dockerfile():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("inventory", ["local", "gb10", "netns", "cuda-host"])
+@pytest.mark.parametrize("inventory", ["local", "gb10", "netns", "cuda-processes"])
 def test_playbooks_pass_syntax_check(inventory):
     for playbook in ("deploy.yml", "teardown.yml", "build.yml", "collect.yml", "rollout-state.yml"):
         out = run(VENV_BIN / "ansible-playbook", "-i", f"inventories/{inventory}", playbook, "--syntax-check",

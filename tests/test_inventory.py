@@ -27,7 +27,7 @@ def test_each_shipped_inventory_says_where_its_deployments_are_and_who_runs_locu
     assert gb10.deployments("r1") == [Path(f"results/r1/hosts/spark-{i}/deployment.json") for i in (1, 2, 3)]
     assert gb10.workers == ["loadgen", "spark-3"] and gb10.master == "192.168.50.20"
     assert gb10.ssh_config == str(Path.home() / ".ssh" / "config")  # ~ expanded: ssh -F does not
-    for name, run_dir in (("local", "local"), ("cuda-host", "cuda-host")):
+    for name, run_dir in (("local", "local"), ("cuda-processes", "cuda-processes")):
         one = inventory.bench_hosts(str(INVENTORIES / name))
         assert one.deployments(None) == [Path(f"runs/{run_dir}/deployment.json")] and one.workers == []
 
@@ -93,7 +93,7 @@ def test_the_bench_refuses_a_broken_inventory_before_it_starts_anything(tmp_path
 
 def test_server_flags_over_several_lines_reach_the_deploy_as_one_command():
     # make cut a recipe at the line break of a JSON value (long_context printed two lines): the deploy broke
-    out = subprocess.run(["make", "-n", "-B", "deploy", "INVENTORY=ansible/inventories/cuda-host", "MODEL=/tmp/m",
+    out = subprocess.run(["make", "-n", "-B", "deploy", "INVENTORY=ansible/inventories/cuda-processes", "MODEL=/tmp/m",
                           'OVERRIDES={"dtype": "bfloat16",\n"max-num-seqs": 32}'], cwd=REPO, capture_output=True,
                          text=True, timeout=60).stdout
     line = next(x for x in out.splitlines() if "ansible/deploy.yml" in x)
@@ -114,11 +114,11 @@ def test_the_cuda_host_bench_runs_the_make_targets_with_the_hosts_python_up_to_t
     # no environment made, the host's Python (here the harness's, first on PATH) runs Ansible and kvscope
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "RESULTS": str(tmp_path / "res"),
            "RUN_DIR": str(tmp_path / "run"), "PORT_OFFSET": "700"}
-    out = subprocess.run(["bash", "loadtests/benchmarks/cuda-host/bench.sh", "tiny", "r1", "baseline,kvscope-fs",
+    out = subprocess.run(["bash", "loadtests/benchmarks/gpu/bench.sh", "tiny", "r1", "baseline,kvscope-fs",
                           '{"dtype": "float32"}', "2"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     text = out.stdout + out.stderr
-    assert "ansible playbook -i 'ansible/inventories/cuda-host' ansible/deploy.yml" in text
+    assert "ansible playbook -i 'ansible/inventories/cuda-processes' ansible/deploy.yml" in text
     assert "-e '{\"vllm_flag_overrides\": {\"dtype\": \"float32\"}}'" in text and "vllm_port_offset=700" in text
     assert "nvidia-smi" in text and "bench exit 2" in text  # the GPU preflight stopped it, nothing started
     assert ".venv-vllm" not in text and "pip install" not in text  # nothing set up first
@@ -128,10 +128,10 @@ def test_the_cuda_host_bench_runs_the_make_targets_with_the_hosts_python_up_to_t
 @pytest.mark.server
 @pytest.mark.slow  # ~3 minutes on 2 cores: `make test-slow`
 def test_the_cuda_host_bench_deploys_benches_and_tears_down_through_make_on_a_cpu_copy_of_its_inventory(tmp_path):
-    # the whole CUDA-host flow, with the cuda-host inventory's settings but the CPU platform: the script runs
+    # the whole CUDA-host flow, with the cuda-processes inventory's settings but the CPU platform: the script runs
     # make bench (deploy, bench, report) and make teardown with the host's Python, and sets nothing up
     inv = tmp_path / "gpu-copy"  # its overlay.mk comes with it, whatever the folder is named
-    shutil.copytree(INVENTORIES / "cuda-host", inv)
+    shutil.copytree(INVENTORIES / "cuda-processes", inv)
     group_vars = (inv / "group_vars" / "all.yml").read_text().replace("kvscope_platform: cuda", "kvscope_platform: cpu")
     (inv / "group_vars" / "all.yml").write_text(
         group_vars.replace('vllm_process_python: "{{ kvscope_harness_python }}"',
@@ -139,7 +139,7 @@ def test_the_cuda_host_bench_deploys_benches_and_tears_down_through_make_on_a_cp
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "INVENTORY": str(inv),
            "RESULTS": str(tmp_path / "res"), "RUN_DIR": str(tmp_path / "run"), "PORT_OFFSET": "900",
            "SCENARIOS": "repeat-867", "QUERIES": "4"}
-    out = subprocess.run(["bash", "loadtests/benchmarks/cuda-host/bench.sh", "tiny", "r1", "baseline,apc", "{}", "1"],
+    out = subprocess.run(["bash", "loadtests/benchmarks/gpu/bench.sh", "tiny", "r1", "baseline,apc", "{}", "1"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     text = out.stdout + out.stderr
     assert "gate: " in text and "bench exit" in text, text[-4000:]  # the gate's own exit: 2 hits are too few to verify
@@ -156,7 +156,7 @@ def test_the_long_context_flags_reach_the_deploy_whole(tmp_path):
     # connector-bench.sh and trace-bench.sh deployed nothing
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", "RUN_DIR": str(tmp_path / "run"),
            "KVSCOPE_MODEL_DIR": str(REPO / "models" / "tiny-qwen3")}
-    out = subprocess.run(["bash", "-c", '. loadtests/benchmarks/cuda-host/env.sh && deploy baseline '
+    out = subprocess.run(["bash", "-c", '. loadtests/benchmarks/gpu/env.sh && deploy baseline '
                           '"$(long_context 6442450944)"'], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     text = out.stdout + out.stderr
@@ -166,7 +166,7 @@ def test_the_long_context_flags_reach_the_deploy_whole(tmp_path):
 
 def test_connector_bench_refuses_an_unknown_part_and_deploys_nothing_for_the_parts_without_servers(tmp_path):
     env = {**os.environ, "PATH": f"{REPO / '.venv-vllm' / 'bin'}:{os.environ['PATH']}", "RUN_DIR": str(tmp_path / "run")}
-    script = "loadtests/benchmarks/cuda-host/connector-bench.sh"
+    script = "loadtests/benchmarks/gpu/connector-bench.sh"
     bad = subprocess.run(["bash", script, str(tmp_path / "bad")], cwd=REPO, env={**env, "PARTS": "tests,sweep"},
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no part 'sweep' (tests,load,copy,ttft,bench)" in bad.stderr
@@ -195,19 +195,19 @@ def test_connector_bench_runs_the_parts_without_servers_before_it_deploys(tmp_pa
     (bin_dir / "make").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{REPO / '.venv-vllm' / 'bin'}:{os.environ['PATH']}",
            "RUN_DIR": str(tmp_path / "run"), "PARTS": "ttft,tests"}
-    run = subprocess.run(["bash", "loadtests/benchmarks/cuda-host/connector-bench.sh", str(tmp_path / "out")],
+    run = subprocess.run(["bash", "loadtests/benchmarks/gpu/connector-bench.sh", str(tmp_path / "out")],
                          cwd=tree, env=env, capture_output=True, text=True, timeout=600)
     assert log.exists(), run.stdout + run.stderr
     first = log.read_text().splitlines()[0].split()
     assert first[0] == "deploy" and "test_gpu.txt" in first[1:], log.read_text() + run.stdout + run.stderr
     # load_throughput.py and copy_paths.py, too slow to run here, stand before the deploy like the tests
-    script = (REPO / "loadtests/benchmarks/cuda-host/connector-bench.sh").read_text()
+    script = (REPO / "loadtests/benchmarks/gpu/connector-bench.sh").read_text()
     assert script.index("if want load") < script.index("if $servers") and script.index("if want copy") < \
         script.index("if $servers")
 
 
 def validate(*variables: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVSCOPE_PYTHON": sys.executable}  # the host's Python of cuda-host.mk: the harness's
+    env = {**os.environ, "KVSCOPE_PYTHON": sys.executable}  # the host's Python of its overlay.mk: the harness's
     return subprocess.run(["make", "--no-print-directory", "validate", *variables], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -215,9 +215,9 @@ def validate(*variables: str) -> subprocess.CompletedProcess:
 def test_make_validate_judges_the_platform_the_inventory_deploys_to_and_says_which(tmp_path):
     matrix = tmp_path / "matrix.yaml"
     shutil.copy(REPO / "loadtests" / "kvscope" / "matrix.yaml", matrix)  # a matrix of one's own
-    cuda = validate(f"MATRIX={matrix}", "CONFIGS=baseline,offload-cpu", "INVENTORY=ansible/inventories/cuda-host")
+    cuda = validate(f"MATRIX={matrix}", "CONFIGS=baseline,offload-cpu", "INVENTORY=ansible/inventories/cuda-processes")
     assert cuda.returncode == 0, cuda.stdout + cuda.stderr
-    assert "judged for platform cuda (kvscope_platform of inventory ansible/inventories/cuda-host)" in cuda.stdout
+    assert "judged for platform cuda (kvscope_platform of inventory ansible/inventories/cuda-processes)" in cuda.stdout
     cpu = validate(f"MATRIX={matrix}", "CONFIGS=baseline,offload-cpu")  # the embedded default: the CPU
     assert cpu.returncode == 2 and "runs on ['cuda'], not on this platform (cpu)" in cpu.stderr
     assert "judged for platform cpu (kvscope_platform of inventory ansible/inventories/local)" in cpu.stderr

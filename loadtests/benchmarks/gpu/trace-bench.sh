@@ -3,7 +3,7 @@
 # (scenario trace-mooncake-full: open-loop arrivals, prompts up to 32k tokens) on the Qwen3-4B shape in bf16,
 # normal mode, with CUDA graphs: TTFT under the trace's arrivals, hit rate against the trace's ideal LRU, and
 # fidelity on every hit. Leaves OUT_DIR/trace.tar.gz (run folder and log).
-#   loadtests/benchmarks/cuda-host/trace-bench.sh OUT_DIR [CONFIGS=baseline,control,apc,offload-cpu-tier,kvscope-fs]
+#   loadtests/benchmarks/gpu/trace-bench.sh OUT_DIR [CONFIGS=baseline,control,apc,offload-cpu-tier,kvscope-fs]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); configs=${2:-baseline,control,apc,offload-cpu-tier,kvscope-fs}
 . "$(dirname "$0")/env.sh"

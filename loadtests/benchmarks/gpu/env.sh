@@ -3,10 +3,10 @@
 # and run the connector's own benchmarks with that Python.
 export PYTHONPATH="$PWD/loadtests:$PWD/connector${PYTHONPATH:+:$PYTHONPATH}" ANSIBLE_CONFIG=ansible/ansible.cfg
 export PYTHONUNBUFFERED=1
-inv=${INVENTORY:-ansible/inventories/cuda-host}  # another CUDA host's inventory: a copy, its overlay.mk with it
+inv=${INVENTORY:-ansible/inventories/cuda-processes}  # another CUDA host's inventory: a copy, its overlay.mk with it
 # EXACT=1: serve batch-invariant (the matrix's exact mode). A second deployment beside the first: its own
-# RUN_DIR (default runs/cuda-host) and PORT_OFFSET (added to every config's port).
-run_dir=${RUN_DIR:-runs/cuda-host}
+# RUN_DIR (default runs/cuda-processes) and PORT_OFFSET (added to every config's port).
+run_dir=${RUN_DIR:-runs/cuda-processes}
 where=(INVENTORY="$inv" RUN_DIR="$run_dir" PORT_OFFSET="${PORT_OFFSET:-0}" ${EXACT:+EXACT=1})
 deploy() {  # deploy CONFIGS [OVERRIDES_JSON]: configs that do not start are reported as crashed
   make --no-print-directory deploy "${where[@]}" MODEL="$KVSCOPE_MODEL_DIR" CONFIGS="$1" OVERRIDES="${2:-"{}"}"

@@ -11,7 +11,7 @@
 # bench's run folder too (OUT_DIR/RUN_ID: a lent host that re-syncs the checkout removes what lies in results/).
 # PARTS picks parts, in this order (all by default): tests, load (load_throughput.py), copy (copy_paths.py),
 # ttft, bench; control, the bench's noise floor, is served only for the bench, and nothing without ttft or bench.
-#   [PARTS=tests,load,copy,ttft,bench] loadtests/benchmarks/cuda-host/connector-bench.sh OUT_DIR
+#   [PARTS=tests,load,copy,ttft,bench] loadtests/benchmarks/gpu/connector-bench.sh OUT_DIR
 #     [TOKENS=2048,8192,16384,32768] [RUN_ID]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); tokens=${2:-2048,8192,16384,32768}; run_id=${3:-h200-connector-sweep}

@@ -16,7 +16,7 @@
 # run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default);
 # ATTENTION serves the 4B parts on another attention backend than the matrix's (their run ids then name it);
 # CONFIGS replaces the exact part's configs (e.g. only the correct caches, for a run at one user).
-#   [PARTS=tiny,exact,lmcache-repro,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] loadtests/benchmarks/cuda-host/exact-bench.sh \
+#   [PARTS=tiny,exact,lmcache-repro,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] loadtests/benchmarks/gpu/exact-bench.sh \
 #     OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
@@ -37,7 +37,7 @@ python3 -c 'import vllm, ansible, pydantic' 2>/dev/null \
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/machine.txt"
 python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' >> "$out/machine.txt"
 want tiny && (
-  EXACT=1 RUN_DIR=runs/cuda-host-tiny PORT_OFFSET=1000 bash "$here/bench.sh" tiny h200-exact-tiny-fp32 \
+  EXACT=1 RUN_DIR=runs/cuda-processes-tiny PORT_OFFSET=1000 bash "$here/bench.sh" tiny h200-exact-tiny-fp32 \
     baseline,control,kvscope-fs,canary '{"kv-cache-memory-bytes": 536870912}' 8 > "$out/tiny.log" 2>&1
   keep tiny tiny.log results/h200-exact-tiny-fp32
 ) &
