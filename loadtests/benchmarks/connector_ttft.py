@@ -1,8 +1,8 @@
 """Benchmark: warm TTFT of kvscope's connector configs against peer caches and a cold baseline, side by side
 and per prompt length, and the TTFT of a miss under load against baseline's.
 
-Needs baseline, the peers and the configs deployed (make deploy; on a GPU host docker/cuda-host/connector-
-bench.sh). For each length in --tokens (in the served model's tokens, cut with its tokenizer), N distinct
+Needs baseline, the peers and the configs deployed (make deploy; on a GPU host
+loadtests/benchmarks/gpu/connector-bench.sh). For each length in --tokens (in the served model's tokens, cut with its tokenizer), N distinct
 prompts, one request at a time: each prompt is primed on every config and peer, then sent REPEATS times to
 baseline (cold) and to each of them (warm), in turn, so a noisy moment falls on all of them. Priming right
 before the warm requests keeps the prompt in every cache whatever its capacity. With --eviction, CONFIG's
