@@ -140,7 +140,7 @@ def finishes(fn, seconds: float):
 
 def test_no_probe_and_no_locust_request_follows_a_redirect_to_another_address(tmp_path, monkeypatch):
     from kvscope.deploy import servers
-    from kvscope.run import continuations, endpoints, metrics, treatments
+    from kvscope.run import continuations, endpoints, metrics, serverstate, treatments
     from kvscope.run.workload import write_jsonl
 
     monkeypatch.setenv("KVSCOPE_API_KEY", KEY)
@@ -162,8 +162,8 @@ def test_no_probe_and_no_locust_request_follows_a_redirect_to_another_address(tm
             metrics.scrape(named.url)
         with pytest.raises(OSError, match="redirect"):
             continuations.golden_logprobs(server, [1, 2], [3], 0)
-        treatments.warm_up(server)
-        assert treatments.reset(server).reset_prefix_cache_http == 302  # what the reset got: not a 200
+        serverstate.warm_up(server)
+        assert serverstate.reset(server).reset_prefix_cache_http == 302  # what the reset got: not a 200
         request = Request(request_id="q-t0", scenario="s", phase="measure", session_id="q", turn=0,
                           endpoint="completions", max_tokens=2, prompt="hello")
         write_jsonl([request], tmp_path / "w.jsonl")
@@ -215,11 +215,11 @@ def huge(h):
 
 
 def test_an_endless_warm_up_answer_or_metrics_page_is_cut_off(monkeypatch):
-    from kvscope.run import metrics, treatments
+    from kvscope.run import metrics, serverstate
 
     fake = Fake({"POST /v1/completions": endless, "GET /metrics": endless})
     try:
-        assert finishes(lambda: treatments.warm_up(treatment(fake.url)), 15) == {"value": None}
+        assert finishes(lambda: serverstate.warm_up(treatment(fake.url)), 15) == {"value": None}
         out = finishes(lambda: metrics.scrape(fake.url), 15)
         assert "larger than" in str(out.get("error")), out
     finally:
@@ -227,12 +227,12 @@ def test_an_endless_warm_up_answer_or_metrics_page_is_cut_off(monkeypatch):
 
 
 def test_a_warm_up_answer_that_trickles_ends_at_the_warm_ups_deadline():
-    from kvscope.run import treatments
+    from kvscope.run import serverstate
 
     fake = Fake({"POST /v1/completions": slowloris})
     try:
         started = time.monotonic()
-        assert finishes(lambda: treatments.warm_up(treatment(fake.url), timeout_s=1.5), 10) == {"value": None}
+        assert finishes(lambda: serverstate.warm_up(treatment(fake.url), timeout_s=1.5), 10) == {"value": None}
         assert time.monotonic() - started < 5
     finally:
         fake.stop()
@@ -268,9 +268,10 @@ def test_a_resume_whose_plan_changed_is_refused_saying_what_changed(tmp_path, mo
     from kvscope import cli
     from kvscope.artifacts import StatusRow, append_jsonl
     from kvscope.run import continuations, treatments
+    from kvscope.runfolder import RunFolder
 
-    def run_treatment(server, label, folder, phase_files, opts, status_path, progress):
-        append_jsonl(status_path, [StatusRow(config=server.config, scenario=label)])
+    def run_treatment(plan, server, label, progress):
+        append_jsonl(RunFolder(plan.folder).status, [StatusRow(config=server.config, scenario=label)])
 
     monkeypatch.setattr(treatments, "_treatment", run_treatment)  # the plan is under test, not Locust
     monkeypatch.setattr(continuations, "collect", lambda *args, **kw: {})

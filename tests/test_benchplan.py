@@ -1,15 +1,19 @@
-"""The bench's plan, typed: `kvscope bench --plan`, the Locust spec file, and the command lines' shared helpers."""
+"""The bench's plan, typed: `kvscope bench --plan`, the Locust spec file, and the command lines' shared helpers.
+Nothing here starts a server."""
 
 from __future__ import annotations
 
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
-from kvscope.artifacts import Manifest, Treatment, read_json
+from kvscope import auth, cli
+from kvscope.artifacts import Deployment, Manifest, Treatment, read_json, write_json
 from kvscope.run import locustspec, orphans, treatments
 from kvscope.run.locustspec import LocustSpec, LocustWorkers
 
@@ -101,3 +105,93 @@ def test_a_resume_is_refused_while_a_locust_runs_on_a_spec_of_its_run_folder(tmp
         for s in sleepers:
             s.kill()
             s.wait()
+
+
+# --- kvscope bench --plan ------------------------------------------------------------------------------------
+
+SCENARIOS = """scenarios:
+  - {name: rep, kind: repeat, endpoint: completions, repeats: 3, max_tokens: 4}
+  - {name: back, kind: repeat, repeats: 2, max_tokens: 4, prime: replay, restart: true}
+"""
+
+
+def deployment(tmp_path: Path, model_dir: Path) -> Path:
+    def server(config: str, role: str, port: int, **kw) -> Manifest:
+        return Manifest(config=config, role=role, port=port, platform="cpu", served_model_name="tiny", server_args=[],
+                        vllm_version="0.32.0", kv_capacity_tokens=16384, block_size=16, prefix_caching=role in (
+                            "candidate", "canary"), model_path=str(model_dir), model_hash="f" * 64, **kw)
+
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    path = tmp_path / "runs" / "deployment.json"
+    write_json(path, Deployment(servers=[server("apc", "candidate", 8101), server("baseline", "golden", 8100),
+                                         server("canary", "canary", 8102, faults=["shift", "zeros"])]))
+    (tmp_path / "s.yaml").write_text(SCENARIOS)
+    return path
+
+
+def bench(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
+    return ["bench", "--deployment", str(deployment(tmp_path, model_dir)), "--results", str(tmp_path / "results"),
+            "--scenarios-file", str(tmp_path / "s.yaml"), "--scenarios", "rep,back", "--run-id", "r",
+            "--restart-cmd", "make restart CONFIG={config}", *extra]
+
+
+def nothing_may_start(monkeypatch) -> list[str]:
+    """Every process started and every connection opened from now on fails, and is named in the list."""
+    tried: list[str] = []
+
+    def refuse(what):
+        def fail(*args, **kw):
+            tried.append(f"{what} {args[:2]}")
+            raise OSError(f"{what}: nothing may start")
+        return fail
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse("process"))
+    monkeypatch.setattr(socket.socket, "connect", refuse("connect"))
+    monkeypatch.setattr(treatments, "run", refuse("treatments.run"))
+    return tried
+
+
+def test_bench_plan_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, model_dir):
+    tried = nothing_may_start(monkeypatch)
+    assert cli.main(bench(tmp_path, model_dir, "--users", "1,4", "--plan")) == 0
+    out = capsys.readouterr().out
+    assert tried == [] and not (tmp_path / "results").exists()  # no process, no connection, no run folder
+    assert f"run r: {tmp_path / 'results' / 'r'} (new)" in out
+    servers = [line.split()[:2] for line in out.split("servers (")[1].split("scenarios (")[0].splitlines()[1:]]
+    assert servers == [["baseline", "golden"], ["apc", "candidate"], ["canary-shift", "canary"],
+                       ["canary-zeros", "canary"]]  # golden first, a treatment per canary fault
+    assert "rep@u1" in out and "rep@u4" in out and "back@u4" in out and "measure 3 requests" in out
+    assert "restart command: make restart CONFIG={config}" in out
+    assert "16 treatments; nothing was started" in out
+
+
+def test_bench_plan_prints_no_secret(tmp_path, monkeypatch, capsys, model_dir):
+    nothing_may_start(monkeypatch)
+    monkeypatch.setenv(auth.KEY_ENV, "sk-live-0123456")
+    monkeypatch.setenv("KVSCOPE_COMMAND", "make bench KVSCOPE_API_KEY=sk-live-0123456 NOTE=hf_secret_token_1")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_1")
+    argv = bench(tmp_path, model_dir, "--plan")
+    argv[argv.index("--restart-cmd") + 1] = "restart.sh {config} --token sk-live-0123456 --password pw-is-long"
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sk-live-0123456" not in out and "hf_secret_token_1" not in out and "pw-is-long" not in out, out
+    assert f"make bench KVSCOPE_API_KEY={auth.REDACTED}" in out and f"--token {auth.REDACTED}" in out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--configs", "nope"], "config(s) ['nope'] are not deployed"),
+    (["--scenarios", "nope"], "unknown scenario(s) ['nope']"),
+    (["--users", "two"], "--users 'two': expected a number"),
+    (["--run-id", "../up"], "--run-id '../up' (RUN_ID)"),
+    (["--restart-cmd", ""], "restart servers: give --restart-cmd"),
+    (["--resume"], "has no run.json; nothing to continue"),
+    (["--worker-hosts", "h1"], "Locust workers on h1 need --master-host"),
+])
+def test_bench_plan_refuses_bad_input_as_the_bench_does(tmp_path, monkeypatch, capsys, model_dir, extra, says):
+    tried = nothing_may_start(monkeypatch)
+    assert cli.main(bench(tmp_path, model_dir, *extra)) == 2
+    refused = capsys.readouterr().err
+    assert says in refused, refused
+    assert cli.main(bench(tmp_path, model_dir, *extra, "--plan")) == 2
+    assert capsys.readouterr().err == refused
+    assert tried == []

@@ -171,16 +171,13 @@ def test_abbreviated_and_dotted_secret_flags_are_redacted():
 
 def test_the_recorded_command_keeps_no_secret(tmp_path, monkeypatch):
     from kvscope import auth, cli
-    from kvscope.run import treatments
 
-    seen: dict = {}
-    monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
     monkeypatch.setenv(auth.KEY_ENV, "sk-live-0123")
     monkeypatch.setenv("KVSCOPE_COMMAND", "make bench KVSCOPE_API_KEY=sk-live-0123 KVSCOPE_STORE_KEY='a b c d e f g h i' "
                                           "USERS=4 NOTE=sk-live-0123")
-    cli.main(["bench", "--run-id", "r"])
-    assert seen["command"] == (f"make bench KVSCOPE_API_KEY={auth.REDACTED} KVSCOPE_STORE_KEY={auth.REDACTED} USERS=4 "
-                               f"NOTE={auth.REDACTED}")
+    recorded = cli.bench_options(cli.build_parser().parse_args(["bench", "--run-id", "r"])).command  # run.json's
+    assert recorded == (f"make bench KVSCOPE_API_KEY={auth.REDACTED} KVSCOPE_STORE_KEY={auth.REDACTED} USERS=4 "
+                        f"NOTE={auth.REDACTED}")
     command = "kvscope bench --endpoint a=http://user:pw1@h:8000 --golden http://:pw2@h:8001 --api-key=k3 --token k4"
     assert auth.redact_command(command) == (f"kvscope bench --endpoint a=http://user:{auth.REDACTED}@h:8000 --golden "
                                             f"http://:{auth.REDACTED}@h:8001 --api-key={auth.REDACTED} --token "
@@ -273,8 +270,9 @@ def test_a_run_id_that_is_not_a_plain_folder_name_is_refused_before_anything_run
     from kvscope import cli
     from kvscope.run import treatments
 
-    monkeypatch.setattr(treatments, "run", lambda *args, **kw: tmp_path)
+    monkeypatch.setattr(treatments, "run", lambda plan: tmp_path)
     assert cli.main(["bench", "--run-id", run_id]) == 2
+    assert cli.main(["bench", "--run-id", run_id, "--plan"]) == 2
     assert "--run-id" in capsys.readouterr().err
 
 
@@ -414,10 +412,10 @@ def test_https_endpoints_are_checked_against_the_systems_cas_or_a_ca_file(tmp_pa
         with pytest.raises(ConfigError, match="CERTIFICATE_VERIFY_FAILED"):  # not a CA of this system
             endpoints.treatments([url], url, None, model_dir)
         seen: dict = {}
-        monkeypatch.setattr(treatments, "run", lambda *args, **kw: seen.update(kw) or tmp_path)
+        monkeypatch.setattr(treatments, "run", lambda plan: seen.update(plan=plan) or tmp_path)
         cli.main(["bench", "--endpoint", f"theirs={url}", "--golden", url, "--model-dir", str(model_dir), "--ca-file",
-                  str(ca)])
-        assert [(t.config, t.url, t.manifest.served_model_name) for t in seen["endpoints"]] == [
+                  str(ca), "--results", str(tmp_path), "--scenarios", "repeat-867"])
+        assert [(t.config, t.url, t.manifest.served_model_name) for t in seen["plan"].servers] == [
             ("golden", url, "tiny"), ("theirs", url, "tiny")]
     finally:
         server.shutdown()

@@ -64,14 +64,16 @@ def test_a_flag_wins_over_the_inventorys_setting_even_one_that_would_be_refused(
     from kvscope import cli
     from kvscope.config.matrix import ConfigError
     from kvscope.run.locustspec import LocustWorkers
+    from kvscope.run.plan import deployments_and_workers
 
     inv = write(tmp_path, TWO, "kvscope_bench_deployment: '{{ x }}/deployment.json'\n")  # and no master
     args = cli.build_parser().parse_args(["bench", "--inventory", inv, "--deployment", "d.json",
                                           "--master-host", "10.0.0.9"])
-    assert cli._deployment_and_workers(args) == ([Path("d.json")], LocustWorkers(hosts=["a"], master_host="10.0.0.9"))
+    assert deployments_and_workers(cli.bench_options(args)) == ([Path("d.json")],
+                                                               LocustWorkers(hosts=["a"], master_host="10.0.0.9"))
     args = cli.build_parser().parse_args(["bench", "--inventory", inv, "--deployment", "d.json"])
     with pytest.raises(ConfigError, match="need --master-host .or the inventory's kvscope_locust_master"):
-        cli._deployment_and_workers(args)
+        deployments_and_workers(cli.bench_options(args))
 
 
 def test_a_setting_that_differs_between_hosts_is_refused(tmp_path):

@@ -152,7 +152,7 @@ def test_the_harness_knows_the_canary_connectors_faults():
 
 def test_a_config_deployed_on_two_hosts_is_refused(tmp_path):
     from kvscope.artifacts import Deployment, Manifest, write_json
-    from kvscope.run.treatments import load_deployments, run
+    from kvscope.run.plan import BenchOptions, build, load_deployments
 
     apc = Manifest(config="apc", role="candidate", port=8101, platform="cpu", served_model_name="tiny",
                    server_args=[], vllm_version="0.32.0", kv_capacity_tokens=16384, block_size=64,
@@ -163,7 +163,8 @@ def test_a_config_deployed_on_two_hosts_is_refused(tmp_path):
     found, _ = load_deployments([tmp_path / "a" / "deployment.json"])
     assert found[0].run_dir == str(tmp_path / "a")  # where the bench finds the server's log
     with pytest.raises(matrix.ConfigError, match="more than one host"):
-        run([tmp_path / h / "deployment.json" for h in ("a", "b")], tmp_path, tmp_path, [], [])
+        build(BenchOptions(deployments=[tmp_path / h / "deployment.json" for h in ("a", "b")], results=tmp_path,
+                           scenarios=[]))
 
 
 def test_a_connector_of_your_own_comes_from_a_folder_beside_the_matrix_or_a_package(tmp_path, doc):
@@ -303,7 +304,7 @@ def test_exact_mode_refuses_an_override_that_abbreviates_or_drops_a_flag_of_the_
 
 def test_a_bench_refuses_servers_of_both_modes_and_an_exact_bench_of_normal_servers():
     from kvscope.artifacts import Manifest, Treatment
-    from kvscope.run.treatments import serving_mode, treatments
+    from kvscope.run.plan import serving_mode, treatments
 
     def server(config, role, exact, faults=()):
         return Treatment(config=config, manifest=Manifest(
@@ -466,7 +467,7 @@ def test_the_plumbing_renders_a_serving_path_and_refuses_an_unknown_one_with_exi
 
 def test_a_bench_refuses_servers_of_different_serving_paths():
     from kvscope.artifacts import Manifest, Treatment
-    from kvscope.run.treatments import serving_path
+    from kvscope.run.plan import serving_path
 
     def server(config, role, path):
         return Treatment(config=config, manifest=Manifest(

@@ -145,7 +145,7 @@ def test_bench_report_json_prints_the_verdicts_alone_on_stdout_and_its_progress_
     import json
 
     from kvscope import cli
-    from kvscope.run import treatments
+    from kvscope.run import plan, treatments
 
     name = SMALL
     run = shutil.copytree(REPO / "results" / name, tmp_path / name)
@@ -154,6 +154,7 @@ def test_bench_report_json_prints_the_verdicts_alone_on_stdout_and_its_progress_
         print("[1/1] golden x rag-zipf: warm-up, reset, measure 20 requests (1.0 s)")
         return run
 
+    monkeypatch.setattr(plan, "build", lambda options: None)  # the report is under test, not the plan
     monkeypatch.setattr(treatments, "run", bench)
     code = cli.main(["bench", "--report", "--json", "--results", str(tmp_path)])
     out, err = capsys.readouterr()

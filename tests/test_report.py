@@ -317,13 +317,14 @@ def test_a_run_interrupted_before_goldens_first_record_is_reported_inconclusive(
 def test_bench_report_interrupted_before_goldens_first_record_writes_the_report_and_exits_130(tmp_path,
                                                                                              monkeypatch):
     from kvscope import cli
-    from kvscope.run import treatments
+    from kvscope.run import plan, treatments
 
     run = interrupted_before_golden(tmp_path / "cut", "absent")
 
     def ctrl_c(*args, **kw):
         raise treatments.Interrupted(run, "KeyboardInterrupt during baseline x t", 4, 8) from KeyboardInterrupt()
 
+    monkeypatch.setattr(plan, "build", lambda options: None)  # the report is under test, not the plan
     monkeypatch.setattr(treatments, "run", ctrl_c)
     assert cli.main(["bench", "--run-id", "cut", "--results", str(tmp_path), "--report"]) == 130
     assert "golden records missing for scenario t" in (run / "report.md").read_text()
@@ -501,7 +502,7 @@ def test_a_cache_that_was_not_reset_is_said_in_the_report(tmp_path):
 
 def test_a_load_sweep_and_repeats_become_their_own_columns_and_a_sweep_table(tmp_path):
     from kvscope.analyze import overview
-    from kvscope.run.treatments import variants
+    from kvscope.run.plan import variants
 
     assert list(variants(["s"], [1, 4], 2)) == ["s@u1#1", "s@u4#1", "s@u1#2", "s@u4#2"]
     assert list(variants(["s"], [2], 1)) == ["s"]

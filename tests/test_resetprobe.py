@@ -14,7 +14,7 @@ from test_report import four, make_run
 
 from kvscope.analyze import report, verdicts
 from kvscope.artifacts import Manifest, StatusRow, Treatment
-from kvscope.run import treatments
+from kvscope.run import serverstate
 
 PROMPT_TOKENS = 160
 
@@ -104,8 +104,8 @@ def serve():
 
 def treatment_reset(server: Treatment):
     """What a treatment does before its first phase: warm up, reset, probe."""
-    treatments.warm_up(server)
-    return treatments.reset_and_probe(server)
+    serverstate.warm_up(server)
+    return serverstate.reset_and_probe(server)
 
 
 def test_a_reset_that_empties_every_tier_probes_clean(serve):

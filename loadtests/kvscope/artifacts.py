@@ -540,7 +540,7 @@ class RunInfo(Artifact):
     machine: Machine
     servers: list[Treatment]
     crashed: list[Failure] = Field(default_factory=list)
-    scenarios: dict[str, RunScenario]  # by column label (treatments.variants)
+    scenarios: dict[str, RunScenario]  # by column label (plan.variants)
     load: Load
     kv_capacity_tokens_for_sizing: int | None = None
     scorer: Scorer | None = None  # written by the report

@@ -13,19 +13,20 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import cast, get_args
+from typing import TYPE_CHECKING, cast, get_args
 
 from kvscope import HARNESS, __version__, files
 from kvscope.artifacts import Verdict
 from kvscope.auth import redact_command
-from kvscope.commandline import DEFAULT_MATRIX, RUN_ID, names, run_cli
+from kvscope.commandline import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
 from kvscope.deploy import servers
 from kvscope.deploy.folder import LOCAL as LOCAL_DEPLOYMENT
-from kvscope.deploy.folder import DeploymentFolder
 from kvscope.rollout.folder import RolloutFolder
-from kvscope.run.locustspec import LocustWorkers
 from kvscope.runfolder import RunFolder
+
+if TYPE_CHECKING:
+    from kvscope.run.plan import BenchOptions
 
 EXIT_CODES = """exit codes of bench --report and report (the gate):
   0  every verdict is what its role expects (candidates and control PASS, canaries FAIL)
@@ -85,70 +86,39 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _deployment_and_workers(args) -> tuple[list[Path], LocustWorkers | None]:
-    """The deployment.json of each host and the Locust workers (None: all local): the flags given, else the
-    inventory's bench variables (deploy/inventory.py), else the embedded default's deployment."""
-    from kvscope.deploy import inventory
+def bench_options(args) -> BenchOptions:
+    """What `kvscope bench` was asked for, typed; the recorded command line redacted."""
+    from kvscope.run.plan import BenchOptions
 
-    bench = inventory.bench_hosts(args.inventory) if args.inventory else inventory.BenchHosts("", [])
-    deployments = ([Path(d) for d in names(args.deployment)] if args.deployment
-                   else bench.deployments(args.run_id) or [DeploymentFolder(LOCAL_DEPLOYMENT).deployment])
-    workers = names(args.worker_hosts) if args.worker_hosts else bench.workers
-    if not workers:
-        return deployments, None
-    master = args.master_host or bench.master
-    if not master:
-        raise matrix_mod.ConfigError(f"Locust workers on {', '.join(workers)} need --master-host (or the inventory's "
-                                     "kvscope_locust_master): the address they reach this machine at")
-    return deployments, LocustWorkers(hosts=workers, ssh_config=args.ssh_config or bench.ssh_config, master_host=master)
+    return BenchOptions(
+        results=Path(args.results), scenarios_file=Path(args.scenarios), scenarios=names(args.scenarios_list),
+        configs=names(args.configs), deployments=[Path(d) for d in names(args.deployment or "")],
+        inventory=args.inventory, worker_hosts=names(args.worker_hosts), ssh_config=args.ssh_config,
+        master_host=args.master_host, endpoints=names(args.endpoint), golden=args.golden, control=args.control,
+        model_dir=Path(args.model_dir), ca_file=args.ca_file, users=args.users, repeats=args.repeats,
+        processes=args.processes, rate=args.rate, timeout_s=args.timeout_s, queries=args.queries,
+        restart_cmd=args.restart_cmd, run_id=args.run_id, resume=args.resume, exact=args.exact,
+        command=redact_command(os.environ.get("KVSCOPE_COMMAND") or "kvscope " + shlex.join(sys.argv[1:])))
 
 
 def cmd_bench(args) -> int:
     from kvscope.analyze.overview import parse_slo
+    from kvscope.run import plan as bench_plan
     from kvscope.run import treatments
 
     parse_slo(args.slo)  # a mistyped objective stops the bench before it runs, not after
     if args.json and not args.report:
         raise matrix_mod.ConfigError("--json prints the report's verdicts: it goes with --report")
-    if args.run_id is not None and not RUN_ID.match(args.run_id):
-        raise matrix_mod.ConfigError(f"--run-id {args.run_id!r} (RUN_ID): a run's folder name, letters, digits, "
-                                     "'.', '_' and '-', starting with a letter or digit")
-    if args.resume and args.run_id and RunFolder(Path(args.results) / args.run_id).published_as is not None:
-        raise matrix_mod.ConfigError(f"--resume: {Path(args.results) / args.run_id} is a published run (its "
-                                     "report.md is tracked): new records would change it; resume a copy of it "
-                                     "(its run.json keeps the published run's id)")
-    try:
-        levels = [int(u) for u in names(args.users)]
-    except ValueError as exc:
-        raise matrix_mod.ConfigError(f"--users {args.users!r}: expected a number, or numbers separated by commas "
-                                     "(a load sweep)") from exc
-
-    deployments, remote = _deployment_and_workers(args)
+    plan = bench_plan.build(bench_options(args))
+    if args.plan:
+        print(plan.describe())
+        return 0
     signal.signal(signal.SIGTERM, _terminated)  # a stopped bench says so in its run folder, as after Ctrl-C
-    endpoints = None
-    if args.endpoint or args.golden:
-        from kvscope.run import endpoints as endpoints_mod
-
-        if not (args.endpoint and args.golden):
-            raise matrix_mod.ConfigError("--endpoint and --golden go together: the servers under test and the "
-                                         "cache-off reference their answers are compared with")
-        if args.ca_file:  # read by every TLS context of this process and its Locust processes
-            if not Path(args.ca_file).is_file():
-                raise matrix_mod.ConfigError(f"--ca-file {args.ca_file}: no such file")
-            os.environ["SSL_CERT_FILE"] = str(Path(args.ca_file).resolve())
-        endpoints = endpoints_mod.treatments(names(args.endpoint), args.golden, args.control, Path(args.model_dir))
     # --json: stdout holds the JSON document alone, the progress goes to stderr
     progress = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
         with progress:
-            folder = treatments.run(deployments, Path(args.results), Path(args.scenarios),
-                                    names(args.configs), names(args.scenarios_list), users=levels, repeats=args.repeats,
-                                    processes=args.processes, rate=args.rate, timeout_s=args.timeout_s,
-                                    command=redact_command(os.environ.get("KVSCOPE_COMMAND")
-                                                           or "kvscope " + shlex.join(sys.argv[1:])),
-                                    run_id=args.run_id, remote=remote, resume=args.resume,
-                                    endpoints=endpoints, exact=args.exact, queries=args.queries,
-                                    restart_cmd=args.restart_cmd)
+            folder = treatments.run(plan)
     except treatments.Interrupted as exc:
         if exc.exit_code == 1:
             traceback.print_exception(exc.__cause__)
@@ -347,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-id", default=None, help="the run folder's name (default: the time, UTC)")
     s.add_argument("--resume", action="store_true", help="continue the run folder of --run-id")
     s.add_argument("--report", action="store_true", help="score and write the report when the run ends")
+    s.add_argument("--plan", action="store_true",
+                   help="check everything and print the plan (servers, scenarios, load, run folder), then stop: "
+                        "nothing is started or written")
     s.add_argument("--json", action="store_true",
                    help="with --report: print the verdicts, the detection power and the gate as JSON (for scripts) "
                         "instead of text; the progress goes to stderr")

@@ -20,7 +20,8 @@ import yaml
 from kvscope.analyze import fidelity, loaded, report
 from kvscope.artifacts import Answer, Artifact, Treatment, read_json
 from kvscope.rollout.record import GateResult
-from kvscope.run import treatments
+from kvscope.run import plan, treatments
+from kvscope.run.plan import BenchOptions
 from kvscope.runfolder import RunFolder
 
 SCENARIOS = ["gate-repeat", "gate-rag"]
@@ -55,9 +56,10 @@ class GateSpec(Artifact):
 def run(spec: GateSpec) -> int:
     """Bench the servers, score them, print the verdicts; the gate's exit code (verdicts.gate)."""
     try:
-        folder = treatments.run([], Path(spec.results), Path(spec.scenarios_file), [], SCENARIOS, users=spec.users,
-                                timeout_s=spec.timeout_s, command="kvscope rollout (gate)", run_id=spec.run_id,
-                                endpoints=spec.servers)
+        folder = treatments.run(plan.build(BenchOptions(
+            results=Path(spec.results), scenarios_file=Path(spec.scenarios_file), scenarios=SCENARIOS,
+            servers=spec.servers, users=str(spec.users), timeout_s=spec.timeout_s, run_id=spec.run_id,
+            command="kvscope rollout (gate)")))
     except treatments.Interrupted as exc:
         print(exc, file=sys.stderr)
         return exc.exit_code
