@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -68,6 +68,14 @@ class Stats:
         for f in fields(self):
             if f.name != "logged":
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def take(self) -> Stats:
+        """The counts so far, zeroed here: whoever holds this object (the worker's loader) counts on into it."""
+        taken = replace(self)
+        for f in fields(self):
+            if f.name != "logged":
+                setattr(self, f.name, f.default)
+        return taken
 
     def warn_once(self, kind: str, msg: str, *args) -> None:
         if kind not in self.logged:

@@ -3,6 +3,13 @@
 A block travels as one flat byte buffer (blocks.Layout): one checksum and one transfer per block rather than
 one per layer.
 
+How blocks travel is chosen once, in register(), by the media at hand: one loader (loaders.py: checked on the
+host, or on the device with host blocks in pool slots, or with files read by KvikIO into device memory) and one
+saver (savers.py: host buffers of their own, or pool slots), looked up by medium() in LOADERS and SAVERS and
+handed what they work with (loaders.Media), as vLLM's offloading keeps one handler per medium. Nothing here
+branches on the path after that: this module keeps what every path shares (the save thread and its backlog,
+the step's bookkeeping around failed loads, the load log).
+
 Loads run in start_load_kv, before the forward. Beside a GPU each block goes to the GPU as it comes (a RAM
 hit straight from the tier's pinned slot, a file read on a load thread into a pinned slot), on the side
 stream, into a staging buffer on the GPU, a chunk of blocks at a time; each chunk's checksums are checked
@@ -21,60 +28,42 @@ stored until the scheduler has heard of the failure (vLLM recomputes them too, a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from functools import partial
-from typing import NamedTuple
 
 import torch
 
-from .blocks import CHECKSUMS, Block, CorruptBlock, Layout, digest_hex, fused_on, mix_digests
-from .devicereads import Read, kvikio_reads
+from .blocks import CHECKSUMS, Block, Layout, digest_hex, fused_on
+from .devicereads import kvikio_reads
 from .fileformat import writable
-from .messages import KVScopeMetadata, LoadSpec, Outcome, StoreSpec, TierName
+from .loaders import AHEAD_CHUNKS, LOAD_WAIT_S, HostLoader, KvikioLoader, Loader, Media, SlotLoader
+from .messages import KVScopeMetadata, LoadSpec, StoreSpec
 from .paths import DeviceCopies, HostRows, Saved
-from .store import FsTier, RamTier, Stats, Tier
+from .savers import HostSaver, SlotSaver
+from .store import FsTier, RamTier, Stats
 from .transfer import Side, SlotPool
+
+__all__ = ["AHEAD_CHUNKS", "LOAD_THREADS", "LOAD_WAIT_S", "WorkerSide"]
 
 SAVE_BACKLOG_BYTES = {"cpu": 1 << 30, "cuda": 1 << 32}  # host copies waiting for the save thread: beyond this,
 # files are skipped and RAM saves waited for. Beside a GPU a step of 8k new tokens of a 4B model is 1.2 GB: the
 # backlog holds a few steps, so the forward does not wait for each step's copies (the extra config overrides it)
 SAVE_THREADS = {"cpu": 1, "cuda": 4}  # files written at once per step's save (the write releases the GIL)
 CHUNK_BYTES = 1 << 27  # blocks staged on the GPU at a time (two such chunks: one is checked, one arrives)
-AHEAD_CHUNKS = 4  # with on-device checks, the blocks a load reads ahead, in chunks: each holds a pool slot. At
-# the Qwen3-4B shape's 4.5 MiB blocks, 112 blocks: 14 files of 8 queued (a 16k-token file hit on an H100, 8 load
-# threads: 84 ms against 92-93 with 2 chunks, one run each without servers: 2026-12-06-h100-connector-pinned-pool)
 LOAD_THREADS = {"cpu": 4, "cuda": 8}  # file reads in flight: four beat two from disk. Beside a GPU, with files of
 # 16 blocks (one read each), eight beat four and sixteen (the H200, 2.25 MiB blocks from the page cache: 13,700,
 # 17,393 and 16,568 MiB/s); with one block a file four had won, each block's Python waiting for the interpreter's lock
-LOAD_WAIT_S = 30.0  # the longest a load waits for a read (one that hangs: a dead NFS server); then it and every
-# read not done yet are misses
+LOADERS: dict[str, type[Loader]] = {"host": HostLoader, "slots": SlotLoader, "kvikio": KvikioLoader}  # by medium:
+# blocks checked on the host; checked on the device, host blocks in pool slots; its files read into device memory
+SAVERS: dict[str, type[HostSaver] | type[SlotSaver]] = {"host": HostSaver, "slots": SlotSaver, "kvikio": SlotSaver}
 
 
-class Fetched(NamedTuple):
-    """What a load found under one key: a block with its checksum, or why there is none."""
-
-    outcome: Outcome
-    tier: TierName | None = None  # where it was found (or failed)
-    block: Block | None = None
-    digest: str = ""
-    why: str = ""
-    owned: bool = False  # a pool slot the fetcher filled: given back or handed to the RAM tier once used
-
-
-@dataclass
-class Batch:
-    """A chunk's pool slots to give back and blocks to promote to RAM, each done once for the chunk: one event
-    on the side stream, not one per block."""
-
-    back: list[Block] = field(default_factory=list)
-    promote: list[tuple[str, Block, str]] = field(default_factory=list)
+def medium(on_device: bool, device_reads: bool) -> str:
+    """The loader's and the saver's key: where blocks are checked, and where files are read into."""
+    return "kvikio" if device_reads else "slots" if on_device else "host"
 
 
 def _file_groups(stores: list[StoreSpec]) -> Iterator[list[StoreSpec]]:
@@ -93,12 +82,10 @@ def _file_groups(stores: list[StoreSpec]) -> Iterator[list[StoreSpec]]:
         yield group
 
 
-def _past_failure(spec: LoadSpec, first_bad: dict[str, int]) -> bool:
-    """Whether a block lies at or after its request's first failed block (vLLM recomputes those)."""
-    return spec.request_id in first_bad and spec.index >= first_bad[spec.request_id]
-
-
 class WorkerSide:
+    """The worker side of the connector: steps' loads and saves around the tiers, run through one loader and
+    one saver that register() picks by the media at hand (loaders.py, savers.py)."""
+
     device_checks = True  # beside a GPU, checksum on the GPU; the canary, which rewrites blocks on the host, says no
 
     def __init__(self, fingerprint: str, block_size: int, ram: RamTier | None, fs: FsTier | None,
@@ -118,22 +105,19 @@ class WorkerSide:
         self.side = Side(self.device)
         self.pool: SlotPool | None = None  # host slots of the blocks, with on-device checks
         self.path: HostRows | DeviceCopies | None = None  # how blocks cross; by register()
+        self.load_handler: Loader | None = None  # by register()
+        self.save_handler: HostSaver | SlotSaver | None = None  # by register()
         self.logged: set[str] = set()  # kinds of fault already logged once
         self.stats = Stats(logged=self.logged, stale_tmp_removed=fs.stale_tmp_removed if fs is not None else 0)
-        self.load_errors: set[int] = set()
-        self.broken: set[str] = set()  # requests with a failed load this step: none of their blocks after it loads
         self.failed_plan = 0  # the scheduler's count of failures when it planned the last step with a failed load
         self.unheard = 0  # steps left whose stores are dropped unless planned after the scheduler heard of it
         self.load_log: str | None = None  # JSONL: per request and step, the blocks each tier served (extra config)
-        self.served: dict[str, dict[str, int]] = {}  # this step's request -> tier -> blocks
         self.loaders: ThreadPoolExecutor | None = None  # file reads (and host checks beside a GPU); by register()
         self.writers: ThreadPoolExecutor | None = None  # a save's file writes, with a filesystem tier; by register()
         if backlog is not None and (type(backlog) is not int or backlog < 0):
             raise ValueError(f"kvscope connector: save_backlog_bytes {backlog!r} is not a number of bytes (an "
                              "integer such as 4294967296; absent: the platform's)")
         self.wanted_backlog, self.load_threads, self.device_reads = backlog, load_threads, device_reads
-        self.reads_to_device: Read | None = None  # KvikIO's file reads into GPU memory; by register()
-        self.read_stream: torch.cuda.Stream | None = None  # where their device memory is allocated; by register()
         self.backlog = SAVE_BACKLOG_BYTES["cpu"]  # the platform's, or the one wanted; by register()
         # one save thread keeps stores in order
         self.saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-save")
@@ -141,10 +125,11 @@ class WorkerSide:
         self.may_skip_files = True  # with the save thread behind (False with several tensor-parallel ranks)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer KV caches, each [num_blocks, ...], and choose the transfer path once: rows
-        copied with numpy beside a CPU cache (checked on the host), copies on the cache's device beside a GPU
-        or wherever blocks are checked on the device (paths.py). The tiers get the layout, the pool and the
-        checksum here, the one place they are known."""
+        """Take vLLM's per-layer KV caches, each [num_blocks, ...], and choose once how blocks travel: the
+        transfer path (rows copied with numpy beside a CPU cache, copies on the cache's device beside a GPU or
+        wherever blocks are checked on the device: paths.py), and by the media (medium()) one loader and one
+        saver, each handed what it works with. The tiers get the layout, the pool and the checksum here, the
+        one place they are known."""
         self.layers = dict(sorted(kv_caches.items()))
         self._layout = Layout({name: t[0] for name, t in self.layers.items()})
         self.device = next(iter(self.layers.values())).device
@@ -162,6 +147,7 @@ class WorkerSide:
             fused_on(self.device, self.layout.nbytes)
         threads = self.load_threads or LOAD_THREADS[platform]
         self.loaders = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvscope-load")
+        media = Media(self.layout, self.path, self.ram, self.fs, self.stats, self.loaders, self.side, self.pool)
         if self.device_reads:  # a store secret's MACs are computed over a block's bytes on the host
             if self.ram is not None:
                 raise ValueError("kvscope connector: file_reads kvikio reads file hits into GPU memory, but a RAM tier "
@@ -171,8 +157,9 @@ class WorkerSide:
                                  "a filesystem tier and no store secret")
             if (reads := kvikio_reads(threads)) is None:
                 raise ValueError("kvscope connector: file_reads kvikio, but kvikio does not import")
-            self.reads_to_device = reads
-            self.read_stream = torch.cuda.Stream(self.device)  # nothing runs on it (_device_rows)
+            media.reads, media.read_stream = reads, torch.cuda.Stream(self.device)  # nothing runs on that stream
+        key = medium(self.on_device, self.device_reads)
+        self.load_handler, self.save_handler = LOADERS[key](media), SAVERS[key](media)
         if self.fs is not None:
             self.writers = ThreadPoolExecutor(max_workers=SAVE_THREADS[platform], thread_name_prefix="kvscope-write")
         self.backlog = self.wanted_backlog if self.wanted_backlog is not None else SAVE_BACKLOG_BYTES[platform]
@@ -191,11 +178,9 @@ class WorkerSide:
 
     def host_slots_bytes(self) -> int:
         """The host memory the slot pool holds at most in use: the RAM tier's blocks, the saves waiting for the
-        save thread (the backlog) and a load's file reads (the chunks read ahead, the one staged, the one
-        checked; none when files are read into device memory)."""
-        reads = ((AHEAD_CHUNKS + 2) * self.device_copies.chunk * self.layout.nbytes
-                 if self.fs is not None and self.reads_to_device is None else 0)
-        return (self.ram.capacity if self.ram is not None else 0) + self.backlog + reads
+        save thread (the backlog) and a load's file reads (the loader's: none when files are read into device
+        memory)."""
+        return (self.ram.capacity if self.ram is not None else 0) + self.backlog + self.loader.read_slots_bytes()
 
     @property
     def layout(self) -> Layout:
@@ -214,202 +199,24 @@ class WorkerSide:
         assert isinstance(self.path, DeviceCopies), "checks on the device take the device path"
         return self.path
 
+    @property
+    def loader(self) -> Loader:
+        if self.load_handler is None:
+            raise RuntimeError("kvscope connector: no loader before vLLM registers its KV caches")
+        return self.load_handler
+
+    @property
+    def store_path(self) -> HostSaver | SlotSaver:
+        if self.save_handler is None:
+            raise RuntimeError("kvscope connector: no saver before vLLM registers its KV caches")
+        return self.save_handler
+
     def block_bytes(self) -> int:
         return self.layout.nbytes
 
     def extract(self, block_ids: list[int]) -> list[Block]:
         """The blocks' host copies, now (what the KV cache holds: the canary reads its writes back)."""
         return self.transfer.extract(block_ids)
-
-    # Loads
-
-    def _fetch(self, name: TierName, read: Callable[[], list[tuple[Block, str]] | None], n: int = 1,
-               owned: bool = False) -> list[Fetched]:
-        """Get n blocks from one tier: `read` is its get (checking the blocks, with verify); runs on a load
-        thread or inline, so it only returns what happened (whatever it raises, a block that cannot be
-        loaded is a miss, and so is every block read with it)."""
-        hit = Outcome.RAM_HIT if name == TierName.RAM else Outcome.FS_HIT
-        try:
-            found = read()
-        except (OSError, torch.OutOfMemoryError) as exc:  # the file stays: nothing says it is wrong
-            return [Fetched(Outcome.IO, name, why=str(exc))] * n
-        except Exception as exc:  # CorruptBlock, or anything an unforeseen file makes the parser raise
-            why = str(exc) if isinstance(exc, CorruptBlock) else f"{type(exc).__name__}: {exc}"
-            return [Fetched(Outcome.CORRUPT, name, why=why)] * n
-        if found is None:
-            return [Fetched(Outcome.MISS, name)] * n
-        return [Fetched(hit, name, block, digest, owned=owned) for block, digest in found]
-
-    def _fetch_file(self, fs: FsTier, specs: list[LoadSpec], verify: bool, slots: list[Block] | None) -> list[Fetched]:
-        """Consecutive blocks of one file in one read, into pool slots the caller took (fetch_all, in load
-        order; given back unless they hold a block) or, without a pool, buffers of their own."""
-        first = specs[0]
-        read = partial(fs.get_file, first.file_key, [spec.key for spec in specs], first.offset, first.count, verify,
-                       slots)
-        got = self._fetch(TierName.FS, read, len(specs), owned=self.pool is not None)
-        if slots is not None and got[0].block is None and self.pool is not None:
-            self.pool.give_back(*slots)
-        return got
-
-    def _fetch_file_to_device(self, fs: FsTier, specs: list[LoadSpec]) -> list[Fetched]:
-        """Consecutive blocks of one file in one read straight into device memory of their own (KvikIO), the
-        header read and checked on the host; their checksums are checked on the device (_check_and_write)."""
-        reads_to_device, first = self.reads_to_device, specs[0]
-        assert reads_to_device is not None
-
-        def read() -> list[tuple[Block, str]] | None:
-            rows = self._device_rows(len(specs))
-            return fs.get_file_to(first.file_key, [spec.key for spec in specs], first.offset, first.count, rows,
-                                  reads_to_device)
-        return self._fetch(TierName.FS, read, len(specs))
-
-    def _device_rows(self, n: int) -> torch.Tensor:
-        """Device memory for n blocks read by KvikIO, allocated on a stream nothing runs on: memory the caching
-        allocator hands back there is free of queued kernels (GPUDirect Storage writes it outside any stream's
-        order). No room for it beside vLLM's KV cache is a failed read (_fetch), not a crash."""
-        with torch.cuda.stream(self.read_stream) if self.read_stream is not None else contextlib.nullcontext():
-            return torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device)
-
-    def _fetch_ram(self, spec: LoadSpec, verify: bool) -> list[Fetched]:
-        """A block planned from RAM; from its file when the RAM tier evicted it since the plan (promotions and
-        saves fill it within a step): a miss would make vLLM recompute, which vLLM 0.26 on a GPU gets wrong."""
-        assert self.ram is not None
-        ram = self.ram
-        got = self._fetch(TierName.RAM, lambda: None if (found := ram.get(spec.key, verify)) is None else [found])
-        if got[0].outcome == Outcome.MISS and self.fs is not None and spec.count > 0:
-            return self._fetch_file(self.fs, [spec], verify, None)
-        return got
-
-    def _settle(self, spec: LoadSpec, result: Fetched, batch: Batch | None = None) -> Block | None:
-        """Count an outcome; discard what failed verification; promote filesystem hits to RAM (handing an
-        owned slot over, or giving it back), into `batch` when the caller settles a chunk's together.
-        Returns the block, or None for a miss."""
-        outcome, why = result.outcome, result.why
-        tier = {Outcome.RAM_HIT: "ram", Outcome.FS_HIT: "disk"}.get(outcome, "missed")
-        served = self.served.setdefault(spec.request_id, {})
-        served[tier] = served.get(tier, 0) + 1
-        if outcome == Outcome.RAM_HIT:
-            self.stats.ram_hits += 1
-        elif outcome == Outcome.FS_HIT:
-            self.stats.fs_hits += 1
-            assert result.block is not None
-            if spec.promote and self.ram is not None:  # verified already: no second pass
-                if batch is not None and result.owned:
-                    batch.promote.append((spec.key, result.block, result.digest))
-                else:
-                    self.stats.evictions += self.ram.put(spec.key, result.block, result.digest, owned=result.owned)
-            elif result.owned:
-                self._release(result, batch)
-        elif outcome == Outcome.MISS:
-            self.stats.misses += 1
-        elif outcome == Outcome.IO:
-            self.stats.io_errors += 1
-            self.stats.warn_once("io", "cannot read block %s: %s", spec.key, why)
-        else:
-            self.stats.corrupt += 1
-            self.stats.warn_once("corrupt", "%s block %s rejected: %s", result.tier, spec.key, why)
-            self._tier(result.tier).discard(spec.key if result.tier == TierName.RAM else spec.file_key)
-        return result.block if outcome in (Outcome.RAM_HIT, Outcome.FS_HIT) else None
-
-    def _release_late(self, job: Future) -> None:
-        """Give back the slots a read that was given up on filled, once it ends."""
-        for result in job.result():
-            self._release(result)
-
-    def _release(self, result: Fetched, batch: Batch | None = None) -> None:
-        """Give an owned slot back to the pool, or to `batch`, to be given back with others."""
-        if result.owned and self.pool is not None and result.block is not None:
-            if batch is None:
-                self.pool.give_back(result.block)
-            else:
-                batch.back.append(result.block)
-
-    def _tier(self, name: TierName | None) -> Tier:
-        tier = self.ram if name == TierName.RAM else self.fs
-        assert tier is not None
-        return tier
-
-    def _reads(self, loads: list[LoadSpec], in_ram: set[str]) -> Iterator[list[LoadSpec]]:
-        """The loads in order, as reads: a RAM hit alone, and the consecutive blocks of one file together."""
-        group: list[LoadSpec] = []
-        for spec in loads:
-            if (group and spec.key not in in_ram and spec.file_key == group[-1].file_key
-                    and spec.count == group[-1].count and spec.offset == group[-1].offset + 1):
-                group.append(spec)
-                continue
-            if group:
-                yield group
-            group = [spec]
-            if spec.key in in_ram:
-                yield group
-                group = []
-        if group:
-            yield group
-
-    def fetch_all(self, loads: list[LoadSpec], verify: bool = True) -> Iterator[tuple[LoadSpec, Fetched]]:
-        """What each load finds, in load order, checked on the host with verify. File reads run on the load
-        threads, a file's blocks in one read (reads, hashing and tensor copies release the GIL) while the
-        caller uses earlier blocks; with on-device checks AHEAD_CHUNKS ahead (whole files), as each block
-        holds a pool slot. Checked RAM hits beside a GPU run on the load threads too; on the CPU here, as the
-        model's threads want the cores (handing the hashing over cost more than it saved); unchecked ones are
-        a lookup, here."""
-        ram, fs, loaders = self.ram, self.fs, self.loaders
-        assert loaders is not None, "register() first"
-        in_ram = {spec.key for spec in loads if ram is not None and ram.contains(spec.key)}
-        threaded_ram = verify and self.transfer.ram_checks_on_load_threads
-        ahead = AHEAD_CHUNKS * self.device_copies.chunk if self.on_device else len(loads)
-        queued: deque[tuple[list[LoadSpec], Future | None]] = deque()
-        from_files = sum(spec.key not in in_ram and spec.count > 0 for spec in loads) if fs is not None else 0
-        slots: list[Block] = []  # with a pool: slots for file reads, taken a chunk at a time, in load order
-        in_flight = 0  # blocks queued
-
-        def queue(group: list[LoadSpec]) -> None:
-            nonlocal from_files, slots, in_flight
-            job = None
-            if ram is not None and group[0].key in in_ram:
-                if threaded_ram:
-                    job = loaders.submit(self._fetch_ram, group[0], verify)
-            elif fs is None or group[0].count == 0:  # in no file: a miss
-                pass
-            elif self.reads_to_device is not None:  # no RAM tier (register): no block is promoted to host memory
-                assert not verify, "blocks read into device memory are checked there (_check_and_write)"
-                job = loaders.submit(self._fetch_file_to_device, fs, group)
-            elif self.pool is not None:  # neighbouring slots: one copy moves a run (_stage)
-                taken: list[Block] = []
-                while len(taken) < len(group):
-                    if not slots:
-                        slots = self.pool.take_many(min(from_files, self.device_copies.chunk))[::-1]
-                    taken.append(slots.pop())
-                    from_files -= 1
-                job = loaders.submit(self._fetch_file, fs, group, verify, taken)
-            else:
-                job = loaders.submit(self._fetch_file, fs, group, verify, None)
-            queued.append((group, job))
-            in_flight += len(group)
-
-        pending = self._reads(loads, in_ram)
-        while in_flight < ahead and (more := next(pending, None)) is not None:
-            queue(more)
-        wait_s = LOAD_WAIT_S  # once a read has not answered in it, the filesystem hangs: no read is waited for
-        while queued:
-            group, job = queued.popleft()
-            in_flight -= len(group)
-            if job is not None:
-                waited = time.perf_counter()
-                try:
-                    results = job.result(timeout=wait_s)
-                except TimeoutError:  # the read goes on in its thread: the slots it fills go back when it ends
-                    job.add_done_callback(self._release_late)
-                    results = [Fetched(Outcome.IO, why=f"no answer in {LOAD_WAIT_S:g} s")] * len(group)
-                    wait_s = 0
-                self.stats.load_read_wait_seconds += time.perf_counter() - waited
-            elif ram is not None and group[0].key in in_ram:
-                results = self._fetch_ram(group[0], verify)
-            else:
-                results = [Fetched(Outcome.MISS)] * len(group)
-            while in_flight < ahead and (more := next(pending, None)) is not None:
-                queue(more)
-            yield from zip(group, results)
 
     def begin_step(self, meta: KVScopeMetadata) -> None:
         """Wait for the pending saves of the keys this step loads (all of them before a reset), then apply a
@@ -424,22 +231,19 @@ class WorkerSide:
             self._collect(wait_upto=last, timeout=LOAD_WAIT_S)  # a save still running then: its loads miss
 
     def load(self, meta: KVScopeMetadata) -> None:
-        self.broken, self.served = set(), {}
+        loader = self.loader
         self.unheard = max(0, self.unheard - 1)
         self.begin_step(meta)
         started = time.perf_counter()
-        if self.on_device:
-            written = self._load_on_device(meta.loads)
-        else:
-            written = self.transfer.inject(self.to_write(meta, self._verified(meta.loads)))
-        if self.broken:  # this step and the next (planned before vLLM reports this one, with async scheduling)
+        written = loader.load(meta, self.to_write)
+        if loader.broken:  # this step and the next (planned before vLLM reports this one, with async scheduling)
             self.failed_plan, self.unheard = meta.failures, 2
         if self.ram is not None:  # every looked-up block's copy is queued: what the tier dropped may go back
             self.ram.release()
         self.stats.load_bytes += self.block_bytes() * written
         self.stats.load_seconds += time.perf_counter() - started
-        if self.load_log and self.served:
-            self.append_log(self.load_log, [{"request": r, **tiers} for r, tiers in self.served.items()])
+        if self.load_log and loader.served:
+            self.append_log(self.load_log, [{"request": r, **tiers} for r, tiers in loader.served.items()])
 
     def append_log(self, path: str, lines: list[dict]) -> None:
         """Append JSON lines to a log the bench reads (the load log, the canary's fault log); a log that
@@ -450,112 +254,14 @@ class WorkerSide:
         except OSError as exc:
             self.stats.warn_once("log", "cannot write %s: %s", path, exc)
 
-    def _verified(self, loads: list[LoadSpec]) -> Iterator[tuple[LoadSpec, Block]]:
-        """Host-checked blocks in load order; a request stops at its first block that fails."""
-        for spec, result in self.fetch_all(loads):
-            block = self._settle(spec, result)
-            if block is None:  # vLLM recomputes from this block on
-                self._failed(spec, {})
-            elif spec.request_id not in self.broken:
-                yield spec, block
-
     def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
                  ) -> Iterable[tuple[int, Block]]:
         """What goes into the KV cache for a step's host-checked blocks: each block as it comes. The one hook
-        the fault-injection canaries override (canary.py)."""
+        the fault-injection canaries override (canary.py); loaders that check on the device never call it."""
         return ((spec.block_id, block) for spec, block in verified)
 
-    def _load_on_device(self, loads: list[LoadSpec]) -> int:
-        """Loads checked on the GPU, a chunk at a time: once a chunk's blocks are here they go to the GPU
-        together, and the chunk before is checked (and its good blocks written) while they travel. Returns
-        how many were written."""
-        if not loads:
-            return 0
-        n = min(self.device_copies.chunk, len(loads))
-        chunks = [torch.empty((n, self.layout.nbytes), dtype=torch.uint8, device=self.device) for _ in range(2)]
-        first_bad: dict[str, int] = {}  # request -> index of its first block that failed: none from there on
-        written, filling = 0, 0
-        staged: list[tuple[LoadSpec, Fetched]] = []
-        previous: tuple[torch.Tensor, list[tuple[LoadSpec, Fetched]], torch.cuda.Event | None] | None = None
-        for spec, got in self.fetch_all(loads, verify=False):
-            if got.block is None:
-                self._settle(spec, got)
-                self._failed(spec, first_bad)
-                continue
-            if _past_failure(spec, first_bad):
-                self._release(got)
-                continue
-            staged.append((spec, got))
-            if len(staged) == n:  # this chunk is full: on its way, check the one before
-                arrived = self._stage(chunks[filling], staged)
-                if previous is not None:
-                    written += self._check_and_write(*previous, first_bad)
-                previous, filling, staged = (chunks[filling], staged, arrived), 1 - filling, []
-        arrived = self._stage(chunks[filling], staged)
-        if previous is not None:
-            written += self._check_and_write(*previous, first_bad)
-        written += self._check_and_write(chunks[filling], staged, arrived, first_bad)
-        for chunk in chunks:  # its copies are done (checked above); no reuse before the side stream's queue
-            self.side.keep(chunk)
-        return written
-
-    def _stage(self, chunk: torch.Tensor, staged: list[tuple[LoadSpec, Fetched]]) -> torch.cuda.Event | None:
-        """Copy a chunk's blocks into its staging buffer on the side stream, once the writes that last read
-        the buffer are done: one copy per run of blocks side by side (neighbouring pool slots, or a file's
-        blocks read into device memory). Returns the copies' event (None for no block)."""
-        assert self.pool is not None, "checks on the device hold blocks in pool slots"
-        if not staged:
-            return None
-        with self.side.after_current():
-            for first, count, src in self.pool.spans([got.block for _, got in staged]):
-                chunk[first:first + count].copy_(src, non_blocking=True)
-                if not src.is_cpu:  # read into device memory: not reused under the copy
-                    self.side.keep(src)
-        return self.side.mark()
-
-    def _failed(self, spec: LoadSpec, first_bad: dict[str, int]) -> None:
-        self.load_errors.add(spec.block_id)
-        self.broken.add(spec.request_id)
-        first_bad[spec.request_id] = min(spec.index, first_bad.get(spec.request_id, spec.index))
-
-    def _check_and_write(self, chunk: torch.Tensor, staged: list[tuple[LoadSpec, Fetched]],
-                         arrived: torch.cuda.Event | None, first_bad: dict[str, int]) -> int:
-        """Check one staged chunk's checksums on the GPU (reading them back is the one wait) and write the
-        blocks that match, up to each request's first failure, into the KV cache."""
-        if not staged:
-            return 0
-        waited = time.perf_counter()
-        Side.wait(arrived)
-        rows = chunk[:len(staged)]
-        found = [digest_hex(pair) for pair in mix_digests(rows).tolist()]
-        self.stats.load_device_wait_seconds += time.perf_counter() - waited
-        keep, ids, batch = [], [], Batch()  # the chunk's slots given back, and its promotions, together
-        try:
-            for row, ((spec, got), digest) in enumerate(zip(staged, found)):
-                if digest != got.digest:
-                    self._release(got, batch)
-                    self._settle(spec, got._replace(outcome=Outcome.CORRUPT, why="checksum mismatch (on the GPU)"))
-                    self._failed(spec, first_bad)
-                elif _past_failure(spec, first_bad):
-                    self._release(got, batch)
-                else:
-                    self._settle(spec, got, batch)
-                    keep.append(row)
-                    ids.append(spec.block_id)
-            if ids:
-                self.device_copies.write(rows if len(keep) == len(staged) else rows[keep], ids)
-        finally:
-            if batch.promote and self.ram is not None:
-                self.stats.evictions += self.ram.put_many(batch.promote, owned=True)
-            if self.ram is not None:  # every RAM hit looked up so far is staged (the next chunk before this one
-                self.ram.release()  # is checked): what the tier dropped may go back, with the chunk's slots
-            if batch.back and self.pool is not None:
-                self.pool.give_back(*batch.back)
-        return len(ids)
-
     def take_load_errors(self) -> set[int]:
-        errors, self.load_errors = self.load_errors, set()
-        return errors
+        return self.loader.take_load_errors()
 
     # Saves
 
@@ -586,7 +292,7 @@ class WorkerSide:
             while 0 < (pending := self._pending()) and pending + held > self.backlog:
                 self._collect(wait_upto=0)  # the save thread is behind: wait for its oldest job
             self.stats.save_wait_seconds += time.perf_counter() - waited
-        saved = self.transfer.copy_out([spec.block_id for spec in meta.stores])
+        saved = self.store_path.copy_out([spec.block_id for spec in meta.stores])
         job = self.saver.submit(self._store, meta.ram_evict, meta.stores, saved, time.perf_counter() - started)
         self.saving.append((job, {spec.key for spec in meta.stores}, held))
         self._collect()
@@ -620,6 +326,8 @@ class WorkerSide:
         (checksummed here unless the GPU did it); returns what it counted."""
         started = time.perf_counter()
         stats = Stats(logged=self.logged)
+        store_path = self.store_path
+        owned = store_path.owned  # pool slots, handed to the RAM tier (else blocks it copies)
         if saved.ready is not None:
             saved.ready.synchronize()
         digests = None if saved.digests is None else [digest_hex(pair) for pair in saved.digests.tolist()]
@@ -635,7 +343,7 @@ class WorkerSide:
             stored = True
             if written is not None:
                 if not written.done() and to_ram and self.ram is not None:  # stored before a file that hangs
-                    stats.evictions += self.ram.put_many(to_ram, owned=self.pool is not None)
+                    stats.evictions += self.ram.put_many(to_ram, owned=owned)
                     to_ram = []
                 try:
                     evicted = written.result()
@@ -654,9 +362,8 @@ class WorkerSide:
                 stats.saves += 1
                 stats.save_bytes += block.numel()
         if to_ram and self.ram is not None:  # once their files are written: the tier may give a slot back
-            stats.evictions += self.ram.put_many(to_ram, owned=self.pool is not None)
-        if back and self.pool is not None:
-            self.pool.give_back(*back)
+            stats.evictions += self.ram.put_many(to_ram, owned=owned)
+        store_path.give_back(back)
         stats.save_seconds = seconds + time.perf_counter() - started
         return stats
 
@@ -707,7 +414,6 @@ class WorkerSide:
     def take_stats(self) -> Stats:
         """The counters since the last call (vLLM asks after every step)."""
         self._collect()
-        stats, self.stats = self.stats, Stats(logged=self.logged)
-        if self.pool is not None:
-            stats.pool_grow_seconds += self.pool.take_grow_seconds()
+        stats = self.stats.take()
+        stats.pool_grow_seconds += self.store_path.take_grow_seconds()
         return stats

@@ -5,12 +5,14 @@ given. The same path with KvikIO on a GPU: test_gpu.py."""
 import os
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
 from test_sides import slots_out
 
 from kvscope_connector.devicereads import kvikio_reads
+from kvscope_connector.loaders import KvikioLoader
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import placed
 from kvscope_connector.store import FsTier, RamTier
@@ -39,7 +41,7 @@ def stored(tmp_path, per_file=3):
     def read(fd, into, offset):
         w.reads.append((os.fstat(fd).st_ino, offset, into.shape[0]))
         return os.preadv(fd, [into.numpy()], offset)
-    w.reads_to_device = read
+    w.load_handler = KvikioLoader(replace(w.loader.media, reads=read))
     return w, where
 
 
@@ -82,7 +84,7 @@ def test_a_read_that_fails_is_a_counted_miss_and_its_file_stays(tmp_path):
 
     def failing(fd, into, offset):
         raise OSError("KvikIO: an I/O error")
-    w.reads_to_device = failing
+    w.loader.reads = failing
     before = w.layers["layer0"][N:].clone()
     w.load(loads(where, range(N)))
     assert w.take_load_errors() == set(range(N, 2 * N)) and w.stats.io_errors == N
@@ -117,7 +119,7 @@ def test_no_device_memory_to_read_into_is_a_counted_miss_and_the_file_stays(tmp_
 
     def no_room(n):
         raise torch.OutOfMemoryError("CUDA out of memory")
-    monkeypatch.setattr(w, "_device_rows", no_room)
+    monkeypatch.setattr(w.loader, "_device_rows", no_room)
     w.load(loads(where, range(N)))
     assert w.take_load_errors() == set(range(N, 2 * N)) and w.stats.io_errors == N and w.stats.corrupt == 0
     assert w.fs.path(where[0].file).exists() and w.reads == []
@@ -129,7 +131,7 @@ def test_a_file_that_changes_size_under_a_failing_read_is_corrupt_and_moved_asid
     def truncated(fd, into, offset):  # KvikIO raises at a file's end rather than count bytes
         os.truncate(f"/proc/self/fd/{fd}", offset)  # the file itself, as another host would
         raise OSError("KvikIO: POSIX error on pread: EOF")
-    w.reads_to_device = truncated
+    w.loader.reads = truncated
     w.load(loads(where, range(3)))
     assert w.take_load_errors() == {N, N + 1, N + 2} and w.stats.corrupt == 3 and w.stats.io_errors == 0
     assert w.fs.path(where[0].file).with_suffix(".corrupt").exists()
@@ -143,7 +145,7 @@ def test_a_file_swapped_at_its_name_during_the_read_still_loads_the_file_that_wa
         os.replace(other, mine)
         with open(f"/proc/self/fd/{fd}", "rb") as f:
             return os.preadv(f.fileno(), [into.numpy()], offset)
-    w.reads_to_device = swapping
+    w.loader.reads = swapping
     w.load(loads(where, range(3)))
     assert w.take_load_errors() == set() and w.stats.fs_hits == 3
     assert all(torch.equal(t[N:N + 3], t[:3]) for t in w.layers.values())

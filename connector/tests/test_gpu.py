@@ -7,7 +7,9 @@ from test_sides import slots_out
 
 from kvscope_connector.blocks import fused_on, mix_digests
 from kvscope_connector.devicereads import kvikio_reads
+from kvscope_connector.loaders import KvikioLoader, SlotLoader
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
+from kvscope_connector.savers import SlotSaver
 from kvscope_connector.scheduler import placed
 from kvscope_connector.store import FsTier, RamTier
 from kvscope_connector.worker import WorkerSide
@@ -45,6 +47,7 @@ def test_mix128_on_the_gpu_is_mix128_on_the_host_and_runs_the_fused_kernel(words
 def test_blocks_saved_from_the_gpu_load_back_exactly_from_pinned_slots(tmp_path, ram, per_file):
     w = worker(tmp_path, ram, per_file)
     assert w.on_device and w.side.stream is not None
+    assert (type(w.loader), type(w.store_path)) == (SlotLoader, SlotSaver)  # register's pick beside a GPU
     where = placed([f"k{i}" for i in range(8)], per_file)  # files of 3 blocks: 0-2, 3-5, 6-7
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", ram, not ram, file=where[i].file) for i in range(8)]))
     w.flush()
@@ -74,6 +77,7 @@ def test_the_pool_is_pinned_at_registration_for_the_ram_tier_and_the_save_backlo
 @needs_kvikio
 def test_files_read_by_kvikio_into_gpu_memory_load_back_exactly_and_a_changed_byte_is_caught(tmp_path):
     w = worker(tmp_path, ram=False, per_file=3, device_reads=True)
+    assert (type(w.loader), type(w.store_path)) == (KvikioLoader, SlotSaver)
     where = placed([f"k{i}" for i in range(8)], 3)
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True, file=where[i].file) for i in range(8)]))
     w.flush()

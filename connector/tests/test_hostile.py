@@ -12,7 +12,7 @@ import torch
 from test_sides import worker
 from test_store import FP, LAYOUT, block, tier, write
 
-from kvscope_connector import fileformat, store
+from kvscope_connector import fileformat, loaders, store
 from kvscope_connector import worker as worker_mod
 from kvscope_connector.blocks import CorruptBlock, Layout
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
@@ -63,7 +63,7 @@ def test_a_fifo_at_a_blocks_name_is_a_quarantined_miss_not_a_hang(tmp_path):
 
 
 def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(loaders, "LOAD_WAIT_S", 0.5)
     w = worker(tmp_path, ram=False)
     stuck = threading.Event()
     w.fs.get_file = lambda *args: stuck.wait(30)  # a read that hangs (a dead NFS server)
@@ -78,7 +78,7 @@ def test_a_load_that_does_not_answer_in_time_is_a_counted_miss(tmp_path, monkeyp
 
 def test_a_hung_filesystem_costs_a_step_one_wait_not_one_per_read(tmp_path, monkeypatch):
     # review: every queued read waited LOAD_WAIT_S of its own (a 32k-token prompt in 128 files: an hour at 30 s)
-    monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(loaders, "LOAD_WAIT_S", 0.5)
     w = worker(tmp_path, ram=False)
     stuck = threading.Event()
     w.fs.get_file = lambda *args: stuck.wait(30)  # a dead NFS server: every read hangs
@@ -93,8 +93,8 @@ def test_a_hung_filesystem_costs_a_step_one_wait_not_one_per_read(tmp_path, monk
 
 def test_the_slots_of_a_read_given_up_on_go_back_to_the_pool_once_it_ends(tmp_path, monkeypatch):
     # beside a GPU a file's read fills a pool slot per block: one that hangs past the wait must not keep them
-    monkeypatch.setattr(worker_mod, "LOAD_WAIT_S", 0.5, raising=False)
-    w = worker(tmp_path, ram=False, checks="device")
+    monkeypatch.setattr(loaders, "LOAD_WAIT_S", 0.5)
+    w = worker(tmp_path, ram=False, loader="slots")
     w.fs.per_file = 3
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True, file="k2") for i in range(3)]))
     w.flush()

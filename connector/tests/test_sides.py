@@ -4,17 +4,19 @@ import json
 import os
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
 from kvscope_connector.keys import block_keys
+from kvscope_connector.loaders import KvikioLoader
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.paths import HostRows
 from kvscope_connector.scheduler import SchedulerSide
 from kvscope_connector.store import FsTier, RamTier
-from kvscope_connector.worker import AHEAD_CHUNKS, WorkerSide
+from kvscope_connector.worker import AHEAD_CHUNKS, LOADERS, SAVERS, WorkerSide, medium
 
 FP, B = "f" * 32, 4
 
@@ -24,23 +26,60 @@ def caches(num_blocks=8, seed=0):
     return {f"layer{i}": torch.randn(num_blocks, 2, B, 6, generator=gen) for i in range(2)}
 
 
-@pytest.fixture(params=["host", "device"])
-def checks(request):
-    """Where loads are checked: on the host (the CPU's way), or as beside a GPU (staged, checked with mix128
-    after the copy, host blocks in pool slots), here on the CPU's tensors."""
+@pytest.fixture(params=sorted(LOADERS))
+def loader(request):
+    """The loader the worker runs (worker.LOADERS), on the CPU's tensors: blocks checked on the host (the CPU's
+    way); checked as beside a GPU (staged, checked with mix128 after the copy, host blocks in pool slots); or so,
+    with files read into device memory (toy_reads in KvikIO's place)."""
     return request.param
 
 
-def worker(tmp_path, ram=True, fs=True, checks="host"):
-    on_device = checks == "device"
-    w = WorkerSide(FP, B, RamTier(1 << 20) if ram else None, FsTier(str(tmp_path), FP, None) if fs else None,
-                   checksum="mix128" if on_device else "xxh3-128", on_device=on_device)
-    w.register(caches())
+def toy_reads(fd, into, offset):
+    """KvikIO's read as the connector calls it (one call per file, into the tensor given, at the offset given),
+    here into the CPU's tensors."""
+    return os.preadv(fd, [into.numpy()], offset)
+
+
+def registered(ram, fs, loader="host", num_blocks=8, reads=toy_reads):
+    """A worker registered on the CPU's tensors with the loader named: register's own pick for host and slots
+    (checks on the device forced); for kvikio, which register picks beside a CUDA GPU with KvikIO only, that
+    loader over the same media with `reads` in KvikIO's place."""
+    if loader == "kvikio" and ram is not None:
+        pytest.skip("files read into device memory take no RAM tier (refused at registration)")
+    w = WorkerSide(FP, B, ram, fs, checksum="xxh3-128" if loader == "host" else "mix128", on_device=loader != "host")
+    w.register(caches(num_blocks))
+    if loader == "kvikio":
+        w.load_handler = KvikioLoader(replace(w.loader.media, reads=reads))
+    assert type(w.loader) is LOADERS[loader]
     return w
 
 
-def test_store_then_load_into_another_block_from_each_tier(tmp_path, checks):
-    w = worker(tmp_path, checks=checks)
+def worker(tmp_path, ram=True, fs=True, loader="host"):
+    return registered(RamTier(1 << 20) if ram else None, FsTier(str(tmp_path), FP, None) if fs else None, loader)
+
+
+def test_register_dispatches_to_one_loader_and_one_saver_by_medium_with_toy_media(tmp_path, loader, monkeypatch):
+    # The worker holds no path branch of its own: register looks its loader and its saver up by the medium
+    # (where blocks are checked, where files are read into), and every load and save goes through them.
+    assert [medium(on_device, reads) for on_device, reads in ((False, False), (True, False), (True, True))] == \
+        ["host", "slots", "kvikio"]
+    w = worker(tmp_path, ram=False, loader=loader)
+    assert (type(w.loader), type(w.store_path)) == (LOADERS[loader], SAVERS[loader])
+    calls = []
+
+    def counted(name, run):
+        return lambda *args: calls.append(name) or run(*args)
+    monkeypatch.setattr(w.loader, "load", counted("load", w.loader.load))
+    monkeypatch.setattr(w.store_path, "copy_out", counted("copy_out", w.store_path.copy_out))
+    w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
+    w.flush()
+    w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
+    assert calls == ["copy_out", "load"] and w.take_load_errors() == set() and w.stats.fs_hits == 1
+    assert all(torch.equal(t[5], t[1]) for t in w.layers.values())
+
+
+def test_store_then_load_into_another_block_from_each_tier(tmp_path, loader):
+    w = worker(tmp_path, loader=loader)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True)]))
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram")]))
     assert all(torch.equal(t[5], t[1]) for t in w.layers.values())
@@ -51,17 +90,17 @@ def test_store_then_load_into_another_block_from_each_tier(tmp_path, checks):
     assert w.take_load_errors() == set()
 
 
-def test_a_ram_block_evicted_during_its_step_is_read_from_its_file(tmp_path, checks):
+def test_a_ram_block_evicted_during_its_step_is_read_from_its_file(tmp_path, loader):
     # The RAM tier evicts on its own when promotions (and the save thread) fill it within a step, so a block
     # the scheduler planned from RAM can be gone by its turn. A miss there made vLLM 0.26 on a GPU answer
     # wrongly (it does not recover a failed load: 3 kvscope-fs answers on the H200, 2026-12-01). The block
     # is on disk too: read it from there.
-    w = worker(tmp_path, checks=checks)
+    w = worker(tmp_path, loader=loader)
     w.ram.capacity = w.block_bytes()  # one block
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True),
                                    StoreSpec(2, "k2", to_ram=False, to_fs=True)]))
     w.flush()
-    if checks == "device":
+    if loader != "host":
         w.device_copies.chunk = 1  # one block staged at a time: k2's promotion evicts k1 before k1's read
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k2", "fs", promote=True, request_id="r", index=0),
                                   LoadSpec(6, "k1", "ram", request_id="r", index=1)]))
@@ -69,8 +108,8 @@ def test_a_ram_block_evicted_during_its_step_is_read_from_its_file(tmp_path, che
     assert all(torch.equal(t[5], t[2]) and torch.equal(t[6], t[1]) for t in w.layers.values())
 
 
-def test_the_load_log_says_per_request_which_tier_served_each_block(tmp_path, checks):
-    w = worker(tmp_path / "store", checks=checks)
+def test_the_load_log_says_per_request_which_tier_served_each_block(tmp_path, loader):
+    w = worker(tmp_path / "store", loader=loader)
     w.load_log = str(tmp_path / "loads.jsonl")
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True),
                                    StoreSpec(2, "k2", to_ram=False, to_fs=True)]))
@@ -85,8 +124,8 @@ def test_the_load_log_says_per_request_which_tier_served_each_block(tmp_path, ch
     assert len((tmp_path / "loads.jsonl").read_text().splitlines()) == 2
 
 
-def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with(tmp_path, checks):
-    w = worker(tmp_path, checks=checks)
+def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with(tmp_path, loader):
+    w = worker(tmp_path, loader=loader)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs", promote=True)]))
     w.load(KVScopeMetadata(loads=[LoadSpec(6, "k1", "ram")]))
@@ -94,8 +133,8 @@ def test_a_promoted_file_block_enters_ram_with_the_checksum_it_was_verified_with
     assert (w.stats.fs_hits, w.stats.ram_hits, w.stats.corrupt) == (1, 1, 0) and w.take_load_errors() == set()
 
 
-def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key(tmp_path, checks):
-    w = worker(tmp_path, checks=checks)
+def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key(tmp_path, loader):
+    w = worker(tmp_path, loader=loader)
     gate = threading.Event()
     w.saver.submit(gate.wait)  # the save thread is busy
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True)]))
@@ -106,10 +145,10 @@ def test_saves_run_off_the_forward_path_and_a_load_waits_for_the_save_of_its_key
     assert w.take_load_errors() == set() and (w.stats.saves, w.stats.ram_hits) == (1, 1)
 
 
-def test_a_ram_save_before_a_file_that_hangs_is_stored_while_the_file_is_written(tmp_path, checks):
+def test_a_ram_save_before_a_file_that_hangs_is_stored_while_the_file_is_written(tmp_path, loader):
     # A step's blocks go to RAM together, once their files are written: not those before a file still being
     # written (a hung filesystem: each RAM-only block before it would wait for it, a miss meanwhile).
-    w = worker(tmp_path, checks=checks)
+    w = worker(tmp_path, loader=loader)
     gate, put_file = threading.Event(), w.fs.put_file
     w.fs.put_file = lambda *args: gate.wait() and put_file(*args)
     w.save(KVScopeMetadata(stores=[StoreSpec(0, "k0", to_ram=True, to_fs=False),
@@ -130,12 +169,12 @@ def in_background(fn) -> threading.Event:
     return done
 
 
-def test_a_save_thread_behind_skips_file_only_saves_instead_of_stalling_the_forward(tmp_path, checks):
+def test_a_save_thread_behind_skips_file_only_saves_instead_of_stalling_the_forward(tmp_path, loader):
     # The H200 trace run (2026-12-02): prompts up to 32k tokens saved to disk while every save beyond 1 GiB
     # pending waited for the save thread on the forward path; kvscope-fs's hits took 30 s, golden's 1.5 s.
     # A file the scheduler finds on disk or not at all may be skipped (a later miss). A RAM save may not
     # (the scheduler's index counts on it), nor its file (a block the RAM tier evicts is read from it).
-    w = worker(tmp_path, checks=checks)
+    w = worker(tmp_path, loader=loader)
     w.backlog = w.block_bytes()
     gates = [threading.Event() for _ in range(4)]
     try:
@@ -181,8 +220,8 @@ def test_a_save_thread_behind_skips_file_only_saves_instead_of_stalling_the_forw
             gate.set()
 
 
-def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path, checks):
-    w = worker(tmp_path, fs=False, checks=checks)
+def test_a_ram_block_changed_after_it_was_stored_is_a_counted_miss(tmp_path, loader):
+    w = worker(tmp_path, fs=False, loader=loader)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=False)]))
     w.flush()
     w.ram.blocks["k1"][0][0] += 1  # a stray write into the tier's copy
@@ -197,14 +236,17 @@ def test_host_checks_beside_a_gpu_run_on_the_load_threads_and_a_changed_ram_bloc
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", True, False), StoreSpec(2, "k2", True, False)]))
     w.flush()
     w.ram.blocks["k2"][0][0] += 1
-    w.device = torch.device("cuda")  # fetch_all only picks its threads by it; nothing touches a GPU here
-    got = list(w._verified([LoadSpec(5, "k1", "ram", request_id="a"), LoadSpec(6, "k2", "ram", request_id="b")]))
+    w.loader.threaded_ram = True  # as beside a GPU (DeviceCopies.ram_checks_on_load_threads); no GPU touched here
+    get, threads = w.ram.get, set()
+    w.ram.get = lambda key, verify=True: threads.add(threading.current_thread().name) or get(key, verify)
+    got = list(w.loader.verified([LoadSpec(5, "k1", "ram", request_id="a"), LoadSpec(6, "k2", "ram", request_id="b")]))
+    assert threads and all(name.startswith("kvscope-load") for name in threads), threads
     assert [spec.key for spec, _ in got] == ["k1"] and torch.equal(got[0][1], w.ram.get("k1")[0])
     assert (w.stats.ram_hits, w.stats.corrupt) == (1, 1) and not w.ram.contains("k2")
 
 
-def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path, checks):
-    w = worker(tmp_path, ram=False, checks=checks)
+def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path, loader):
+    w = worker(tmp_path, ram=False, loader=loader)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
     w.flush()
     path = w.fs.path("k1")
@@ -219,8 +261,8 @@ def test_a_corrupt_file_is_a_miss_reported_to_vllm_and_moved_aside(tmp_path, che
 
 
 @pytest.mark.parametrize("header", [b"7", b'{"__metadata__": ["x"]}', b'{"a": "b"}', b'{"__metadata__": {"k": 1}}'])
-def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_path, checks, header):
-    w = worker(tmp_path, ram=False, checks=checks)
+def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_path, loader, header):
+    w = worker(tmp_path, ram=False, loader=loader)
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=False, to_fs=True)]))
     w.flush()
     path = w.fs.path("k1")
@@ -232,25 +274,25 @@ def test_a_crafted_header_is_a_counted_miss_moved_aside_never_an_exception(tmp_p
     assert path.with_suffix(".corrupt").exists()
 
 
-def test_whatever_a_tier_raises_on_a_load_is_a_counted_miss(tmp_path, checks):
-    w = worker(tmp_path, ram=False, checks=checks)
+def test_whatever_a_tier_raises_on_a_load_is_a_counted_miss(tmp_path, loader):
+    w = worker(tmp_path, ram=False, loader=loader)
 
     def broken(*args):
         raise AttributeError("'list' object has no attribute 'get'")
 
-    w.fs.get_file = broken
+    w.fs.get_file = w.fs.get_file_to = broken  # read into host memory, or into device memory
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "fs")]))
     assert w.take_load_errors() == {5} and w.stats.corrupt == 1
 
 
-def test_a_vanished_block_is_a_counted_miss(tmp_path, checks):
-    w = worker(tmp_path, ram=False, checks=checks)
+def test_a_vanished_block_is_a_counted_miss(tmp_path, loader):
+    w = worker(tmp_path, ram=False, loader=loader)
     w.load(KVScopeMetadata(loads=[LoadSpec(3, "never-stored", "fs")]))
     assert w.take_load_errors() == {3} and w.stats.misses == 1
 
 
-def test_blocks_after_a_failed_one_are_not_written_as_vllm_recomputes_them(tmp_path, checks):
-    w = worker(tmp_path, fs=False, checks=checks)
+def test_blocks_after_a_failed_one_are_not_written_as_vllm_recomputes_them(tmp_path, loader):
+    w = worker(tmp_path, fs=False, loader=loader)
     w.save(KVScopeMetadata(stores=[StoreSpec(2, "k2", True, False)]))
     before = w.layers["layer0"][6].clone()
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "k1", "ram", request_id="r", index=0),
@@ -289,12 +331,12 @@ def new_req(rid, tokens, block_ids, computed=0):
               scheduled=len(tokens) - computed)
 
 
-def test_no_block_is_stored_from_a_step_with_a_failed_load_until_the_scheduler_has_heard_of_it(tmp_path, checks):
+def test_no_block_is_stored_from_a_step_with_a_failed_load_until_the_scheduler_has_heard_of_it(tmp_path, loader):
     # Blocks computed in that step may rest on the block it lacked: the request's own, or one vLLM shares with
     # another request of the step (review: a sharer filed the failed block as the load left it, checksummed).
     # With async scheduling (vLLM's default on a GPU) the next step was planned before vLLM reported the
     # failure, and may compute on it too: its stores wait for a plan made after (KVScopeMetadata.failures).
-    w = worker(tmp_path, checks=checks)
+    w = worker(tmp_path, loader=loader)
     w.load(KVScopeMetadata(loads=[LoadSpec(5, "gone", "ram", request_id="r", index=0)]))
     w.save(KVScopeMetadata(stores=[StoreSpec(6, "r-later", True, True, request_id="r"),
                                    StoreSpec(7, "q-new", True, True, request_id="q")]))
@@ -441,7 +483,7 @@ def counting_marks(w):
 
 
 def test_the_pools_growing_is_counted_in_the_workers_stats(tmp_path):
-    w = worker(tmp_path, fs=False, checks="device")  # on the CPU the pool is not reserved: its first save grows it
+    w = worker(tmp_path, fs=False, loader="slots")  # on the CPU the pool is not reserved: its first save grows it
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", True, False)]))
     w.flush()
     assert w.take_stats().pool_grow_seconds > 0
@@ -457,7 +499,7 @@ def slots_out(w):
 
 
 def test_checked_on_the_gpu_a_request_keeps_its_blocks_before_a_failure_in_a_later_chunk(tmp_path):
-    w = worker(tmp_path, fs=False, checks="device")
+    w = worker(tmp_path, fs=False, loader="slots")
     w.device_copies.chunk = 2  # five loads span three staged chunks
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1, 2, 4)]))  # no k3
     w.flush()
@@ -470,7 +512,7 @@ def test_checked_on_the_gpu_a_request_keeps_its_blocks_before_a_failure_in_a_lat
 
 
 def test_checked_on_the_gpu_a_corrupt_block_stops_its_request_and_no_other(tmp_path):
-    w = worker(tmp_path, ram=False, checks="device")
+    w = worker(tmp_path, ram=False, loader="slots")
     w.device_copies.chunk = 2
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
     w.flush()
@@ -493,7 +535,7 @@ def test_checked_on_the_gpu_a_corrupt_block_stops_its_request_and_no_other(tmp_p
 def test_checked_on_the_gpu_saves_carry_the_checksum_computed_there_and_ram_keeps_the_slot(tmp_path):
     from kvscope_connector.blocks import mix128
 
-    w = worker(tmp_path, checks="device")
+    w = worker(tmp_path, loader="slots")
     w.save(KVScopeMetadata(stores=[StoreSpec(1, "k1", to_ram=True, to_fs=True), StoreSpec(2, "k2", False, True)]))
     w.flush()
     block, digest = w.ram.get("k1")
@@ -507,7 +549,7 @@ def test_checked_on_the_gpu_saves_carry_the_checksum_computed_there_and_ram_keep
 def test_checked_on_the_gpu_a_saves_ram_evictions_give_their_slots_back_under_one_event(tmp_path):
     # A full RAM tier gave each evicted block's slot back under an event of its own (the save thread created
     # and recorded one per block, the forward thread queried each before reusing the slot): one a save now.
-    w = worker(tmp_path, fs=False, checks="device")
+    w = worker(tmp_path, fs=False, loader="slots")
     w.ram.capacity = 2 * w.block_bytes()
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in (0, 1)]))
     w.flush()
@@ -522,7 +564,7 @@ def test_checked_on_the_gpu_a_saves_ram_evictions_give_their_slots_back_under_on
 def test_checked_on_the_gpu_the_schedulers_evictions_of_a_save_give_their_slots_back_under_one_event(tmp_path):
     # In a server the scheduler decides evictions (its index is smaller than the worker's tier): each key of
     # meta.ram_evict went back under an event of its own.
-    w = worker(tmp_path, fs=False, checks="device")
+    w = worker(tmp_path, fs=False, loader="slots")
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", True, False) for i in range(4)]))
     w.flush()
     marks = counting_marks(w)
@@ -535,7 +577,7 @@ def test_checked_on_the_gpu_the_schedulers_evictions_of_a_save_give_their_slots_
 
 
 def test_checked_on_the_gpu_promotions_into_a_full_ram_tier_give_slots_back_under_one_event_a_chunk(tmp_path):
-    w = worker(tmp_path, checks="device")
+    w = worker(tmp_path, loader="slots")
     w.device_copies.chunk = 4
     w.ram.capacity = 4 * w.block_bytes()
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", i < 4, i >= 4) for i in range(8)]))  # RAM full
@@ -569,9 +611,9 @@ def test_checked_on_the_gpu_a_ram_hits_slot_is_not_reused_before_its_copy_is_que
         return found
     w.ram.get = racing_get
     k0_slot = w.ram.blocks["k0"][0].data_ptr()
-    log, take_many, stage = [], w.pool.take_many, w._stage
+    log, take_many, stage = [], w.pool.take_many, w.loader._stage
     w.pool.take_many = lambda n: (lambda got: log.append(("take", {s.data_ptr() for s in got})) or got)(take_many(n))
-    w._stage = lambda chunk, staged: log.append(("stage", {g.block.data_ptr() for _, g in staged})) or \
+    w.loader._stage = lambda chunk, staged: log.append(("stage", {g.block.data_ptr() for _, g in staged})) or \
         stage(chunk, staged)
     w.load(KVScopeMetadata(loads=[LoadSpec(8, "k0", "ram", request_id="r", index=0)] +
                           [LoadSpec(7 + i, f"k{i}", "fs", request_id=f"s{i}", index=0) for i in range(1, 8)]))
@@ -639,7 +681,7 @@ def test_blocks_cross_the_device_path_in_any_order_of_their_ids(tmp_path, ids):
 def test_checked_on_the_gpu_a_chunk_of_file_hits_lands_in_neighbouring_slots_one_copy_fills(tmp_path):
     # Each file read took its own slot as its thread got to it, so a chunk's blocks lay scattered in the pool
     # and each went to the device in a copy of its own: a chunk's slots are taken at once, in load order.
-    w = worker(tmp_path, ram=False, checks="device")
+    w = worker(tmp_path, ram=False, loader="slots")
     w.device_copies.chunk = 4
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
     w.flush()
@@ -653,7 +695,7 @@ def test_checked_on_the_gpu_a_chunk_of_file_hits_lands_in_neighbouring_slots_one
 def test_checked_on_the_gpu_a_chunk_of_file_hits_gives_its_slots_back_under_one_event(tmp_path):
     # Each file hit's slot went back to the pool under an event of its own: beside a GPU an event created and
     # recorded per block, then queried per block before reuse, on the forward thread (535 a 16k-token hit).
-    w = worker(tmp_path, ram=False, checks="device")
+    w = worker(tmp_path, ram=False, loader="slots")
     w.device_copies.chunk = 2
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(4)]))
     w.flush()
@@ -665,7 +707,7 @@ def test_checked_on_the_gpu_a_chunk_of_file_hits_gives_its_slots_back_under_one_
 
 
 def test_block_ids_outside_the_kv_cache_are_refused_not_clipped(tmp_path):
-    w = worker(tmp_path, checks="device")
+    w = worker(tmp_path, loader="slots")
     for ids in ([6, 7, 8], [-1, 0]):
         with pytest.raises(IndexError):
             w.device_copies.gather(ids)
@@ -674,7 +716,7 @@ def test_block_ids_outside_the_kv_cache_are_refused_not_clipped(tmp_path):
 
 
 def test_checked_on_the_gpu_a_file_read_that_fails_gives_its_slot_back(tmp_path):
-    w = worker(tmp_path, ram=False, checks="device")
+    w = worker(tmp_path, ram=False, loader="slots")
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", False, True) for i in range(3)]))
     w.flush()
     w.fs.path("k1").write_bytes(b"short")
@@ -740,11 +782,9 @@ def test_files_are_found_by_one_lookup_each_and_a_prompt_that_ends_within_one_by
     assert [(x.index, x.offset) for x in s.build_meta(sched_output()).loads][:3] == [(2, 2), (3, 3), (4, 0)]
 
 
-def test_files_of_several_blocks_round_trip_each_in_one_read(tmp_path, checks, monkeypatch):
+def test_files_of_several_blocks_round_trip_each_in_one_read(tmp_path, loader, monkeypatch):
     s, tokens, keys = run_of_files(tmp_path)
-    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None, per_file=4),
-                   checksum="mix128" if checks == "device" else "xxh3-128", on_device=checks == "device")
-    w.register(caches(num_blocks=64))
+    w = registered(None, FsTier(str(tmp_path), FP, None, per_file=4), loader, num_blocks=64)
     ids = list(range(20, 31))
     w.save(step(s, "a", tokens, ids, 0, 6 * B))
     w.save(step(s, "a", tokens, ids, 6 * B, 4 * B + 1, new=False))
@@ -758,15 +798,15 @@ def test_files_of_several_blocks_round_trip_each_in_one_read(tmp_path, checks, m
     s.after_alloc(request("b", tokens), NS(get_block_ids=lambda: (list(range(40, 51)),)), 8 * B)
     w.load(s.build_meta(sched_output()))
     assert w.take_load_errors() == set() and w.stats.fs_hits == 8
-    assert sorted(reads) == [1, 2, 3, 5]  # blocks 2-3: the header, then both; 4-7 and 8-9 with their headers
+    # blocks 2-3: the header, then both; 4-7 and 8-9 with their headers. Into device memory: each file's
+    # header, then its blocks in one read
+    assert sorted(reads) == ([1] * 6 if loader == "kvikio" else [1, 2, 3, 5])
     assert all(torch.equal(t[40 + i], t[20 + i]) for t in w.layers.values() for i in range(2, 10))
 
 
-def test_a_corrupt_block_in_a_file_makes_its_read_a_miss_and_the_file_is_moved_aside(tmp_path, checks):
+def test_a_corrupt_block_in_a_file_makes_its_read_a_miss_and_the_file_is_moved_aside(tmp_path, loader):
     s, tokens, keys = run_of_files(tmp_path)
-    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None, per_file=4),
-                   checksum="mix128" if checks == "device" else "xxh3-128", on_device=checks == "device")
-    w.register(caches(num_blocks=64))
+    w = registered(None, FsTier(str(tmp_path), FP, None, per_file=4), loader, num_blocks=64)
     w.save(step(s, "a", tokens, list(range(20, 31)), 0, 10 * B + 1))
     w.flush()
     path = s.fs.path(keys[7])
@@ -828,14 +868,12 @@ def test_two_requests_that_complete_one_file_in_one_step_store_it_once(tmp_path)
     assert w.take_load_errors() == set() and (w.stats.corrupt, w.stats.fs_hits) == (0, 4)
 
 
-def test_a_block_whose_load_failed_is_stored_by_no_request_that_shares_it(tmp_path, checks):
+def test_a_block_whose_load_failed_is_stored_by_no_request_that_shares_it(tmp_path, loader):
     # vLLM hands a block being loaded to a later request of the same step (its prefix cache): that request's
     # file of blocks 4-7 took blocks 4-5 as the failed load left them (review: wrong KV served, checksummed)
     s, tokens, keys = run_of_files(tmp_path)
     tokens, keys = tokens[:8 * B + 1], keys[:8]  # files of blocks 0-3 and 4-7
-    w = WorkerSide(FP, B, None, FsTier(str(tmp_path), FP, None, per_file=4),
-                   checksum="mix128" if checks == "device" else "xxh3-128", on_device=checks == "device")
-    w.register(caches(num_blocks=64))
+    w = registered(None, FsTier(str(tmp_path), FP, None, per_file=4), loader, num_blocks=64)
     w.save(step(s, "q", tokens[:6 * B + 1], list(range(30, 37)), 0, 6 * B + 1))  # an earlier 6-block prompt
     w.flush()
     path = s.fs.path(keys[5])  # its last file, blocks 4-5: block 5 damaged on disk
@@ -963,14 +1001,14 @@ def test_the_connectors_threads_start_no_openmp_team_of_their_own(tmp_path):
         torch.set_num_threads(threads)
 
 
-def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, checks, monkeypatch):
+def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, loader, monkeypatch):
     # Where a hit's time goes inside a server (issue 33: KvikIO's faster reads left kvscope-fs's TTFT as it
     # was): the forward thread waiting for the load threads' reads, waiting for the GPU (its queue up to a
     # chunk's checksums), the rest of its time in load(), and its time in save(); each a counter on /metrics.
-    import kvscope_connector.worker as worker_module
+    import kvscope_connector.loaders as loaders_module
 
-    w = worker(tmp_path, ram=False, checks=checks)
-    if checks == "device":
+    w = worker(tmp_path, ram=False, loader=loader)
+    if loader != "host":
         w.device_copies.chunk = 1  # a block checked while the next one's read is waited for
     w.save(KVScopeMetadata(stores=[StoreSpec(3, "k3", to_ram=False, to_fs=True)]))  # warm (compiles, pool)
     w.flush()
@@ -984,8 +1022,9 @@ def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, ch
     w.take_stats()
     loads = KVScopeMetadata(loads=[LoadSpec(5 + i, f"k{i}", "fs") for i in (1, 2)])
 
-    get_file = FsTier.get_file
+    get_file, get_file_to = FsTier.get_file, FsTier.get_file_to
     monkeypatch.setattr(FsTier, "get_file", lambda *a: (time.sleep(0.3), get_file(*a))[1])
+    monkeypatch.setattr(FsTier, "get_file_to", lambda *a: (time.sleep(0.3), get_file_to(*a))[1])
     w.load(loads)
     slow_reads = w.take_stats()
     assert slow_reads.fs_hits == 2 and all(torch.equal(t[5 + i], t[i]) for t in w.layers.values() for i in (1, 2))
@@ -993,9 +1032,10 @@ def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, ch
     assert slow_reads.load_read_wait_seconds >= 0.25 and slow_reads.load_device_wait_seconds < 0.2
 
     monkeypatch.setattr(FsTier, "get_file", get_file)
-    if checks == "device":
-        mix = worker_module.mix_digests
-        monkeypatch.setattr(worker_module, "mix_digests", lambda rows: (time.sleep(0.3), mix(rows))[1])
+    monkeypatch.setattr(FsTier, "get_file_to", get_file_to)
+    if loader != "host":
+        mix = loaders_module.mix_digests
+        monkeypatch.setattr(loaders_module, "mix_digests", lambda rows: (time.sleep(0.3), mix(rows))[1])
     else:  # the host's checked blocks written one by one as the reads come
         to_write = w.to_write
         monkeypatch.setattr(w, "to_write", lambda meta, verified: (
@@ -1004,7 +1044,7 @@ def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, ch
     slow_checks = w.take_stats()
     assert slow_checks.fs_hits == 2 and slow_checks.load_seconds >= 0.6
     assert slow_checks.load_read_wait_seconds < 0.2  # the reads were done while the forward thread worked
-    assert (slow_checks.load_device_wait_seconds >= 0.6) == (checks == "device")
+    assert (slow_checks.load_device_wait_seconds >= 0.6) == (loader != "host")
     assert slow_checks.load_read_wait_seconds + slow_checks.load_device_wait_seconds <= slow_checks.load_seconds
 
 
