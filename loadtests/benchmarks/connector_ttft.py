@@ -2,9 +2,10 @@
 and per prompt length, and the TTFT of a miss under load against baseline's.
 
 Needs baseline, the peers and the configs deployed (make deploy; on a GPU host
-loadtests/benchmarks/gpu/connector-bench.sh). For each length in --tokens (in the served model's tokens, cut with its tokenizer), N distinct
-prompts, one request at a time: each prompt is primed on every config and peer, then sent REPEATS times to
-baseline (cold) and to each of them (warm), in turn, so a noisy moment falls on all of them. Priming right
+loadtests/benchmarks/gpu/connector-bench.sh). For each length in --tokens (in the served model's tokens, cut
+with its tokenizer), N distinct prompts, one request at a time: each prompt is primed on every config and
+peer, then sent REPEATS times to baseline (cold) and to each of them (warm), in turn, so a noisy moment falls
+on all of them. Priming right
 before the warm requests keeps the prompt in every cache whatever its capacity. With --eviction, CONFIG's
 RAM tier is then pushed past capacity with other prompts and every prompt sent again ("after eviction":
 hits from its filesystem tier). The connector's tier hits of each phase come from its /metrics, and with
