@@ -1,4 +1,5 @@
-"""The run folder's layout has one owner (kvscope.runfolder): the bench writes and the report reads through it."""
+"""Each folder layout has one owner: the run folder's (kvscope.runfolder: the bench writes and the report reads
+through it), the deployment folder's (kvscope.deploy.folder) and the rollout folder's (kvscope.rollout.folder)."""
 
 import json
 import operator
@@ -22,7 +23,7 @@ from kvscope.artifacts import (
 )
 from kvscope.config import matrix as matrix_mod
 from kvscope.config.render import render
-from kvscope.deploy.folder import DeploymentFolder
+from kvscope.deploy.folder import LOCAL, DeploymentFolder
 from kvscope.rollout.folder import RolloutFolder, host_state
 from kvscope.runfolder import TABLES, RunFolder
 
@@ -132,6 +133,13 @@ def test_the_deployment_and_rollout_layouts(tmp_path):
     batch = rollout.batch(3)
     assert batch.log("change") == tmp_path / "batches" / "03" / "logs" / "change.log"
     assert rollout.relative(batch.gate_run("h1")) == "batches/03/gate/h1" and batch.rollout == rollout
+
+
+def test_the_default_deployment_folder_is_the_local_inventorys():
+    from kvscope.deploy import inventory
+
+    local = inventory.bench_hosts(str(REPO / "ansible" / "inventories" / "local"))
+    assert local.deployments(None) == [DeploymentFolder(LOCAL).deployment]
 
 
 def test_the_layout(tmp_path):
