@@ -1,14 +1,13 @@
-"""A real short bench through Locust against real servers: records, counters, fidelity, faults."""
+"""A real short bench through Locust against real servers: what depends on vLLM and kvscope's connector (canary
+power, hits from a connector's tiers, restarts, store faults). The bench chain itself (resume, Ctrl-C, a dead
+server, distributed Locust, a load sweep, the report) runs against fake servers: test_bench_chain.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pandas as pd
 import pytest
@@ -16,10 +15,8 @@ from conftest import REPO, SESSION_CONFIGS
 
 from kvscope import artifacts
 from kvscope.analyze import fidelity, loaded, report, storefaults, verdicts
-from kvscope.artifacts import Manifest, Treatment
 from kvscope.config.matrix import CANARY_FAULTS as FAULTS
 from kvscope.run.records import read
-from kvscope.run.treatments import reset
 
 pytestmark = pytest.mark.server
 
@@ -129,158 +126,6 @@ def test_every_file_of_the_run_folder_is_a_typed_artifact(short_run):
         assert files, folder
         for path in files:
             artifacts.read_jsonl(path, model)  # raises, naming the file and line, on anything else
-
-
-def test_a_run_folder_is_never_reused_and_resume_runs_only_what_is_missing(short_run, deployment, tmp_path):
-    out = bench(deployment / "deployment.json", short_run[1].parent, "--configs", "baseline,apc",
-                "--scenarios", "repeat-867", "--run-id", "e2e")
-    assert out.returncode == 2 and "run folder" in out.stderr and "exists" in out.stderr
-    first = bench(deployment / "deployment.json", tmp_path, "--configs", "baseline,apc", "--scenarios", "repeat-867",
-                  "--run-id", "r")
-    assert first.returncode == 0, first.stderr[-2000:]
-    status = tmp_path / "r" / "status.jsonl"
-    status.write_text(status.read_text().splitlines()[0] + "\n")  # as if the run stopped after baseline
-    again = bench(deployment / "deployment.json", tmp_path, "--configs", "baseline,apc", "--scenarios", "repeat-867",
-                  "--run-id", "r", "--resume")
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "baseline x repeat-867: done earlier (--resume)" in again.stdout
-    assert len(read(tmp_path / "r" / "records" / "apc__repeat-867.jsonl")) == 2  # run again, not appended
-    assert len(status.read_text().splitlines()) == 2
-
-
-def test_distributed_locust_merges_one_set_of_records(deployment, tmp_path):
-    out = bench(deployment / "deployment.json", tmp_path, "--configs", "baseline,apc", "--scenarios", "rag-small",
-                "--processes", "2", "--run-id", "dist")
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    for config in ("baseline", "apc"):
-        recs = read(tmp_path / "dist" / "records" / f"{config}__rag-small.jsonl")
-        assert sorted(r.request_id for r in recs) == [f"rag-small-{i:04d}-t0" for i in range(6)]
-        assert {r.worker for r in recs} == {0, 1}
-
-
-def test_a_dead_server_gives_failed_records_and_the_run_goes_on(deployment, tmp_path):
-    doc = json.loads((deployment / "deployment.json").read_text())
-    for server in doc["servers"]:
-        if server["config"] == "apc":
-            server["port"] = 8199  # nothing listens there
-    broken = tmp_path / "deployment.json"
-    broken.write_text(json.dumps(doc))
-    out = bench(broken, tmp_path, "--configs", "baseline,apc", "--scenarios", "repeat-867", "--run-id", "dead")
-    assert out.returncode == 3 and "no answer at all: apc x repeat-867" in out.stderr, out.stderr[-2000:]
-    dead = read(tmp_path / "dead" / "records" / "apc__repeat-867.jsonl")
-    assert len(dead) == 2 and not any(r.ok for r in dead)
-    assert all("refused" in r.error.lower() or "HTTP 0" in r.error for r in dead), [r.error for r in dead]
-    assert all(r.ok for r in read(tmp_path / "dead" / "records" / "baseline__repeat-867.jsonl"))
-
-
-def stored(run_dir, stores, policy) -> Treatment:
-    """A treatment with only what reset reads: a server on a closed port, its stores and their policy."""
-    server = Manifest.model_construct(host="127.0.0.1", port=9, stores=stores, store_reset=policy)
-    return Treatment.model_construct(manifest=server, run_dir=str(run_dir))
-
-
-@pytest.mark.parametrize("policy,left", [("wipe", []), ("keep", ["gc-heartbeat"])])
-def test_reset_keeps_the_stores_of_a_connector_that_owns_their_layout(tmp_path, policy, left):
-    # UCM keeps GC heartbeats and shard dirs in its store; wiping them under the live server broke it (H200)
-    store = tmp_path / "stores" / "ucm-nfs" / "ucm"
-    store.mkdir(parents=True)
-    (store / "gc-heartbeat").write_text("x")
-    server = stored(tmp_path, {"ucm": str(store)}, policy)
-    row = reset(server)
-    assert sorted(p.name for p in store.iterdir()) == left
-    assert row.stores_wiped == ([] if policy == "keep" else ["ucm"])
-
-
-def test_reset_wipes_nothing_outside_the_deployments_stores_folder(tmp_path):
-    outside = tmp_path / "home"
-    outside.mkdir()
-    (outside / "thesis.tex").write_text("x")
-    (tmp_path / "run" / "stores").mkdir(parents=True)
-    stores = {"abs": str(outside), "dots": str(tmp_path / "run" / "stores" / ".." / ".." / "home"),
-              "root": str(tmp_path / "run" / "stores")}
-    server = stored(tmp_path / "run", stores, "wipe")
-    row = reset(server)
-    assert (outside / "thesis.tex").exists()
-    assert row.stores_wiped == [] and row.stores_refused == ["abs", "dots", "root"]
-
-
-def locust_in(session: int) -> bool:
-    """A Locust process runs in the process session `session`."""
-    found = subprocess.run(["pgrep", "-s", str(session), "-f", "--", "-m locust"], capture_output=True, text=True)
-    return bool(found.stdout.split())
-
-
-def test_ctrl_c_leaves_a_folder_that_says_so_no_locust_behind_and_resume_finishes_it(deployment, tmp_path):
-    scenarios = tmp_path / "scenarios.yaml"
-    scenarios.write_text(SMALL)
-    cmd = [sys.executable, "-m", "kvscope.cli", "bench", "--deployment", str(deployment / "deployment.json"),
-           "--results", str(tmp_path), "--scenarios-file", str(scenarios), "--configs", "baseline,apc",
-           "--scenarios", "repeat-867,rag-small", "--run-id", "cut", "--report", "--min-hits", "1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    status = tmp_path / "cut" / "status.jsonl"
-    deadline = time.monotonic() + 300
-    while not (status.exists() and status.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    # into the third treatment (golden's rag-small) once it has records, while its Locust still runs (a fixed
-    # sleep let a fast machine finish the run first; an interrupt before golden's first record is
-    # test_report.py's test_bench_report_interrupted_before_goldens_first_record_...)
-    golden = tmp_path / "cut" / "records" / "baseline__rag-small.jsonl"
-    while not (golden.exists() and golden.stat().st_size and locust_in(proc.pid)) and proc.poll() is None \
-            and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the bench finished before its third treatment's Locust was seen"
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-2000:] + err[-2000:]
-    run = json.loads((tmp_path / "cut" / "run.json").read_text())
-    assert run["interrupted"].startswith("KeyboardInterrupt during ") and "make bench RESUME=1 RUN_ID=cut" in err
-    assert "incomplete" in (tmp_path / "cut" / "report.md").read_text()
-    left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert left == [], "Locust processes were left behind"
-    kept = [json.loads(line) for line in status.read_text().splitlines()]
-    assert len(kept) >= 2 and all(r["phases"]["measure"]["locust_exit"] == 0 for r in kept)
-    out = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert "done earlier (--resume)" in out.stdout and out.returncode in (0, 3), out.stdout[-2000:] + out.stderr[-2000:]
-    assert json.loads((tmp_path / "cut" / "run.json").read_text())["interrupted"] is None
-
-
-def test_a_load_sweep_with_repeats_runs_every_treatment_at_each_load_and_reports_the_sweep(deployment, tmp_path):
-    out = bench(deployment / "deployment.json", tmp_path, "--configs", "baseline,apc", "--scenarios", "repeat-867",
-                "--users", "1,2", "--repeats", "2", "--run-id", "sweep", "--report", "--min-hits", "1")
-    run = tmp_path / "sweep"
-    assert "[8/8]" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "status.jsonl").read_text().splitlines()]
-    assert sorted({r["scenario"] for r in rows}) == ["repeat-867@u1#1", "repeat-867@u1#2", "repeat-867@u2#1",
-                                                     "repeat-867@u2#2"]
-    assert sorted(pd.read_csv(run / "sweep.csv").query("config == 'apc'").users) == [1, 2]
-    assert (run / "load_sweep.png").exists() and "over 2" in pd.read_csv(run / "overview.csv").speedup_repeats[1]
-
-
-def test_reset_wipes_a_store_the_live_server_is_still_writing(tmp_path):
-    # H200, 2026-12-01: kvscope-fs's save thread still wrote blocks from the treatment before while the reset
-    # removed their folder ("Directory not empty"), which stopped the whole run
-    store = tmp_path / "stores" / "kvscope-fs" / "blocks"
-    (store / "fingerprint").mkdir(parents=True)
-
-    def saver():  # a connector's save thread for half a second: new block files, one folder per key prefix
-        i, end = 0, time.monotonic() + 0.5
-        while time.monotonic() < end:
-            folder = store / "fingerprint" / f"{i % 7:02x}"
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / f"{i}.safetensors").write_bytes(b"x" * 4096)
-            except FileNotFoundError:
-                pass  # removed under it; the connector counts such a write as a save error
-            i += 1
-
-    writer = threading.Thread(target=saver)
-    writer.start()
-    time.sleep(0.05)
-    server = stored(tmp_path, {"blocks": str(store)}, "wipe")
-    row = reset(server)
-    writer.join()
-    assert row.stores_wiped == ["blocks"] and "stores_refused" not in row.model_fields_set
 
 
 TRACE_AND_RESTART = """scenarios:

@@ -1,5 +1,6 @@
 """The bench against hostile or broken servers and against itself: redirects, endless and slow answers,
-a resume of a changed plan, a bench killed with kill -9. Fake servers in threads of this process; no vLLM."""
+a resume of a changed plan, a bench killed with kill -9. Fake servers in threads of this process (fake_vllm.py); no
+vLLM."""
 
 from __future__ import annotations
 
@@ -10,71 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import REPO
+from fake_vllm import Fake, reply
 
 from kvscope.artifacts import Manifest, Request, Treatment
 from kvscope.config.matrix import ConfigError
 
 KEY = "sk-kvscope-test-key-4711"
-
-
-class Fake(ThreadingHTTPServer):
-    """An OpenAI-style server in a thread: `routes` maps 'GET /path' or 'POST /path' to a handler function
-    (BaseHTTPRequestHandler -> None); every request is noted in `seen` (method, path, Authorization)."""
-
-    daemon_threads = True
-    block_on_close = False
-
-    def __init__(self, routes: dict):
-        self.routes, self.seen, self.stopping = routes, [], threading.Event()
-        super().__init__(("127.0.0.1", 0), _Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.shutdown()
-        self.server_close()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):
-        pass
-
-    def _any(self, method: str) -> None:
-        path = self.path.split("?")[0]
-        self.server.seen.append((method, path, self.headers.get("Authorization")))
-        self.body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        route = self.server.routes.get(f"{method} {path}")
-        try:
-            if route is None:
-                reply(self, 404, b"{}")
-            else:
-                route(self)
-        except (BrokenPipeError, ConnectionResetError):  # the client stopped reading: as it should
-            pass
-
-    def do_GET(self):
-        self._any("GET")
-
-    def do_POST(self):
-        self._any("POST")
-
-
-def reply(h, status: int, body: bytes, **headers) -> None:
-    h.send_response(status)
-    for k, v in {"Content-Type": "application/json", "Content-Length": str(len(body)), **headers}.items():
-        h.send_header(k, v)
-    h.end_headers()
-    h.wfile.write(body)
 
 
 MODELS = json.dumps({"data": [{"id": "m", "max_model_len": 4096}]}).encode()

@@ -165,17 +165,6 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
         bystander.kill()
 
 
-def test_first_error_line_of_a_server_log():
-    log = ("INFO starting\n(EngineCore) ERROR 11-29 [core.py] EngineCore failed to start.\n"
-           "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
-           "    raise ValueError(msg)\nValueError: 1 validation error for ModelConfig\n"
-           "  Value error, max_model_len too large\n    For further information visit https://errors.pydantic.dev\n")
-    assert servers.first_error(log) == "ValueError: 1 validation error for ModelConfig Value error, max_model_len too large"
-    assert servers.first_error("INFO a\nWARNING b\n(APIServer) ERROR 11-29 [factory.py] Connector X refused\n") \
-        == "(APIServer) ERROR 11-29 [factory.py] Connector X refused"
-    assert servers.first_error("INFO fine\n") == "no error line in the log"
-
-
 def test_an_api_key_guards_the_servers_every_kvscope_client_sends_it_and_it_is_never_written_down(
         tmp_path, model_dir, monkeypatch):
     key = "sk-kvscope-" + secrets.token_hex(12)

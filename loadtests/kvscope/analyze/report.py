@@ -89,8 +89,9 @@ def tolerance_of(s: Scorer) -> fidelity.Tolerance:
 def score_run(loaded: LoadedRun, tol: fidelity.Tolerance) -> pd.DataFrame:
     golden, recs = loaded.run.golden().config, loaded.recs
     rows = []
-    for (config, scenario), records in recs.items():
-        rows += fidelity.score_all(recs[golden, scenario], records, tol, loaded.continuations[config, scenario])
+    for (config, scenario), records in recs.items():  # a load sweep's or repeat's column, not the records' name
+        rows += [{**row, "scenario": scenario} for row in fidelity.score_all(
+            recs[golden, scenario], records, tol, loaded.continuations[config, scenario])]
     return pd.DataFrame(rows, columns=[f.name for f in fields(fidelity.Score)])
 
 
