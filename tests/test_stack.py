@@ -36,3 +36,21 @@ def test_a_stack_replaces_the_base_sets_pins_of_the_same_name_and_adds_its_own_s
     assert "vllm==0.26.0" in host and pack_list("vllm0.26", "stack").stdout.split() == []  # the host's torch
     unknown = pack_list("vllm9", "base")
     assert unknown.returncode == 2 and "no stack vllm9 (vllm0.26 vllm0.28 vllm0.34)" in unknown.stderr
+
+
+def test_the_stacks_torch_shadows_the_hosts_even_when_a_stack_pth_inserts_at_the_front(tmp_path):
+    # vLLM 0.34's stack ships nvidia-cutlass-dsl, whose .pth does sys.path.insert(0, ...): with the stack's
+    # entries taken as "what addsitedir appended", the host's last entry went in front and the servers of an
+    # H100 run (2026-12-06) imported the host's torch 2.11 under vLLM 0.34
+    for where, version in (("purelib", "2.11"), ("stack", "2.14")):  # the host's torch beside the .pth, as there
+        (tmp_path / where / "torch").mkdir(parents=True)
+        (tmp_path / where / "torch" / "__init__.py").write_text(f"__version__ = '{version}'\n")
+    (tmp_path / "stack" / "cutlass_dsl.pth").write_text(
+        f"import sys; sys.path.insert(0, {str(tmp_path / 'dsl')!r})\n")
+    pth = subprocess.run(["bash", REPO / "docker" / "cuda-host" / "bootstrap.sh", "--pth", tmp_path / "stack",
+                          tmp_path / "site"], capture_output=True, text=True, timeout=60)
+    assert pth.returncode == 0, pth.stderr
+    (tmp_path / "purelib" / "kvscope-site.pth").write_text(pth.stdout)
+    code = f"import site; site.addsitedir({str(tmp_path / 'purelib')!r}); import torch; print(torch.__version__)"
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2.14"], out.stderr

@@ -7,7 +7,15 @@
 # puts in front of the host's own packages, and the GPU is checked under it (a bf16 matrix product, NCCL's
 # version) before anything else imports.
 #   docker/cuda-host/bootstrap.sh PARTS_DIR [SITE=/opt/kvscope-site]
+#   docker/cuda-host/bootstrap.sh --pth SHADOW SITE   (the .pth it writes; nothing installed)
 set -euo pipefail
+site_pth() {  # site_pth SHADOW SITE: the stack first on sys.path (its torch shadows the host's), the sets after
+  # the host's packages. The stack's folder goes in front before its own .pth files run (one may import), and
+  # whatever they add, appended or inserted anywhere (nvidia-cutlass-dsl's inserts at 0), goes in front too.
+  [ -d "$1" ] && echo "import site, sys; old = set(sys.path); sys.path.insert(0, '$1'); site.addsitedir('$1'); sys.path[:] = [p for p in sys.path if p not in old] + [p for p in sys.path if p in old]"
+  echo "import site; site.addsitedir('$2')"
+}
+if [ "${1:-}" = --pth ]; then site_pth "$2" "$3"; exit; fi
 parts=$1; site=${2:-/opt/kvscope-site}; shadow=$site-stack
 imports=()
 mkdir -p "$site"
@@ -35,11 +43,7 @@ for wheel in "$parts"/wheels/*.whl; do
   echo "bootstrap: installed $(basename "$wheel") over the packed sets"
 done
 purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-{
-  # the stack first on sys.path (its torch shadows the host's), the sets after the host's packages
-  [ -d "$shadow" ] && echo "import site, sys; n = len(sys.path); site.addsitedir('$shadow'); new = sys.path[n:]; del sys.path[n:]; sys.path[0:0] = new"
-  echo "import site; site.addsitedir('$site')"
-} > "$purelib/kvscope-site.pth"
+site_pth "$shadow" "$site" > "$purelib/kvscope-site.pth"
 if [ -d "$shadow" ]; then
   python3 -c 'import torch
 assert torch.__file__.startswith(__import__("sys").argv[1]), f"torch {torch.__version__} from {torch.__file__}, not the stack"
