@@ -85,6 +85,14 @@ def test_the_results_index_names_each_runs_own_machine():
     assert checked == len(RUNS)
 
 
+def test_every_published_run_keeps_its_records_gzipped():
+    # results/ was 155 MB, 100 of them plain records in 30 of 49 runs: a run is published with its records
+    # gzipped (`kvscope compress RUN`, a third of the size, read alike); an empty file says nothing was recorded
+    tracked = subprocess.run(["git", "ls-files", "results/*/records/*.jsonl"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert [p for p in tracked if (REPO / p).stat().st_size] == []
+
+
 def test_results_publishes_no_regenerable_file_at_any_depth():
     # results/ held ~524 Locust CSVs and HTML pages that embed the PNGs again; a comparison's page in a run's
     # subfolder stayed after: report.html, comparison.html and locust/ are ignored wherever make writes them

@@ -1,6 +1,7 @@
 """Each folder layout has one owner: the run folder's (kvscope.runfolder: the bench writes and the report reads
 through it), the deployment folder's (kvscope.deploy.folder) and the rollout folder's (kvscope.rollout.folder)."""
 
+import gzip
 import json
 import operator
 import re
@@ -243,7 +244,7 @@ def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_nam
     from kvscope.cli import main
 
     name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
-    plain, packed = (shutil.copytree(REPO / "results" / name, tmp_path / d / name) for d in ("plain", "packed"))
+    plain, packed = (_unpacked(REPO / "results" / name, tmp_path / d / name) for d in ("plain", "packed"))
     (packed / "records" / "empty__rag-zipf.jsonl").touch()  # a treatment that recorded nothing stays so
     assert main(["compress", str(packed)]) == 0
     assert sorted(p.name for p in (packed / "records").iterdir()) == sorted(
@@ -267,12 +268,21 @@ def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_nam
     assert RunFolder(packed).records_glob == "records/*.jsonl and records/*.jsonl.gz"
 
 
+def _unpacked(published: Path, copy: Path) -> Path:
+    """A copy of a published run with its records as the bench wrote them, plain (published runs gzip theirs)."""
+    shutil.copytree(published, copy)
+    for packed in (copy / "records").glob("*.jsonl.gz"):
+        packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
+        packed.unlink()
+    return copy
+
+
 def test_a_truncated_gzip_of_records_is_an_error_naming_the_file(tmp_path):
     rf = RunFolder(tmp_path)
     (tmp_path / "records").mkdir()
-    rf.records("apc", "rag-zipf").write_text(
+    rf.records("apc", "rag-zipf").write_bytes(gzip.decompress(
         (REPO / "results" / "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user" / "records" /
-         "control__rag-zipf.jsonl").read_text())
+         "control__rag-zipf.jsonl.gz").read_bytes()))
     [(packed, _)] = rf.compress()
     assert rf.records("apc", "rag-zipf") == packed
     packed.write_bytes(packed.read_bytes()[:-40])
