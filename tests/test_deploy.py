@@ -277,3 +277,19 @@ def test_a_servers_extensible_kv_cache_is_read_from_its_cache_config_labels():
     assert servers.extensible_kv_cache({"enable_extensible_kv_cache": "False"}) is False
     assert servers.extensible_kv_cache({"enable_extensible_kv_cache": "None"}) is None  # before it was resolved
     assert servers.extensible_kv_cache({"block_size": "16"}) is None  # a vLLM without it
+
+
+def test_why_a_server_died_is_read_through_vllms_per_process_log_prefix():
+    # vLLM's engine core writes its traceback with a prefix on every line; the status kept only the line
+    # "EngineCore encountered a fatal error." (H100, vLLM 0.34, 2026-12-06), not the exception
+    from kvscope.deploy import servers
+    pre = "(EngineCore pid=14397) ERROR 12-06 10:48:48 [core.py:1757] "
+    log = "\n".join([
+        "(APIServer pid=14300) INFO 12-06 10:48:40 [api_server.py:1] Starting",
+        "(EngineCore pid=14397) ERROR 12-06 10:48:48 [core.py:1759] EngineCore encountered a fatal error.",
+        pre + "Traceback (most recent call last):",
+        pre + '  File "/opt/site/vllm/v1/engine/core.py", line 1728, in run_engine_core',
+        pre + "    engine_core.run_busy_loop()",
+        pre + "AttributeError: 'SchedulerOutput' object has no attribute 'scheduled_new_reqs'",
+    ])
+    assert servers.first_error(log) == "AttributeError: 'SchedulerOutput' object has no attribute 'scheduled_new_reqs'"

@@ -337,12 +337,14 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
 
 
 ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*")
+# what vLLM writes before each line of a process's log: "(EngineCore pid=7) ERROR 12-06 10:48:48 [core.py:1757] "
+VLLM_PREFIX = re.compile(r"^\(\w+ pid=\d+\) [A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\] ")
 
 
 def first_error(log_text: str) -> str:
     """Why a server died: the exception of the first traceback (with its indented detail lines, as pydantic
     writes them), else the first ERROR line."""
-    lines = log_text.splitlines()
+    lines = [VLLM_PREFIX.sub("", line, count=1) for line in log_text.splitlines()]
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
             for j in range(i + 1, len(lines)):
