@@ -261,7 +261,8 @@ class WorkerSide:
         return ((spec.block_id, block) for spec, block in verified)
 
     def take_load_errors(self) -> set[int]:
-        return self.loader.take_load_errors()
+        """The block ids of this step's failed loads (none before registration)."""
+        return self.load_handler.take_load_errors() if self.load_handler is not None else set()
 
     # Saves
 
@@ -415,5 +416,6 @@ class WorkerSide:
         """The counters since the last call (vLLM asks after every step)."""
         self._collect()
         stats = self.stats.take()
-        stats.pool_grow_seconds += self.store_path.take_grow_seconds()
+        if self.save_handler is not None:  # registered
+            stats.pool_grow_seconds += self.save_handler.take_grow_seconds()
         return stats

@@ -1048,6 +1048,13 @@ def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, lo
     assert slow_checks.load_read_wait_seconds + slow_checks.load_device_wait_seconds <= slow_checks.load_seconds
 
 
+def test_a_worker_asked_before_vllm_registers_its_kv_caches_has_no_errors_and_no_counts(tmp_path):
+    # vLLM may ask for a step's failed blocks and counters of a worker whose loader and saver register()
+    # has not picked yet (before it registers its KV caches): none, as before the worker was split by medium
+    w = WorkerSide(FP, B, RamTier(1 << 20), FsTier(str(tmp_path), FP, None))
+    assert w.take_load_errors() == set() and w.take_stats().ram_hits == 0
+
+
 def test_every_counter_of_the_worker_reaches_metrics():
     from dataclasses import fields
 
