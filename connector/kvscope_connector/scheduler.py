@@ -164,12 +164,13 @@ class SchedulerSide:
             state.block_ids = list(new.block_ids[0])
             self._plan_stores(state, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
         cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())  # vLLM <= 0.33; 0.34 sends a resumed request as new
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self.reqs:
                 continue
             state = self.reqs[req_id]
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 state.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 state.block_ids += list(new_ids[0])
