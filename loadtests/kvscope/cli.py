@@ -207,8 +207,8 @@ def cmd_compress(args) -> int:
                                      "files); its records stay as committed"))
     done = rf.compress()
     before, after = sum(size for _, size in done), sum(path.stat().st_size for path, _ in done)
-    print(f"{len(done)} records files gzipped: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB; the report names "
-          f"them once re-written: make report RUN={args.run}")
+    print(f"{len(done)} JSONL files gzipped: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB; the report names "
+          f"the gzipped records once re-written: make report RUN={args.run}")
     return 0
 
 
@@ -347,8 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(refused without it)")
     s.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("compress", help="gzip a run folder's records before publishing it (every reader takes "
-                                        "either form; a published run is refused)")
+    s = sub.add_parser("compress", help="gzip a run folder's JSONL files (records, workloads, status, ...) before "
+                                        "publishing it (every reader takes either form; a published run is refused, "
+                                        "and a compressed one is not resumed)")
     s.add_argument("run", help="a run folder (not yet committed)")
     s.set_defaults(func=cmd_compress)
 
@@ -361,11 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-dir", default=str(LOCAL_DEPLOYMENT), help="the deployment folder (deploy's kvscope_run_dir)")
     s.set_defaults(func=cmd_status)
 
-    s = sub.add_parser("build-model", help="build the tiny offline Qwen3 model (or --shape qwen3-4b)")
+    from kvscope.deploy.model import SHAPES
+
+    s = sub.add_parser("build-model", help="build the tiny offline Qwen3 model (or another --shape)")
     s.add_argument("--out", required=True, help="the model folder to write")
     s.add_argument("--seed", type=int, default=0, help="the weights' random seed (the same seed, the same bytes)")
-    s.add_argument("--shape", choices=["tiny", "qwen3-4b"], default="tiny",
-                   help="tiny (CPU tests), or Qwen3-4B's shape with random weights (GPU runs)")
+    s.add_argument("--shape", choices=list(SHAPES), default="tiny",
+                   help="tiny (CPU tests), qwen3-4b (GPU runs), or a serving path's shape (docs/paths.md): "
+                        "tiny-gemma3 (sliding window), tiny-deepseek-v2 (MLA); all with random weights")
     s.set_defaults(func=cmd_build_model)
     return p
 

