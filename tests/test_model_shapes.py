@@ -9,12 +9,14 @@ import urllib.request
 from pathlib import Path
 from pydoc_data.topics import topics
 
+import numpy as np
 import pytest
 import yaml
 from conftest import MATRIX, ansible, failure_of, servers_of
 from safetensors.numpy import load_file
+from tokenizers import Tokenizer
 
-from kvscope.deploy.model import build, model_hash
+from kvscope.deploy.model import SHAPES, build, model_hash, qwen3_awq_config, qwen3_awq_weights
 from kvscope.deploy.servers import recorded_config
 
 # The pattern keys (servers.MODEL_KEYS) that each shape's manifest records, and their values
@@ -70,6 +72,37 @@ def test_deepseek_v2_shape_has_mla_without_q_lora_and_no_experts(tmp_path):
     assert w[p + "kv_b_proj.weight"].shape == (4 * (128 + 128), 512)
     assert w[p + "q_proj.weight"].shape == (4 * (128 + 64), 256) and w[p + "o_proj.weight"].shape == (256, 4 * 128)
     assert not any("experts" in k or "q_a_proj" in k for k in w)
+
+
+def test_awq_shape_is_qwen3_32b_awqs_layers_in_int4_awq(tmp_path):
+    """Qwen3-32B-AWQ's per-layer shapes; the tensors checked at a quarter of its width (the 4-layer model is
+    ~1 GB), same seed, same bytes."""
+    shape = SHAPES["qwen3-32b-awq"]
+    assert {k: shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim")} == {"hidden_size": 5120, "intermediate_size": 25600,
+                                                   "num_attention_heads": 64, "num_key_value_heads": 8,
+                                                   "head_dim": 128}
+    small = dict(shape, hidden_size=1280, intermediate_size=6400, num_attention_heads=16, num_key_value_heads=2,
+                 num_hidden_layers=2)
+    w = qwen3_awq_weights(small, 0, 0.1)
+    again = qwen3_awq_weights(small, 0, 0.1)
+    assert all(np.array_equal(w[k], again[k]) for k in w) and w.keys() == again.keys()
+    p = "model.layers.1.self_attn.k_proj."
+    assert w[p + "qweight"].dtype == np.int32 and w[p + "qweight"].shape == (1280, 2 * 128 // 8)
+    assert w[p + "qzeros"].shape == (1280 // 128, 2 * 128 // 8) and w[p + "scales"].shape == (1280 // 128, 256)
+    assert w[p + "scales"].dtype == np.float16 and "model.layers.1.mlp.down_proj.qweight" in w
+    assert not any(k.endswith("_proj.weight") for k in w)  # every projection quantized, nothing else
+    assert w["lm_head.weight"].dtype == np.float16
+    nibbles = (w[p + "qweight"].view(np.uint32)[..., None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 15
+    assert nibbles.min() == 0 and nibbles.max() == 15
+    config = qwen3_awq_config(small, Tokenizer.from_file(str(built_tiny_tokenizer(tmp_path))), 0.1)
+    assert config["torch_dtype"] == "float16" and config["quantization_config"]["quant_method"] == "awq"
+    assert recorded_config(config)["quantization_config"]["bits"] == 4
+
+
+def built_tiny_tokenizer(tmp_path: Path) -> Path:
+    build(tmp_path / "tiny")
+    return tmp_path / "tiny" / "tokenizer.json"
 
 
 def complete(port: int, model: str, prompt: str) -> tuple[list[int], int, int]:

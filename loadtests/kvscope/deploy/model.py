@@ -54,9 +54,16 @@ SHAPES = {
                          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 8192,
                          "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
                          "qk_rope_head_dim": 64, "v_head_dim": 128},
+    # UCM #867's Qwen3-32B-AWQ: its per-layer shapes and int4 AWQ (GEMM packing, groups of 128, fp16 scales),
+    # 4 of its 64 layers (~1 GB); the tiny tokenizer's vocabulary. For GPU hosts (AWQ runs in fp16 or bf16).
+    "qwen3-32b-awq": {**DEFAULT_SHAPE, "hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 4,
+                      "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                      "max_position_embeddings": 40960,
+                      "quantization_config": {"bits": 4, "group_size": 128, "quant_method": "awq",
+                                              "version": "gemm", "zero_point": True}},
 }
 # The architecture of each shape (Qwen3 where not named)
-ARCHITECTURE = {"tiny-gemma3": "gemma3", "tiny-deepseek-v2": "deepseek-v2"}
+ARCHITECTURE = {"tiny-gemma3": "gemma3", "tiny-deepseek-v2": "deepseek-v2", "qwen3-32b-awq": "qwen3-awq"}
 
 
 def training_text() -> list[str]:
@@ -103,32 +110,29 @@ def build_tokenizer(out: Path, vocab_size: int, max_len: int = DEFAULT_SHAPE["ma
     return tok
 
 
+def qwen3_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
+    """Each Qwen3 tensor's name and shape, in qwen3_weights' order."""
+    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q_out, kv_out = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape["vocab_size"], h)}
+    for layer in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q_out, h), p + "self_attn.k_proj.weight": (kv_out, h),
+                       p + "self_attn.v_proj.weight": (kv_out, h), p + "self_attn.o_proj.weight": (h, q_out),
+                       p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)})
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (shape["vocab_size"], h)
+    return shapes
+
+
 def qwen3_weights(shape: dict, seed: int, std: float) -> dict[str, np.ndarray]:
     """Random Qwen3 weights with HF's parameter names; norms at 1, everything else N(0, std)."""
     rng = np.random.default_rng(seed)
-    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-    q_out, kv_out = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-
-    def normal(*dims: int) -> np.ndarray:
-        return (rng.standard_normal(dims) * std).astype(np.float32)
-
-    w = {"model.embed_tokens.weight": normal(shape["vocab_size"], h)}
-    for layer in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        w[p + "input_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "post_attention_layernorm.weight"] = np.ones(h, np.float32)
-        w[p + "self_attn.q_proj.weight"] = normal(q_out, h)
-        w[p + "self_attn.k_proj.weight"] = normal(kv_out, h)
-        w[p + "self_attn.v_proj.weight"] = normal(kv_out, h)
-        w[p + "self_attn.o_proj.weight"] = normal(h, q_out)
-        w[p + "self_attn.q_norm.weight"] = np.ones(d, np.float32)
-        w[p + "self_attn.k_norm.weight"] = np.ones(d, np.float32)
-        w[p + "mlp.gate_proj.weight"] = normal(i, h)
-        w[p + "mlp.up_proj.weight"] = normal(i, h)
-        w[p + "mlp.down_proj.weight"] = normal(h, i)
-    w["model.norm.weight"] = np.ones(h, np.float32)
-    w["lm_head.weight"] = normal(shape["vocab_size"], h)
-    return w
+    return {name: np.ones(dims, np.float32) if "norm" in name else (rng.standard_normal(dims) * std).astype(np.float32)
+            for name, dims in qwen3_shapes(shape).items()}
 
 
 def qwen3_config(shape: dict, tok, std: float) -> dict:
@@ -209,8 +213,35 @@ def deepseek_v2_config(shape: dict, tok, std: float) -> dict:
     return config
 
 
+def qwen3_awq_weights(shape: dict, seed: int, std: float) -> dict[str, np.ndarray]:
+    """Qwen3's tensors with every projection int4 AWQ (GEMM layout: qweight and qzeros int32 [in, out / 8] and
+    [in / group, out / 8], scales fp16 [in / group, out]); random nibbles around a zero point of 8, scaled to
+    N(0, std)'s spread; everything else fp16."""
+    rng = np.random.default_rng(seed)
+    group = shape["quantization_config"]["group_size"]
+    scale = np.float16(std / np.sqrt(np.mean((np.arange(16) - 8.0) ** 2)))
+    w: dict[str, np.ndarray] = {}
+    for name, t in qwen3_shapes(shape).items():
+        if name.endswith("_proj.weight"):
+            out, inp = t
+            base = name.removesuffix(".weight")
+            w[base + ".qweight"] = rng.integers(0, 2**32, (inp, out // 8), dtype=np.uint32).view(np.int32)
+            w[base + ".qzeros"] = np.full((inp // group, out // 8), 0x88888888, np.uint32).view(np.int32)
+            w[base + ".scales"] = np.full((inp // group, out), scale, np.float16)
+        elif "norm" in name:
+            w[name] = np.ones(t, np.float16)
+        else:
+            w[name] = (rng.standard_normal(t) * std).astype(np.float16)
+    return w
+
+
+def qwen3_awq_config(shape: dict, tok, std: float) -> dict:
+    return {**qwen3_config(shape, tok, std), "torch_dtype": "float16"}
+
+
 BUILDERS = {"qwen3": (qwen3_config, qwen3_weights), "gemma3": (gemma3_config, gemma3_weights),
-            "deepseek-v2": (deepseek_v2_config, deepseek_v2_weights)}
+            "deepseek-v2": (deepseek_v2_config, deepseek_v2_weights),
+            "qwen3-awq": (qwen3_awq_config, qwen3_awq_weights)}
 
 
 def model_hash(model_dir: Path) -> str:
