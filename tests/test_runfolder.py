@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from kvscope import files
 from kvscope.artifacts import (
     SCHEMA_VERSION,
     ArtifactError,
@@ -30,7 +31,8 @@ from kvscope.runfolder import TABLES, RunFolder
 
 # A run folder's files and folders, as a path expression would name them outside the module.
 HAND_BUILT = re.compile(r'/ "(records|faults|loads|continuations|workloads|locust)"|/ "(run\.json|status\.jsonl)"|'
-                        r'/ "(' + "|".join(TABLES) + r')\.csv"|/ "report\.(md|html)"|f"\{\w+\}__\{\w+\}\.jsonl"')
+                        r'/ "(' + "|".join(TABLES) + r')\.csv"|/ "report\.(md|html)"|f"\{\w+\}__\{\w+\}\.jsonl"|'
+                        r'\.glob\("\*\.jsonl')  # a folder's JSONL files, in one form or the other
 
 PUBLISHED = RunFolder(REPO / "results" / "2026-12-01-cpu-vllm0.32-lifecycle")  # with a restart and a shared store
 
@@ -167,7 +169,7 @@ def test_an_unknown_key_in_a_part_of_run_json_is_refused(tmp_path, where):
 
 @pytest.mark.parametrize("where", [["reset"], ["reset", "writer_reset"], ["phases", "measure"], ["phases", "restart"]])
 def test_an_unknown_key_in_a_part_of_a_status_row_is_refused(tmp_path, where):
-    rows = [json.loads(line) for line in PUBLISHED.status.read_text().splitlines()]
+    rows = [json.loads(line) for line in files.lines(PUBLISHED.status)]
     row = next(r for r in rows if where[-1] in reduce(operator.getitem, where[:-1], r))
     reduce(operator.getitem, where, row)["renamed"] = 1
     (tmp_path / "status.jsonl").write_text(json.dumps(row) + "\n")
@@ -240,15 +242,22 @@ def test_run_json_keeps_the_scenario_settings_each_run_recorded_and_reads_each_c
 
 def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_names_the_gzipped_records(
         tmp_path, monkeypatch):
+    # compress gzips every JSONL file of the folder (records, workloads, continuations, fault and load logs,
+    # status.jsonl: the workloads, continuations and status were 34 of a clone's 92 MB), and the run folder
+    # reads each in either form
     from kvscope.analyze import report
     from kvscope.cli import main
 
-    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    name = "2026-12-02-h200-vllm0.26-qwen3-4b-bf16-exact-triton"  # continuations, fault and load logs
     plain, packed = (_unpacked(REPO / "results" / name, tmp_path / d / name) for d in ("plain", "packed"))
     (packed / "records" / "empty__rag-zipf.jsonl").touch()  # a treatment that recorded nothing stays so
     assert main(["compress", str(packed)]) == 0
-    assert sorted(p.name for p in (packed / "records").iterdir()) == sorted(
-        [p.name + ".gz" for p in (plain / "records").iterdir()] + ["empty__rag-zipf.jsonl"])
+    kinds = {p.relative_to(plain).parts[0] for p in plain.rglob("*.jsonl")}
+    assert kinds == {"records", "workloads", "continuations", "faults", "loads", "status.jsonl"}
+    assert sorted(str(p.relative_to(packed)) for p in packed.rglob("*.jsonl*")) == sorted(
+        [str(p.relative_to(plain)) + ".gz" for p in plain.rglob("*.jsonl") if p.stat().st_size] +
+        [str(p.relative_to(plain)) for p in plain.rglob("*.jsonl") if not p.stat().st_size] +
+        ["records/empty__rag-zipf.jsonl"])
     (packed / "records" / "empty__rag-zipf.jsonl").unlink()
     rendered = {}
     for folder in (plain, packed):
@@ -262,16 +271,34 @@ def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_nam
     assert "(`records/*.jsonl.gz`)" in rendered[packed]["report.md"]
     # the gzip header names the plain file (what `gunzip -N` restores)
     assert b"control__rag-zipf.jsonl\0" in (packed / "records" / "control__rag-zipf.jsonl.gz").read_bytes()[:64]
-    # a treatment re-run after compress (--resume) leaves both forms in the folder: the report names both
+    assert b"status.jsonl\0" in (packed / "status.jsonl.gz").read_bytes()[:64]
+    # a folder whose records alone were gzipped (kvscope before 2026-12-06), a treatment re-run after (--resume):
+    # the report names both forms
     (packed / "records" / "baseline__rag-zipf.jsonl.gz").unlink()
     shutil.copy(plain / "records" / "baseline__rag-zipf.jsonl", packed / "records")
     assert RunFolder(packed).records_glob == "records/*.jsonl and records/*.jsonl.gz"
 
 
+def test_a_compressed_run_is_not_resumed_and_the_bench_says_how_to_unpack_it(tmp_path, capsys):
+    # a resume rewrites the workloads and appends to status.jsonl, plain: beside their gzipped forms neither
+    # would hold the run
+    from kvscope.cli import main
+
+    name = "2026-12-01-h200-vllm0.26-tiny-fp32-lmcache-mp-1user"
+    run = _unpacked(REPO / "results" / name, tmp_path / name)
+    assert main(["compress", str(run)]) == 0
+    before = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["bench", "--resume", "--run-id", name, "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "was compressed" in err and "gunzip" in err
+    assert {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def _unpacked(published: Path, copy: Path) -> Path:
-    """A copy of a published run with its records as the bench wrote them, plain (published runs gzip theirs)."""
+    """A copy of a published run with its JSONL files as the bench wrote them, plain (published runs gzip them)."""
     shutil.copytree(published, copy)
-    for packed in (copy / "records").glob("*.jsonl.gz"):
+    for packed in copy.rglob("*.jsonl.gz"):
         packed.with_suffix("").write_bytes(gzip.decompress(packed.read_bytes()))
         packed.unlink()
     return copy

@@ -3,10 +3,11 @@
     run.json                                   RunInfo: command, machine, servers, scenarios, mode
     status.jsonl                               a StatusRow per treatment (resets, phases, logs kept)
     workloads/<scenario>.<phase>.jsonl         the requests replayed
-    records/<config>__<scenario>.jsonl[.gz]    a Record per answer (gzipped by `kvscope compress` to publish)
+    records/<config>__<scenario>.jsonl         a Record per answer
     continuations/<config>__<scenario>.jsonl   golden's scoring of answers that split from its own
     faults/<config>__<scenario>.jsonl          a canary treatment's fault log
     loads/<config>__<scenario>.jsonl           the connector's load log of a treatment
+    (every .jsonl above as .jsonl.gz once `kvscope compress` gzipped it to publish; read alike)
     locust/<config>__<scenario>.<phase>*       Locust's own CSVs, and the LocustSpec it ran (.spec.json; not published)
     <table>.csv, <plot>.png, report.md/.html   what the report derives (TABLES, plots.py; report.html not published)
 """
@@ -26,6 +27,8 @@ from kvscope.artifacts import ArtifactError
 
 TABLES = ("scores", "summary", "verdicts", "overview", "power", "tiers", "sweep")
 FOLDERS = ("records", "workloads", "continuations", "faults", "loads", "locust")
+JSONL_FOLDERS = FOLDERS[:-1]  # their .jsonl files, and status.jsonl, are what compress() gzips
+STATUS = "status.jsonl"
 PLOTS = ("fidelity_matrix", "hit_rates", "ttft_cdf", "ttft_vs_cached", "load_sweep")
 
 
@@ -54,34 +57,31 @@ class RunFolder:
 
     @property
     def status(self) -> Path:
-        return self.root / "status.jsonl"
+        return self._held(self.root / STATUS)
 
     @property
     def workloads(self) -> Path:
         return self.root / "workloads"
 
     def workload(self, scenario: str, phase: str) -> Path:
-        return self.workloads / f"{scenario}.{phase}.jsonl"
+        return self._held(self.workloads / f"{scenario}.{phase}.jsonl")
+
+    def workload_files(self) -> dict[str, Path]:
+        """Every workload file, by the name the bench wrote it under (sorted), in the form the folder holds it."""
+        names = {p.name.removesuffix(".gz") for form in ("*.jsonl", "*.jsonl.gz") for p in self.workloads.glob(form)}
+        return {name: self._held(self.workloads / name) for name in sorted(names)}
 
     @property
     def records_folder(self) -> Path:
         return self.root / "records"
 
     def records(self, config: str, scenario: str) -> Path:
-        """A treatment's records: the gzipped file once compress() made it, else the one the bench appends to.
-        Both at once (records appended after compress) is an error: neither holds them all."""
-        plain, packed = self._records_forms(config, scenario)
-        if not packed.exists():
-            return plain
-        if plain.exists() and plain.stat().st_size:
-            raise ArtifactError(f"{plain}: records beside {packed.name}, written after the folder was compressed: "
-                                "run `kvscope compress` on it again")
-        return packed
+        return self._held(self._per_treatment("records", config, scenario))
 
     def clear_records(self, config: str, scenario: str) -> Path:
         """Remove a treatment's records (a treatment cut short is run again); the path to append to."""
-        plain, packed = self._records_forms(config, scenario)
-        for path in (plain, packed):
+        plain = self._per_treatment("records", config, scenario)
+        for path in (plain, _gzipped(plain)):
             path.unlink(missing_ok=True)
         return plain
 
@@ -91,13 +91,23 @@ class RunFolder:
         forms = {p.name.endswith(".gz") for p in (self.root / "records").glob("*.jsonl*") if p.lstat().st_size}
         return " and ".join(f"records/*.jsonl{'.gz' if gz else ''}" for gz in sorted(forms)) or "records/*.jsonl"
 
+    @property
+    def compressed(self) -> bool:
+        """Whether compress() gzipped more than the records (kvscope before 2026-12-06 gzipped those alone): the
+        files a resume rewrites or appends to (the workloads, status.jsonl, continuations) are no longer plain."""
+        return _gzipped(self.root / STATUS).exists() or any(
+            any((self.root / kind).glob("*.jsonl.gz")) for kind in JSONL_FOLDERS if kind != "records")
+
     def compress(self) -> list[tuple[Path, int]]:
-        """Gzip every non-empty records file (the bulk of a published run; readers take either form); each
-        file written with the plain file's size. An empty file stays: it says the treatment recorded nothing.
-        Records appended after an earlier compress are added after the gzipped ones. Every file is a regular
-        file (no link), checked before anything is written; the gzipped file is on disk (files.replace) before
-        the plain one goes, so a crash leaves the plain one whole."""
-        plains = sorted((self.root / "records").glob("*.jsonl"))
+        """Gzip every non-empty JSONL file (records, workloads, continuations, fault and load logs, status.jsonl:
+        the bulk of a published run; readers take either form), each file's gzip header naming the plain file;
+        each file written with the plain file's size. An empty file stays: it says the treatment recorded
+        nothing. Lines appended after an earlier compress are added after the gzipped ones. Every file is a
+        regular file (no link), checked before anything is written; the gzipped file is on disk
+        (files.replace) before the plain one goes, so a crash leaves the plain one whole."""
+        self.check_folders()
+        plains = sorted(p for kind in JSONL_FOLDERS for p in (self.root / kind).glob("*.jsonl"))
+        plains += [self.root / STATUS] if os.path.lexists(self.root / STATUS) else []
         for path in plains + [_gzipped(p) for p in plains if os.path.lexists(_gzipped(p))]:
             files.check_regular(path)
         done = []
@@ -116,13 +126,13 @@ class RunFolder:
         return done
 
     def continuations(self, config: str, scenario: str) -> Path:
-        return self._per_treatment("continuations", config, scenario)
+        return self._held(self._per_treatment("continuations", config, scenario))
 
     def faults(self, config: str, scenario: str) -> Path:
-        return self._per_treatment("faults", config, scenario)
+        return self._held(self._per_treatment("faults", config, scenario))
 
     def loads(self, config: str, scenario: str) -> Path:
-        return self._per_treatment("loads", config, scenario)
+        return self._held(self._per_treatment("loads", config, scenario))
 
     def locust(self, config: str, scenario: str, phase: str) -> Path:
         return self.root / "locust" / f"{config}__{scenario}.{phase}"
@@ -195,10 +205,18 @@ class RunFolder:
     def _per_treatment(self, kind: str, config: str, scenario: str) -> Path:
         return self.root / kind / f"{config}__{scenario}.jsonl"
 
-    def _records_forms(self, config: str, scenario: str) -> tuple[Path, Path]:
-        """A treatment's records file as the bench appends to it, and as compress() gzips it."""
-        plain = self._per_treatment("records", config, scenario)
-        return plain, _gzipped(plain)
+    @staticmethod
+    def _held(plain: Path) -> Path:
+        """A JSONL file as the folder holds it: gzipped once compress() made it, else plain, as the bench writes
+        it (the bench writes into no compressed folder: plan.build refuses to resume one). Both at once (lines
+        appended after compress) is an error: neither holds them all."""
+        packed = _gzipped(plain)
+        if not packed.exists():
+            return plain
+        if plain.exists() and plain.stat().st_size:
+            raise ArtifactError(f"{plain}: beside {packed.name}, written after the folder was compressed: "
+                                "run `kvscope compress` on it again")
+        return packed
 
 
 NOT_A_CHECKOUT = "not a git repository"  # git's message outside a checkout (in English under LC_ALL=C)

@@ -142,8 +142,8 @@ def _digest(rf: RunFolder) -> str:
     """Identity of a run's workload: the hash of its requests (without their schema version, so runs that
     replayed the same requests before schema versions existed compare equal)."""
     digest = hashlib.sha256()
-    for path in sorted(rf.workloads.glob("*.jsonl")):
-        digest.update(path.name.encode())
+    for name, path in rf.workload_files().items():  # named as the bench wrote them, gzipped since or not
+        digest.update(name.encode())
         for line in files.lines(path):
             row = {k: v for k, v in json.loads(line).items() if k != "schema_version"}
             digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode() + b"\n")

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ DEFAULT_SHAPE = {
 # A Qwen3-4B-shaped model for GPU hosts, where a 2k-token prefill, not scheduling, dominates TTFT (~14 GB in
 # fp32 on disk; serve it in bf16 with the flag override {"dtype": "bfloat16"}). 9 such servers fit one H200.
 # Its context is Qwen3-4B's own (40960 positions), for the long-context sweep.
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     "tiny": DEFAULT_SHAPE,
     "qwen3-4b": {**DEFAULT_SHAPE, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

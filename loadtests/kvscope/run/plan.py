@@ -213,6 +213,10 @@ def build(options: BenchOptions) -> BenchPlan:
         raise ConfigError(f"--resume: {options.results / options.run_id} is a published run (its report.md is "
                           "tracked): new records would change it; resume a copy of it (its run.json keeps the "
                           "published run's id)")
+    if options.resume and options.run_id and (resumed := RunFolder(options.results / options.run_id)).compressed:
+        raise ConfigError(f"--resume: {resumed.root} was compressed (kvscope compress): a resume rewrites its "
+                          f"workloads and appends to its status, plain; gunzip its files first (find {resumed.root} "
+                          "-name '*.jsonl.gz' -exec gunzip {} +)")
     users = levels(options.users)
     deployments, workers = deployments_and_workers(options)
     given = given_servers(options)
