@@ -92,7 +92,7 @@ $(VLLM_VENV)/.installed: docker/cpu/constraints.txt connector/pyproject.toml
 
 # The sources of each vLLM a CUDA host may serve (wheels.txt's, each stack's): the tests parse rendered flags
 # with every release's own parser (docker/check_server_args.py --on-cpu).
-$(VLLM_VENV)/parsers/.installed: docker/parser-vllms.sh docker/cuda-host/wheels.txt $(wildcard docker/cuda-host/stacks/*.txt) | $(VLLM_VENV)/.installed
+$(VLLM_VENV)/parsers/.installed: docker/parser-vllms.sh docker/offline-wheels/wheels.txt $(wildcard docker/offline-wheels/stacks/*.txt) | $(VLLM_VENV)/.installed
 	bash docker/parser-vllms.sh $(VLLM_VENV)/parsers
 	touch $@
 

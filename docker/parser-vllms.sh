@@ -7,7 +7,7 @@ set -euo pipefail
 out=$1; here=$(cd "$(dirname "$0")" && pwd)
 plat=(--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64)
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-for pin in $(grep -h '^vllm==' "$here/cuda-host/wheels.txt" "$here"/cuda-host/stacks/*.txt | sort -u); do
+for pin in $(grep -h '^vllm==' "$here/offline-wheels/wheels.txt" "$here"/offline-wheels/stacks/*.txt | sort -u); do
   version=${pin#vllm==}
   [ -f "$out/$version/vllm/__init__.py" ] && continue
   python3 -m pip download -q --no-deps "${plat[@]}" -d "$work" "$pin"

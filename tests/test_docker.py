@@ -91,8 +91,8 @@ def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
     assert blend.returncode != 0 and "exact mode sets --max-num-batched-tokens" in blend.stderr
 
 
-PINNED_VLLMS = sorted({line.split("==")[1].strip() for f in [REPO / "docker" / "cuda-host" / "wheels.txt",
-                        *(REPO / "docker" / "cuda-host" / "stacks").glob("*.txt")]
+PINNED_VLLMS = sorted({line.split("==")[1].strip() for f in [REPO / "docker" / "offline-wheels" / "wheels.txt",
+                        *(REPO / "docker" / "offline-wheels" / "stacks").glob("*.txt")]
                         for line in f.read_text().splitlines() if line.startswith("vllm==")})
 
 

@@ -21,7 +21,7 @@ def test_the_versions_recorded_name_the_cuda_its_torch_was_built_for(tmp_path):
 
 
 def pack_list(stack: str, part: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", REPO / "docker" / "cuda-host" / "pack.sh", "--list", part],
+    return subprocess.run(["bash", REPO / "docker" / "offline-wheels" / "pack.sh", "--list", part],
                           env={"STACK": stack, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
 
 
@@ -47,7 +47,7 @@ def test_the_stacks_torch_shadows_the_hosts_even_when_a_stack_pth_inserts_at_the
         (tmp_path / where / "torch" / "__init__.py").write_text(f"__version__ = '{version}'\n")
     (tmp_path / "stack" / "cutlass_dsl.pth").write_text(
         f"import sys; sys.path.insert(0, {str(tmp_path / 'dsl')!r})\n")
-    pth = subprocess.run(["bash", REPO / "docker" / "cuda-host" / "bootstrap.sh", "--pth", tmp_path / "stack",
+    pth = subprocess.run(["bash", REPO / "docker" / "offline-wheels" / "bootstrap.sh", "--pth", tmp_path / "stack",
                           tmp_path / "site"], capture_output=True, text=True, timeout=60)
     assert pth.returncode == 0, pth.stderr
     (tmp_path / "purelib" / "kvscope-site.pth").write_text(pth.stdout)

@@ -1,5 +1,5 @@
 # `make deploy|bench|teardown|status INVENTORY=ansible/inventories/cuda-processes` on a CUDA host without containers
-# or a registry, after docker/cuda-host/bootstrap.sh: the host's Python (KVSCOPE_PYTHON, default python3) holds
+# or a registry, after docker/offline-wheels/bootstrap.sh: the host's Python (KVSCOPE_PYTHON, default python3) holds
 # torch, vLLM, the connectors, the harness and Ansible, and the checkout's harness and connector are put on
 # its path; no environment is made and nothing is installed first.
 PY        := $(or $(KVSCOPE_PYTHON),python3)

@@ -4,7 +4,7 @@
 # import (undefined symbol c10::NotImplementedError) and LMCache runs a Python fallback its users do not run.
 # Needs the sdist (lmcache-0.5.6.tar.gz, from PyPI), nvcc, and a Python whose torch is the serving one with
 # LMCache's build tools (setuptools<81, setuptools_scm, grpcio-tools==1.78.0, ninja, wheel); no network.
-#   [PYTHON=python3] [ARCHS="9.0"] [JOBS=8] docker/cuda-host/build-lmcache.sh SDIST OUT_DIR
+#   [PYTHON=python3] [ARCHS="9.0"] [JOBS=8] docker/offline-wheels/build-lmcache.sh SDIST OUT_DIR
 set -euo pipefail
 sdist=$(cd "$(dirname "$1")" && pwd)/$(basename "$1"); out=$(mkdir -p "$2" && cd "$2" && pwd)
 python=${PYTHON:-python3}

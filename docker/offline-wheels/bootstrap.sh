@@ -6,8 +6,8 @@
 # (pack.sh STACK=...: torch and vLLM other than the host's) is pip-installed into SITE-stack, which the .pth
 # puts in front of the host's own packages, and the GPU is checked under it (a bf16 matrix product, NCCL's
 # version) before anything else imports.
-#   docker/cuda-host/bootstrap.sh PARTS_DIR [SITE=/opt/kvscope-site]
-#   docker/cuda-host/bootstrap.sh --pth SHADOW SITE   (the .pth it writes; nothing installed)
+#   docker/offline-wheels/bootstrap.sh PARTS_DIR [SITE=/opt/kvscope-site]
+#   docker/offline-wheels/bootstrap.sh --pth SHADOW SITE   (the .pth it writes; nothing installed)
 set -euo pipefail
 site_pth() {  # site_pth SHADOW SITE: the stack first on sys.path (its torch shadows the host's), the sets after
   # the host's packages. The stack's folder goes in front before its own .pth files run (one may import), and

@@ -9,8 +9,8 @@
 # wheels as published (re-compressing them saves little), which bootstrap.sh installs in front of the host's
 # packages.
 #   [STACK=vllm0.26|vllm0.28|vllm0.34] [SETS="base connectors stack"] [LMCACHE_WHEEL=path] \
-#     docker/cuda-host/pack.sh [OUT=.device] [PART_MIB=20]
-#   STACK=... docker/cuda-host/pack.sh --list base|connectors|stack   (the pins a set packs; nothing downloaded)
+#     docker/offline-wheels/pack.sh [OUT=.device] [PART_MIB=20]
+#   STACK=... docker/offline-wheels/pack.sh --list base|connectors|stack   (the pins a set packs; nothing downloaded)
 set -euo pipefail
 out=${1:-.device}; part_mib=${2:-20}
 here=$(cd "$(dirname "$0")" && pwd)
