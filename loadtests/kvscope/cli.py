@@ -369,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="the weights' random seed (the same seed, the same bytes)")
     s.add_argument("--shape", choices=list(SHAPES), default="tiny",
                    help="tiny (CPU tests), qwen3-4b (GPU runs), or a serving path's shape (docs/paths.md): "
-                        "tiny-gemma3 (sliding window), tiny-deepseek-v2 (MLA), qwen3-32b-awq (int4 AWQ, GPU); all with "
-                        "random weights")
+                        "tiny-gemma3 (sliding window), tiny-deepseek-v2 (MLA), qwen3-32b-awq (int4 AWQ, GPU), "
+                        "tiny-qwen3-next (hybrid linear attention + MTP head); all with random weights")
     s.set_defaults(func=cmd_build_model)
     return p
 

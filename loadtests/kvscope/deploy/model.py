@@ -62,9 +62,21 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "max_position_embeddings": 40960,
                       "quantization_config": {"bits": 4, "group_size": 128, "quant_method": "awq",
                                               "version": "gemm", "zero_point": True}},
+    # Qwen3-Next's hybrid pattern at the tiny size: 3 Gated DeltaNet (linear-attention) layers, then 1 gated
+    # full-attention layer; sparse-MoE MLPs (4 experts, 2 a token, a shared expert) and one MTP layer
+    # (`mtp.*`, the draft model of MTP speculative decoding). Its linear layers keep Qwen3-Next's two value
+    # heads a key head; head sizes are the CPU attention size.
+    "tiny-qwen3-next": {**DEFAULT_SHAPE, "full_attention_interval": 4,
+                        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+                        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
+                        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                        "num_nextn_predict_layers": 1},
 }
 # The architecture of each shape (Qwen3 where not named)
-ARCHITECTURE = {"tiny-gemma3": "gemma3", "tiny-deepseek-v2": "deepseek-v2", "qwen3-32b-awq": "qwen3-awq"}
+ARCHITECTURE = {"tiny-gemma3": "gemma3", "tiny-deepseek-v2": "deepseek-v2", "qwen3-32b-awq": "qwen3-awq",
+                "tiny-qwen3-next": "qwen3-next"}
 
 
 def training_text() -> list[str]:
@@ -240,9 +252,80 @@ def qwen3_awq_config(shape: dict, tok, std: float) -> dict:
     return {**qwen3_config(shape, tok, std), "torch_dtype": "float16"}
 
 
+def qwen3_next_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
+    """Each Qwen3-Next tensor's name and shape as its checkpoints store them (vLLM's qwen3_next.py and
+    qwen3_next_mtp.py load these): fused in_proj_qkvz / in_proj_ba, a depthwise conv1d, gated attention
+    (q_proj twice as wide: query and gate), MoE experts one by one, and the MTP layer under `mtp.`."""
+    h, d, heads, kv_heads = (shape[k] for k in ("hidden_size", "head_dim", "num_attention_heads",
+                                                "num_key_value_heads"))
+    key, value = (shape["linear_num_key_heads"] * shape["linear_key_head_dim"],
+                  shape["linear_num_value_heads"] * shape["linear_value_head_dim"])
+    v_heads, moe, shared = (shape[k] for k in ("linear_num_value_heads", "moe_intermediate_size",
+                                               "shared_expert_intermediate_size"))
+
+    def layer(p: str, kind: str) -> dict[str, tuple[int, ...]]:
+        t: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (h,),
+                                         p + "post_attention_layernorm.weight": (h,)}
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            t.update({a + "in_proj_qkvz.weight": (2 * key + 2 * value, h), a + "in_proj_ba.weight": (2 * v_heads, h),
+                      a + "conv1d.weight": (2 * key + value, 1, shape["linear_conv_kernel_dim"]),
+                      a + "dt_bias": (v_heads,), a + "A_log": (v_heads,),
+                      a + "norm.weight": (shape["linear_value_head_dim"],), a + "out_proj.weight": (h, value)})
+        else:
+            a = p + "self_attn."
+            t.update({a + "q_proj.weight": (2 * heads * d, h), a + "k_proj.weight": (kv_heads * d, h),
+                      a + "v_proj.weight": (kv_heads * d, h), a + "o_proj.weight": (h, heads * d),
+                      a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+        m = p + "mlp."
+        t[m + "gate.weight"] = (shape["num_experts"], h)
+        for e in range(shape["num_experts"]):
+            t.update({f"{m}experts.{e}.gate_proj.weight": (moe, h), f"{m}experts.{e}.up_proj.weight": (moe, h),
+                      f"{m}experts.{e}.down_proj.weight": (h, moe)})
+        t.update({m + "shared_expert.gate_proj.weight": (shared, h), m + "shared_expert.up_proj.weight": (shared, h),
+                  m + "shared_expert.down_proj.weight": (h, shared), m + "shared_expert_gate.weight": (1, h)})
+        return t
+
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape["vocab_size"], h)}
+    for i, kind in enumerate(shape["layer_types"]):
+        shapes.update(layer(f"model.layers.{i}.", kind))
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (shape["vocab_size"], h)
+    shapes["mtp.fc.weight"] = (h, 2 * h)
+    for i in range(shape["num_nextn_predict_layers"]):
+        shapes.update(layer(f"mtp.layers.{i}.", "full_attention"))
+    shapes.update({f"mtp.{norm}.weight": (h,) for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding")})
+    return shapes
+
+
+def qwen3_next_weights(shape: dict, seed: int, std: float) -> dict[str, np.ndarray]:
+    """Random Qwen3-Next weights: its RMSNorms 0 (they scale by 1 + weight, as Gemma's) except the linear
+    layers' gated norm (1), dt_bias 1 and A_log log(U(1, 16)) as Qwen3-Next initialises them, the rest
+    N(0, std)."""
+    rng = np.random.default_rng(seed)
+
+    def tensor(name: str, dims: tuple[int, ...]) -> np.ndarray:
+        if name.endswith(("linear_attn.norm.weight", "dt_bias")):
+            return np.ones(dims, np.float32)
+        if "norm" in name:
+            return np.zeros(dims, np.float32)
+        if name.endswith("A_log"):
+            return np.log(rng.uniform(1, 16, dims)).astype(np.float32)
+        return (rng.standard_normal(dims) * std).astype(np.float32)
+
+    return {name: tensor(name, dims) for name, dims in qwen3_next_shapes(shape).items()}
+
+
+def qwen3_next_config(shape: dict, tok, std: float) -> dict:
+    config = qwen3_config(shape, tok, std)
+    config.update(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", partial_rotary_factor=0.25)
+    return config
+
+
 BUILDERS = {"qwen3": (qwen3_config, qwen3_weights), "gemma3": (gemma3_config, gemma3_weights),
             "deepseek-v2": (deepseek_v2_config, deepseek_v2_weights),
-            "qwen3-awq": (qwen3_awq_config, qwen3_awq_weights)}
+            "qwen3-awq": (qwen3_awq_config, qwen3_awq_weights),
+            "qwen3-next": (qwen3_next_config, qwen3_next_weights)}
 
 
 def model_hash(model_dir: Path) -> str:

@@ -251,9 +251,11 @@ def extensible_kv_cache(labels: dict[str, str]) -> bool | None:
 MODEL_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "torch_dtype",
               # the attention types and layer pattern (docs/paths.md's model shapes), recorded where set: sliding
-              # window and local/global layers, MLA's latent vector, quantized weights, linear-attention layers
+              # window and local/global layers, MLA's latent vector, quantized weights, linear-attention layers,
+              # an MTP head
               "sliding_window", "use_sliding_window", "layer_types", "sliding_window_pattern", "kv_lora_rank",
-              "q_lora_rank", "qk_rope_head_dim", "quantization_config", "full_attention_interval")
+              "q_lora_rank", "qk_rope_head_dim", "quantization_config", "full_attention_interval",
+              "num_nextn_predict_layers")
 
 
 def recorded_config(model_config: dict) -> dict:
