@@ -17,6 +17,7 @@ import pytest
 from conftest import PLAYBOOK, REPO, failure_of
 
 from kvscope.run.records import read
+from kvscope.runfolder import RunFolder
 
 pytestmark = pytest.mark.server
 
@@ -93,8 +94,8 @@ def test_deploy_bench_with_distributed_locust_collect_and_teardown_across_hosts(
 
         result = playbook("collect.yml", run_root, "-e", f"collect_to={folder}")
         assert result.returncode == 0, result.stdout[-3000:]
-        assert (folder / "hosts" / "kvh1" / "apc" / "manifest.json").exists()
-        assert (folder / "hosts" / "kvh2" / "kvscope-fs" / "server.log").exists()
+        assert RunFolder(folder).host("kvh1").server("apc").manifest.exists()
+        assert RunFolder(folder).host("kvh2").server("kvscope-fs").log.exists()
     finally:
         result = playbook("teardown.yml", run_root)
     assert result.returncode == 0, result.stdout[-3000:]

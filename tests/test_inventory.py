@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO
 
 from kvscope.deploy import inventory
+from kvscope.runfolder import RunFolder
 
 INVENTORIES = REPO / "ansible" / "inventories"
 
@@ -24,7 +25,8 @@ def test_each_shipped_inventory_says_where_its_deployments_are_and_who_runs_locu
     assert (netns.workers, netns.master, netns.ssh_config) == (["kvh1", "kvh2"], "10.77.0.1",
                                                                "/var/lib/kvscope/netns/config")
     gb10 = inventory.bench_hosts(str(INVENTORIES / "gb10"))
-    assert gb10.deployments("r1") == [Path(f"results/r1/hosts/spark-{i}/deployment.json") for i in (1, 2, 3)]
+    # each node's deployment.json as the collect role fetched it into the run folder
+    assert gb10.deployments("r1") == [RunFolder(Path("results/r1")).host(f"spark-{i}").deployment for i in (1, 2, 3)]
     assert gb10.workers == ["loadgen", "spark-3"] and gb10.master == "192.168.50.20"
     assert gb10.ssh_config == str(Path.home() / ".ssh" / "config")  # ~ expanded: ssh -F does not
     for name, run_dir in (("local", "local"), ("cuda-processes", "cuda-processes")):

@@ -9,6 +9,8 @@ import subprocess
 import pytest
 from conftest import REPO
 
+from kvscope.deploy.folder import DRY_RUN, DeploymentFolder
+
 
 def dry_run(*args: str) -> str:
     out = subprocess.run(["make", "-n", "-B", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -60,7 +62,8 @@ def test_make_help_names_every_variable_a_user_sets_on_a_line_of_its_own():
 def test_deploy_dry_run_renders_checks_and_prints_each_servers_command_without_starting_any(tmp_path, model_dir):
     # make deploy DRY_RUN=1 is Ansible's --check with the rendering kept apart from a live deployment's
     line = next(x for x in dry_run("deploy", "DRY_RUN=1").splitlines() if "deploy.yml" in x)
-    assert "--check" in line and "vllm_rendered=" in line and "runs/dry-run/" in line
+    rendered = DeploymentFolder(REPO / DRY_RUN).rendered_for("{{ inventory_hostname }}")
+    assert "--check" in line and f"vllm_rendered={rendered}" in line
     assert "--check" not in next(x for x in dry_run("deploy").splitlines() if "deploy.yml" in x)
     from conftest import ansible
 

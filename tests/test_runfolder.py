@@ -10,7 +10,7 @@ from functools import reduce
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, ansible
 
 from kvscope import files
 from kvscope.artifacts import (
@@ -25,12 +25,13 @@ from kvscope.artifacts import (
 )
 from kvscope.config import matrix as matrix_mod
 from kvscope.config.render import render
-from kvscope.deploy.folder import LOCAL, DeploymentFolder
+from kvscope.deploy.folder import DRY_RUN, LOCAL, DeploymentFolder
 from kvscope.rollout.folder import RolloutFolder, host_state
 from kvscope.runfolder import TABLES, RunFolder
 
 # A run folder's files and folders, as a path expression would name them outside the module.
-HAND_BUILT = re.compile(r'/ "(records|faults|loads|continuations|workloads|locust)"|/ "(run\.json|status\.jsonl)"|'
+HAND_BUILT = re.compile(r'/ "(records|faults|loads|continuations|workloads|locust|hosts)"|/ "(run\.json|status\.jsonl)"|'
+                        r'["\'][^"\'\s]*\bhosts/|'  # a host's collected files (hosts/<host>/)
                         r'/ "(' + "|".join(TABLES) + r')\.csv"|/ "report\.(md|html)"|f"\{\w+\}__\{\w+\}\.jsonl"|'
                         r'\.glob\("\*\.jsonl')  # a folder's JSONL files, in one form or the other
 
@@ -39,7 +40,7 @@ PUBLISHED = RunFolder(REPO / "results" / "2026-12-01-cpu-vllm0.32-lifecycle")  #
 
 # A deployment folder's and a rollout folder's files, as a quoted name or a path expression would spell them.
 DEPLOYMENT_HAND_BUILT = re.compile(r'''["'](?:[^"'\s]*/)?(?:server\.(?:pid|log)|manifest\.json|failed\.json|'''
-                                   r'''rendered(?:-[^"'\s]*)?\.json|deployment\.json)["']|/ ["']stores["']|["']runs/local\b''')
+                                   r'''rendered(?:-[^"'\s]*)?\.json|deployment\.json)["']|/ ["']stores["']|["']runs/(?:local|dry-run)\b''')
 ROLLOUT_HAND_BUILT = re.compile(r'''["'](?:[^"'\s]*/)?(?:\.?rollout\.(?:json|md)(?:\.tmp)?|\.lock|gate-scenarios\.yaml|'''
                                 r'''restore-[^"'\s]*)["']|/ ["'](?:batches|logs|state|gate)["']|["'](?:batches|logs|state)/''')
 OWNERS = [(HAND_BUILT, "kvscope/runfolder.py"), (DEPLOYMENT_HAND_BUILT, "kvscope/deploy/folder.py"),
@@ -59,6 +60,9 @@ def test_no_folder_path_is_built_outside_its_owner(hand_built, owner):
                                                ('Path(run_dir).resolve() / "stores"', DEPLOYMENT_HAND_BUILT),
                                                ('Path("runs/local/deployment.json")', DEPLOYMENT_HAND_BUILT),
                                                ('default="runs/local"', DEPLOYMENT_HAND_BUILT),
+                                               ('Path("runs/dry-run")', DEPLOYMENT_HAND_BUILT),
+                                               ('folder / "hosts" / host / "deployment.json"', HAND_BUILT),
+                                               ('f"results/{run_id}/hosts/{host}/deployment.json"', HAND_BUILT),
                                                ('folder / "batches" / f"{n:02d}"', ROLLOUT_HAND_BUILT),
                                                ('Path(folder) / "rollout.json"', ROLLOUT_HAND_BUILT),
                                                ('step.log = "logs/final.log"', ROLLOUT_HAND_BUILT)])
@@ -66,24 +70,30 @@ def test_the_guard_sees_a_hand_built_path(line, pattern):
     assert pattern.search(line)
 
 
-# The Ansible roles, the playbooks, the make overlays and the shell scripts spell the deployment folder's paths
-# in YAML and bash; each is read here as a template (a variable part as *) and must be one the model makes.
+# The Ansible roles, the playbooks, the inventories, the make overlays and the shell scripts spell the deployment
+# folder's paths (and a run folder's hosts/<host>/, where the collect role fetches each host's) in YAML and bash;
+# each is read here as a template (a variable part as *) and must be one the model makes.
 SPELLERS = sorted([*(REPO / "ansible").rglob("*.yml"), *(REPO / "ansible").rglob("*.sh"), *(REPO / "ansible").rglob("*.mk"),
                    *(REPO / "loadtests" / "benchmarks").rglob("*.sh"), REPO / "Makefile"])
-SPELT_PATH = re.compile(r"\b(?:RUN_DIR|STATE_DIR)(?:/[\w.*-]+)*")
+SPELT_PATH = re.compile(r"\b(?:RUN_DIR|STATE_DIR|RUN_FOLDER)(?:/[\w.*-]+)*")
+SPELT_RUNS = re.compile(r"\bruns/[\w.*-]+(?:/[\w.*-]+)*")  # a deployment folder the Makefile names itself
 SPELT_NAME = re.compile(r"(?<![\w.*-])(?:server|manifest|failed|deployment|rendered)[\w*-]*\.(?:pid|log|json)(?![\w-])")
 
 
 def _as_template(line: str) -> str:
-    """A line with the deployment folder as RUN_DIR, rollout-state's folder as STATE_DIR, and every other
-    variable (Jinja, bash, make) as *."""
+    """A line with the deployment folder as RUN_DIR, rollout-state's folder as STATE_DIR, the collect role's run
+    folder (and an inventory's results/{run_id}) as RUN_FOLDER, and every other variable (Jinja, bash, make, an
+    inventory's {host}) as *."""
     line = re.sub(r"\{\{\s*kvscope_run_dir\s*\}\}|\bkvscope_run_dir(?=\s*~)|\$\{?run_dir\}?|\$\(RUN_DIR\)", "RUN_DIR", line)
     line = re.sub(r"\{\{\s*rollout_state_to\s*\}\}", "STATE_DIR", line)
+    line = re.sub(r"\{\{\s*collect_to\s*\}\}|\bresults/\{run_id\}", "RUN_FOLDER", line)
+    line = re.sub(r"\$\(abspath ([^)]*)\)", r"\1", line)
     line = re.sub(r"\s*~\s*'([^']*)'", r"\1", line)  # Jinja's concatenation: kvscope_run_dir ~ '/' ~ x ~ '/server.pid'
     line = re.sub(r"\s*~\s*[\w.]+", "*", line)
     line = re.sub(r"\{\{\s*\(?\s*((?:RUN_DIR|STATE_DIR)[^|}]*?)\)?\s*(?:\|[^}]*)?\}\}", r"\1", line)
     line = re.sub(r"\{\{.*?\}\}", "*", line)
-    return re.sub(r"\$\{?\w+\}?|\$\(\w+\)", "*", line)
+    line = re.sub(r"\$\{?\w+\}?|\$\(\w+\)", "*", line)
+    return re.sub(r"\{\w+\}", "*", line)
 
 
 def test_ansible_and_the_scripts_spell_the_deployment_folder_as_its_model():
@@ -92,15 +102,22 @@ def test_ansible_and_the_scripts_spell_the_deployment_folder_as_its_model():
     paths = {str(p) for p in (folder.root, folder.rendered, folder.rendered_for("*"), folder.deployment, folder.stores,
                               folder.shared_stores, server.root, server.pid, server.log, server.manifest, server.failed,
                               host_state(Path("STATE_DIR"), "*"))}
-    names = {Path(p).name for p in paths} - {"*", "RUN_DIR", "STATE_DIR"}
+    collected = RunFolder(Path("RUN_FOLDER")).host("*")  # each file at its place in it (the collect role's relpath)
+    paths |= {str(collected.root), str(collected.deployment), str(collected.root / "*")}
+    names = {Path(p).name for p in paths} - {"*", "RUN_DIR", "STATE_DIR", "RUN_FOLDER"}
     spelt = [(f"{p.relative_to(REPO)}:{i}", _as_template(line)) for p in SPELLERS
              for i, line in enumerate(p.read_text().splitlines(), 1)]
     found_paths = [(where, m) for where, line in spelt for m in SPELT_PATH.findall(line)]
     found_names = [(where, m) for where, line in spelt for m in SPELT_NAME.findall(line)]
     assert not [f"{where}: {m}" for where, m in found_paths if m not in paths]
     assert not [f"{where}: {m}" for where, m in found_names if m not in names]
+    # the Makefile's own deployment folders (make deploy DRY_RUN=1's)
+    made = {str(p) for f in (DeploymentFolder(LOCAL), DeploymentFolder(DRY_RUN)) for p in (f.root, f.rendered_for("*"))}
+    runs = [(where, m) for where, line in spelt if where.startswith("Makefile:") for m in SPELT_RUNS.findall(line)]
+    assert runs and not [f"{where}: {m}" for where, m in runs if m not in made]
     # the scan reads what the roles spell: every file of a server folder, the folder's own files and the stores
-    assert {m for _, m in found_paths} >= {str(server.pid), str(server.log), str(folder.rendered), str(folder.shared_stores)}
+    assert {m for _, m in found_paths} >= {str(server.pid), str(server.log), str(folder.rendered), str(folder.shared_stores),
+                                          "RUN_FOLDER/hosts/*/*", "RUN_FOLDER/hosts/*/deployment.json"}
     assert {m for _, m in found_names} >= {"server.pid", "server.log", "manifest.json", "failed.json", "deployment.json"}
 
 
@@ -109,9 +126,28 @@ def test_ansible_and_the_scripts_spell_the_deployment_folder_as_its_model():
     ("> {{ (kvscope_run_dir ~ '/' ~ item.server.config ~ '/server.log') | quote }} 2>&1", "RUN_DIR/*/server.log"),
     ('cp "$run_dir/deployment.json" "$out/"', "RUN_DIR/deployment.json"),
     ("--deployment $(call q,$(RUN_DIR)/deployment.json)", "RUN_DIR/deployment.json"),
-    ('dest: "{{ rollout_state_to }}/{{ inventory_hostname }}.json"', "STATE_DIR/*.json")])
+    ('dest: "{{ rollout_state_to }}/{{ inventory_hostname }}.json"', "STATE_DIR/*.json"),
+    ('dest: "{{ collect_to }}/hosts/{{ inventory_hostname }}/{{ item.path | relpath(kvscope_run_dir) }}"',
+     "RUN_FOLDER/hosts/*/*"),
+    ("kvscope_bench_deployment: results/{run_id}/hosts/{host}/deployment.json", "RUN_FOLDER/hosts/*/deployment.json")])
 def test_a_spelt_path_reads_as_its_template(line, template):
     assert SPELT_PATH.findall(_as_template(line)) == [template]
+
+
+def test_the_collect_role_fetches_each_hosts_deployment_folder_where_the_run_folder_has_it(tmp_path):
+    deployed = DeploymentFolder(tmp_path / "runs")
+    deployed.server("apc").root.mkdir(parents=True)
+    for path in (deployed.deployment, deployed.server("apc").manifest, deployed.server("apc").log):
+        path.write_text(path.name)
+    deployed.server("apc").pid.write_text("1 2 3")  # not collected
+    run = RunFolder(tmp_path / "results" / "r1")
+    out = ansible("collect.yml", deployed.root, "-e", f"collect_to={run.root}")
+    assert out.returncode == 0, out.stdout[-2000:]
+    collected = run.host("localhost")
+    assert sorted(str(p.relative_to(run.root)) for p in run.root.rglob("*") if p.is_file()) == sorted(
+        str(p.relative_to(run.root)) for p in (collected.deployment, collected.server("apc").manifest,
+                                               collected.server("apc").log))
+    assert collected.server("apc").manifest.read_text() == "manifest.json"
 
 
 def test_the_renderer_puts_shared_stores_where_the_deployment_folder_has_them(tmp_path):

@@ -10,6 +10,10 @@
     (every .jsonl above as .jsonl.gz once `kvscope compress` gzipped it to publish; read alike)
     locust/<config>__<scenario>.<phase>*       Locust's own CSVs, and the LocustSpec it ran (.spec.json; not published)
     <table>.csv, <plot>.png, report.md/.html   what the report derives (TABLES, plots.py; report.html not published)
+    hosts/<host>/                              a cluster host's deployment folder (kvscope.deploy.folder) as
+                                               ansible/collect.yml fetched it: deployment.json, each server's
+                                               manifest, failure and log (an inventory's kvscope_bench_deployment
+                                               may name its deployment.json, as results/{run_id}/hosts/{host}/...)
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from kvscope import files
 from kvscope.artifacts import ArtifactError
+from kvscope.deploy.folder import DeploymentFolder
 
 TABLES = ("scores", "summary", "verdicts", "overview", "power", "tiers", "sweep")
 FOLDERS = ("records", "workloads", "continuations", "faults", "loads", "locust")
@@ -140,6 +145,10 @@ class RunFolder:
     def locust_spec(self, config: str, scenario: str, phase: str) -> Path:
         """The LocustSpec of a treatment's phase, beside Locust's CSVs."""
         return self.root / "locust" / f"{config}__{scenario}.{phase}.spec.json"
+
+    def host(self, name: str) -> DeploymentFolder:
+        """A host's deployment folder as the collect role fetched it into the run folder."""
+        return DeploymentFolder(self.root / "hosts" / name)
 
     def table(self, name: str) -> Path:
         if name not in TABLES:

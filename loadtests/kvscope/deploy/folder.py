@@ -1,5 +1,6 @@
 """A deployment folder's layout, in one place: every file a deploy writes on a host and the bench, the status and
-the rollout read (an inventory's kvscope_run_dir, runs/<inventory> by default).
+the rollout read (an inventory's kvscope_run_dir, runs/<inventory> by default; `make deploy DRY_RUN=1` renders
+into runs/dry-run; a cluster host's is fetched into the run folder, kvscope.runfolder's hosts/<host>/).
 
     rendered.json            Rendered: what each server is started with (the vllm role copies it here)
     rendered-<host>.json     the render's output for one host, on the controller, before it is copied
@@ -26,6 +27,7 @@ SHARED_STORES = "shared"
 PID, LOG, MANIFEST, FAILED = "server.pid", "server.log", "manifest.json", "failed.json"
 
 LOCAL = Path("runs/local")  # the local inventory's deployment folder, from the repository root
+DRY_RUN = Path("runs/dry-run")  # `make deploy DRY_RUN=1`'s: its rendered-<host>.json, apart from a live deployment's
 
 
 @dataclass(frozen=True)
