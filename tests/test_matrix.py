@@ -479,3 +479,80 @@ def test_a_bench_refuses_servers_of_different_serving_paths():
     assert serving_path([server("baseline", "golden", None), server("apc", "candidate", None)]) is None
     with pytest.raises(matrix.ConfigError, match="serving paths differ: apc fp8-kv, baseline none"):
         serving_path([server("baseline", "golden", None), server("apc", "candidate", "fp8-kv")])
+
+
+# Topology (issue 63): TP and PP ranks within one server, set by the config's `topology` field only.
+
+
+def test_a_topology_config_renders_its_ranks_into_the_servers_flags_and_is_recorded(tmp_path):
+    m = matrix.load(SHIPPED)
+    for name in ("apc-tp2", "kvscope-fs-tp2"):
+        out = render(m, m.get(name), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
+        assert flag_value(out.server_args, "--tensor-parallel-size") == "2"
+        assert flag_value(out.server_args, "--pipeline-parallel-size") == "1"
+        assert json.loads(out.model_dump_json())["topology"] == {"tensor_parallel": 2, "pipeline_parallel": 1}
+    plain = render(m, m.get("apc"), "cpu", tmp_path, tmp_path / "stores", "127.0.0.1")
+    assert plain.topology is None and "topology" not in json.loads(plain.model_dump_json())  # published runs re-score
+    assert "--tensor-parallel-size" not in " ".join(plain.server_args)
+
+
+@pytest.mark.parametrize(
+    "topology, expected",
+    [
+        ({"tensor_parallel": 0}, "field 'topology.tensor_parallel': Input should be greater than or equal to 1"),
+        ({"tensor_parallel": "two"}, "field 'topology.tensor_parallel': Input should be a valid integer"),
+        ({"tensor_parallel": "2"}, "field 'topology.tensor_parallel': Input should be a valid integer"),
+        ({"tensor_parallel": 1.5}, "field 'topology.tensor_parallel'"),
+        ({"tensor_parallel": True}, "field 'topology.tensor_parallel'"),
+        ({"tensor_parallel": 2, "data_parallel": 2}, "field 'topology.data_parallel': Extra inputs are not permitted"),
+        ({"tensor_parallel": 1, "pipeline_parallel": 1}, "a topology of one rank is one unsharded server"),
+        ({"tensor_parallel": 4}, "field 'topology': tensor_parallel 4 is more than platform 'cpu' runs (2"),
+        ({"pipeline_parallel": 2}, "field 'topology': pipeline_parallel 2 is more than platform 'cpu' runs (1"),
+    ],
+)
+def test_a_topology_vllm_or_the_platform_cannot_run_is_refused_before_a_deploy(tmp_path, doc, topology, expected):
+    cfg(doc, "apc-tp2")["topology"] = topology
+    with pytest.raises(matrix.ConfigError) as err:
+        matrix.load(write(tmp_path, doc))
+    assert "config 'apc-tp2': " in str(err.value) and expected in str(err.value)
+
+
+@pytest.mark.parametrize("role", ["baseline", "control"])
+def test_golden_and_control_stay_single_unsharded_servers(tmp_path, doc, role):
+    cfg(doc, role)["topology"] = {"tensor_parallel": 2}
+    with pytest.raises(matrix.ConfigError, match=f"config '{role}': .*stays one unsharded server"):
+        matrix.load(write(tmp_path, doc))
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--tensor_parallel_size", "--tensor-parallel",
+                                  "--tensor-p", "-tp", "--pipeline-parallel-size", "--pipeline_parallel", "-pp"])
+def test_a_topology_flag_in_any_spelling_vllm_reads_is_refused_in_a_config_or_platform(tmp_path, doc, flag):
+    for where in (cfg(doc, "apc")["flags"], doc["platforms"]["cpu"]["flags"]):
+        bad = copy.deepcopy(doc)
+        target = cfg(bad, "apc")["flags"] if where is cfg(doc, "apc")["flags"] else bad["platforms"]["cpu"]["flags"]
+        target[flag] = 2
+        with pytest.raises(matrix.ConfigError) as err:
+            matrix.load(write(tmp_path, bad))
+        assert f"flag '{flag}' sets the server's topology" in str(err.value), str(err.value)
+        assert "'topology' field" in str(err.value)
+
+
+@pytest.mark.parametrize("override", ['{"tensor_parallel_size": 2}', '{"tensor-parallel": 2}', '{"tp": 2}',
+                                      '{"-tp": 2}', '{"--pp": 2}', '{"pipeline-parallel-size": 1}'])
+def test_a_topology_flag_in_the_overrides_is_refused_as_a_conflict(override):
+    with pytest.raises(matrix.ConfigError, match="flag overrides: flag '.*' sets the server's topology"):
+        parse_overrides(override)
+
+
+def test_a_serving_path_may_not_set_a_topology_flag(tmp_path, doc):
+    doc["paths"]["tp-everywhere"] = {"description": "d", "covers": "c", "platforms": ["cpu"],
+                                     "flags": {"--tensor_parallel_size": 2}}
+    with pytest.raises(matrix.ConfigError, match="paths.tp-everywhere.flags.*sets the server's topology"):
+        matrix.load(write(tmp_path, doc))
+
+
+def test_the_plumbing_refuses_a_topology_override_with_exit_2(tmp_path, model_dir):
+    run = subprocess.run([sys.executable, "-m", "kvscope.plumbing", "render", "--configs", "baseline,apc-tp2",
+                          "--platform", "cpu", "--model", str(model_dir), "--run-dir", str(tmp_path), "--out",
+                          str(tmp_path / "r.json"), "--overrides", '{"tp": 1}'], capture_output=True, text=True)
+    assert run.returncode == 2 and "sets the server's topology" in run.stderr and "Traceback" not in run.stderr

@@ -633,3 +633,17 @@ def test_the_environment_says_per_server_whether_vllms_extensible_kv_cache_sized
     env = (run / "report.md").read_text().split("## Environment", 1)[1]
     assert "- KV cache sized by vLLM's extensible KV cache (after warm-up) on `apc`; by its profile or " \
            "`--kv-cache-memory-bytes` on `baseline`, `control`, `canary-shift`\n" in env
+
+
+def test_the_environment_names_the_topology_of_each_sharded_server(tmp_path):
+    plain = make_run(tmp_path / "plain", four())
+    report.write(plain, min_hits=1)
+    assert "topology" not in (plain / "report.md").read_text()  # no sharded server: no line, no key
+    run = make_run(tmp_path / "tp2", four())
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"] = [{**s, "topology": {"tensor_parallel": 2, "pipeline_parallel": 1}} if s["config"] == "apc"
+                      else s for s in doc["servers"]]
+    (run / "run.json").write_text(json.dumps(doc))
+    report.write(run, min_hits=1)
+    md = (run / "report.md").read_text()
+    assert "- topology: `apc` TP2·PP1; the others one unsharded server each\n" in md.split("## Environment", 1)[1]

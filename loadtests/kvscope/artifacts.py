@@ -135,11 +135,12 @@ class RenderedServer(Artifact):
     tiers: list[str] = Field(default_factory=list)  # the tiers it certifies (its connector's load log names them)
     writer: str | None = None  # shared-store scenarios: the config whose server writes what this one loads
     serving_path: str | None = None  # the matrix's serving path it ran (SERVING_PATH=); None: none, no key written
+    topology: dict[str, int] | None = None  # its ranks ({tensor_parallel, pipeline_parallel}); None: one, no key
 
     @model_serializer(mode="wrap")
     def _unrecorded_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         out = handler(self)
-        for key in ("exact_workarounds", "serving_path", "extensible_kv_cache"):  # the last: a Manifest's
+        for key in ("exact_workarounds", "serving_path", "topology", "extensible_kv_cache"):  # the last: a Manifest's
             if out.get(key, []) is None:
                 del out[key]
         return out

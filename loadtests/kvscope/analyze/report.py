@@ -521,6 +521,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
               f"capacity {first.kv_capacity_tokens} tokens, block {first.block_size} tokens",
               md(f"- server packages: {_packages(first.packages)}; model shape: {_shape(first.model_config_)}"),
               *_serving_path_lines(run.servers),
+              *[f"- topology: {t}; the others one unsharded server each" for t in _topologies(run.servers) if t],
               *_kv_sizing_lines(run.servers),
               *_imports(run.servers),
               f"- load: {md(', '.join(f'{k} {v}' for k, v in run.load.model_dump().items()))}; workload digest "
@@ -708,6 +709,12 @@ def _serving_path_lines(servers) -> list[str]:
     return ["- serving path (docs/paths.md): " + "; ".join(
         (f"{md(path, code=True)} on " if path else "none on ") + ", ".join(md(c, code=True) for c in configs)
         for path, configs in by_path.items())]
+
+
+def _topologies(servers) -> list[str]:
+    """The sharded servers' ranks (a config's `topology`), as one phrase; [""] where none is sharded."""
+    return ["; ".join(f"{md(s.config, code=True)} TP{t['tensor_parallel']}·PP{t['pipeline_parallel']}"
+                      for s in servers if (t := s.manifest.topology))]
 
 
 def _kv_sizing_lines(servers) -> list[str]:

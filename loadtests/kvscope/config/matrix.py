@@ -39,6 +39,10 @@ CANARY_FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "nois
 # Flags that would give a cache-off reference (golden, control) a cache.
 CACHE_FLAGS = ("--enable-prefix-caching", "--kv-offloading-size")
 CACHE_OFF = "--no-enable-prefix-caching"
+# The server's topology (TP and PP ranks within one server), which only a config's `topology` field sets, so that
+# every sharded server is rendered, recorded and judged as one; vLLM also reads the short '-tp' and '-pp'.
+TOPOLOGY_FLAGS = {"--tensor-parallel-size": "tensor_parallel", "--pipeline-parallel-size": "pipeline_parallel"}
+TOPOLOGY_SHORT = {"tp": "--tensor-parallel-size", "pp": "--pipeline-parallel-size"}
 # Flags whose every spelling is checked: vLLM's parser reads an unambiguous prefix as the whole option.
 WATCHED_FLAGS = RESERVED_FLAGS | set(CACHE_FLAGS) | {CACHE_OFF}
 # A value shaped as an option ('--x', '-O3'), not a number ('-1', '-.5'): once the value of a flag that takes
@@ -68,6 +72,11 @@ def option_read(flag: str, options) -> str | None:
     return option if option in options else next((o for o in sorted(options) if o.startswith(option)), None)
 
 
+def topology_option(flag: str) -> str | None:
+    """The topology option FLAG sets as vLLM's parser reads it (in full, '_' for '-', abbreviated or short), if any."""
+    return TOPOLOGY_SHORT.get(flag.lstrip("-").split("=", 1)[0]) or option_read(flag, TOPOLOGY_FLAGS)
+
+
 def cache_off_errors(flags: dict[str, FlagValue]) -> list[str]:
     """Why these server flags do not keep vLLM's prefix cache and KV offloading off ([] when they do)."""
     on = {vllm_option(f) for f, v in flags.items() if v not in (None, False, 0)}
@@ -93,7 +102,10 @@ def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
     for flag, value in flags.items():
         option = vllm_option(flag)
         whole = read if (read := option_read(flag, WATCHED_FLAGS)) != option else None
-        if not flag.startswith("--"):
+        if topology := topology_option(flag):
+            errors.append(f"flag '{flag}' sets the server's topology ({topology}, as vLLM reads it): set the "
+                          "config's 'topology' field instead")
+        elif not flag.startswith("--"):
             errors.append(f"flag '{flag}' must start with '--'")
         elif not FLAG_NAME.match(flag):
             errors.append(f"flag {flag!r} is not an option's name (letters, digits, '-' and '_', keys after '.'): "
@@ -187,9 +199,23 @@ class ExactMode(Strict):
         return {**self.flags, **{f: v for w in needed for f, v in w.flags.items()}}, [w.issue for w in needed]
 
 
+class Topology(Strict):
+    """The ranks of one server: vLLM's --tensor-parallel-size and --pipeline-parallel-size."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # 2, never "2", 2.0 or true
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="tensor-parallel ranks (heads split)")
+    pipeline_parallel: int = Field(default=1, ge=1, le=64, description="pipeline stages (layers split)")
+
+    def ranks(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
 class PlatformDefaults(Strict):
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags every config gets")
     env: dict[EnvName, str] = Field(default_factory=dict, description="environment every server gets")
+    max_topology: Topology = Field(
+        default_factory=Topology, description="the largest topology this platform's vLLM runs (a config's "
+        "tensor_parallel and pipeline_parallel each at most this); default: one rank, no sharded configs")
     exact: ExactMode | None = Field(
         default=None, description="batch-invariant serving (EXACT=1); none: the platform has no exact mode")
 
@@ -238,6 +264,9 @@ class StorageConfig(Strict):
     tiers: list[StoreName] = Field(
         default_factory=list, description="the tiers this config certifies (as its connector's load log names "
         "them: ram, disk): each must serve at least --min-hits verified hits, or the config cannot PASS")
+    topology: Topology | None = Field(
+        default=None, description="TP and PP ranks within this one server (candidates and canaries only: golden "
+        "and control stay one unsharded server, the reference the sharded answers are judged against)")
     store_reset: Literal["wipe", "keep"] = Field(
         "wipe", description="keep: never wipe the stores under the live server (a connector that keeps its own "
         "state in them); the server's own reset endpoint is still called")
@@ -274,6 +303,11 @@ class StorageConfig(Strict):
                 raise ValueError(f"a {self.role} config must be cache-off: {'; '.join(errors)}")
         if self.faults and self.role != "canary":
             raise ValueError("only a canary config lists faults")
+        if self.topology is not None and self.role in ("golden", "control"):
+            raise ValueError(f"a {self.role} config stays one unsharded server (no topology): the verdict compares "
+                             "the sharded answers with the unsharded ones")
+        if self.topology is not None and self.topology.ranks() == 1:
+            raise ValueError("field 'topology': a topology of one rank is one unsharded server; leave the field out")
         return self
 
 
@@ -382,7 +416,7 @@ def load(path: Path, base: Path | None = None) -> Matrix:
         raise ConfigError(f"{path}: exactly one config must have role 'golden' (the cache-off reference)")
     if sum(c.role == "control" for c in matrix.configs) > 1:
         raise ConfigError(f"{path}: at most one config may have role 'control' (the second cache-off server)")
-    if errors := _reset_errors(matrix):
+    if errors := _reset_errors(matrix) + _topology_errors(matrix):
         raise ConfigError("\n".join(errors))
     return matrix
 
@@ -403,6 +437,19 @@ def _reset_errors(matrix: Matrix) -> list[str]:
                               f"'{name}' (here or in the platform's env): without it vLLM has no /reset_prefix_cache "
                               "and the cache is never emptied between treatments")
                 break
+    return errors
+
+
+def _topology_errors(matrix: Matrix) -> list[str]:
+    """Configs whose topology is larger than a platform they name runs (its `max_topology`)."""
+    errors = []
+    for cfg in (c for c in matrix.configs if c.topology):
+        for name in (p for p in cfg.platforms if p in matrix.platforms):
+            most = matrix.platforms[name].max_topology
+            errors += [f"config '{cfg.name}': field 'topology': {field} {getattr(cfg.topology, field)} is more than "
+                       f"platform '{name}' runs ({getattr(most, field)}; platforms.{name}.max_topology)"
+                       for field in ("tensor_parallel", "pipeline_parallel")
+                       if getattr(cfg.topology, field) > getattr(most, field)]
     return errors
 
 

@@ -101,6 +101,9 @@ def render(
         raise ConfigError(f"config '{cfg.name}': the flag overrides would give the {cfg.role} server a cache: "
                           + "; ".join(errors))
     args += _flag_args(flags)
+    if cfg.topology is not None:  # the config's ranks; no other source may set them (flag_errors)
+        args += [f"--tensor-parallel-size={cfg.topology.tensor_parallel}",
+                 f"--pipeline-parallel-size={cfg.topology.pipeline_parallel}"]
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]
@@ -111,7 +114,8 @@ def render(
                           served_model_name=model_dir.name, server_args=args, env=env, stores=stores,
                           store_reset=cfg.store_reset, faults=list(cfg.faults), install=list(cfg.packages),
                           upstream=list(cfg.upstream), exact=mode is not None, exact_workarounds=workarounds,
-                          tiers=list(cfg.tiers), writer=cfg.writer, serving_path=serving_path)
+                          tiers=list(cfg.tiers), writer=cfg.writer, serving_path=serving_path,
+                          topology=cfg.topology.model_dump() if cfg.topology else None)
 
 
 KVSCOPE_CONNECTOR = {"kvscope_connector", "kvscope_connector.canary"}  # modules of kvscope's connector
