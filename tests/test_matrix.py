@@ -556,3 +556,16 @@ def test_the_plumbing_refuses_a_topology_override_with_exit_2(tmp_path, model_di
                           "--platform", "cpu", "--model", str(model_dir), "--run-dir", str(tmp_path), "--out",
                           str(tmp_path / "r.json"), "--overrides", '{"tp": 1}'], capture_output=True, text=True)
     assert run.returncode == 2 and "sets the server's topology" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_per_rank_canary_class_needs_a_canary_of_two_tensor_parallel_ranks(tmp_path, doc):
+    # on one rank the class cannot act: it would break no hit and measure nothing, so it may not be asked for
+    cfg(doc, "canary")["faults"] = ["shift", "rank0-only", "rank0-heads"]
+    with pytest.raises(matrix.ConfigError, match="config 'canary': .*faults 'rank0-only', 'rank0-heads' act on "
+                                                 "tensor-parallel ranks above 0 only"):
+        matrix.load(write(tmp_path, doc))
+    m = matrix.load(SHIPPED)
+    tp2 = m.get("canary-tp2")
+    assert tp2.role == "canary" and tp2.topology.tensor_parallel == 2
+    assert {"rank0-only", "rank0-heads"} <= set(tp2.faults) and tp2.kv_transfer_config.kv_connector == "FaultCanary"
+    assert "fs_path" in tp2.kv_transfer_config.kv_connector_extra_config  # rank 1 reads rank 0's files there

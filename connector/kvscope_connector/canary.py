@@ -24,6 +24,11 @@ near the numerical floor:
               the tier) written over the right KV, as a transfer that lands after the block was freed and
               reassigned (vllm#52234, NIXL's read-after-release race). Its bytes are unloaded's wherever the
               slot still holds what its former owner stored; they differ where vLLM wrote the slot since.
+- rank0-only: only tensor-parallel rank 0 loads; every other rank reports success and writes nothing, so its
+              slots keep what they held (UCM PR #716: with TP > 1 only rank 0 loaded KV).
+- rank0-heads: every rank above 0 loads rank 0's file of each block (rank 0's heads) instead of its own
+              (LMCache#2405: every TP worker loaded worker 0's KV); a block rank 0 stored no file of stays right.
+              Both act on ranks above 0 only: on a one-rank server they change nothing (logged so: changed 0).
 - partial:    a hit also gets, beyond its last whole block, the next block of another prompt with the same
               blocks before it (of several, the one whose tokens differ earliest), claimed as loaded up to the
               request's last prompt token at most: the last,
@@ -54,15 +59,18 @@ from dataclasses import dataclass, field
 import torch
 
 from .blocks import Block
-from .connector import KVScopeConnector
+from .connector import KVScopeConnector, _tp_rank
+from .keys import fingerprint
 from .messages import KVScopeMetadata, LoadSpec, StoreSpec, TierName
 from .scheduler import SchedulerSide
+from .store import FsTier
 from .worker import WorkerSide
 
 log = logging.getLogger("kvscope_connector")
 
 FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign",
-          "unloaded", "reused", "partial")
+          "unloaded", "reused", "partial", "rank0-only", "rank0-heads")
+RANK_FAULTS = ("rank0-only", "rank0-heads")  # they act on tensor-parallel ranks above 0 only
 
 Part = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # the slice of a layer's block a fault touches
 
@@ -90,6 +98,8 @@ class _FaultWorker(WorkerSide):
     default_fault = "shift"
     fault_log: str | None = None
     kv_heads = 1
+    rank = 0  # this worker's tensor-parallel rank
+    rank0: FsTier | None = None  # rank 0's files, on a rank above 0 with a filesystem tier (rank0-heads)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -154,6 +164,15 @@ class _FaultWorker(WorkerSide):
             self.held.update((spec.block_id, spec.key) for spec, _ in loaded)
         return out
 
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register(kv_caches)
+        self.attach_rank0()
+
+    def attach_rank0(self) -> None:
+        """Rank 0's store reads blocks of this worker's layout (rank 0's shapes are this rank's)."""
+        if self.rank0 is not None and self._layout is not None:
+            self.rank0.attach(self.pool, self.checksum, self.layout)
+
     def save(self, meta: KVScopeMetadata) -> None:
         self.held.update((spec.block_id, spec.key) for spec in meta.stores)
         super().save(meta)
@@ -186,6 +205,10 @@ class _FaultWorker(WorkerSide):
             return [None] * len(blocks)
         if fault == "reused":
             return [block if (former := self._former(spec)) is None else former for spec, block in loaded]
+        if fault == "rank0-only":
+            return blocks if self.rank == 0 else [None] * len(blocks)
+        if fault == "rank0-heads":
+            return [block if (theirs := self._rank0_block(spec.key)) is None else theirs for spec, block in loaded]
         self.stats.warn_once("fault", "unknown canary fault %r: loading correct KV", fault)
         return blocks
 
@@ -228,6 +251,11 @@ class _FaultWorker(WorkerSide):
         """The block of the key the slot held before this load, where that is another key the tier holds."""
         former = self.held.get(spec.block_id)
         return self.ram.peek(former) if self.ram is not None and former not in (None, spec.key) else None
+
+    def _rank0_block(self, key: str) -> Block | None:
+        """Rank 0's verified block of `key`, on a rank above 0 whose rank 0 stored one."""
+        got = self.rank0.get(key) if self.rank > 0 and self.rank0 is not None else None
+        return None if got is None else got[0]
 
     def _other_block(self, keys: set[str]) -> Block | None:
         """The most recently used RAM-tier block stored under a key this request does not load."""
@@ -331,6 +359,10 @@ class FaultCanary(KVScopeConnector):
             self.worker_side.default_fault = self.default_fault
             self.worker_side.fault_log = extra("fault_log", None)
             self.worker_side.kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
+            self.worker_side.rank = rank = _tp_rank()
+            if rank > 0 and (fs := self.worker_side.fs) is not None:  # rank 0's files: its fingerprint's folder
+                self.worker_side.rank0 = FsTier(str(fs.root), fingerprint(**{**self.fingerprint_of, "tp_rank": 0}),
+                                                None, secret=fs.secret, per_file=fs.per_file)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         params = request.kv_transfer_params or {}

@@ -197,12 +197,13 @@ class KVScopeConnector(KVConnectorBase_V1):
         if (why := _unsupported(vllm_config, kv_cache_config)) is not None:
             raise ValueError(f"kvscope connector: {why}")
         per_file = _per_file(extra("file_tokens", None), self.block_size, platform)
-        self.fp = fingerprint(
+        self.fingerprint_of = dict(  # what names this rank's store (the canary names rank 0's from it)
             model_config=json.loads(json.dumps(model.hf_config.to_dict(), sort_keys=True, default=str)),
             weights=extra("model_id", None) or weights_identity(model.model),
             dtype=str(model.dtype), kv_dtype=str(vllm_config.cache_config.cache_dtype), block_size=self.block_size,
             layout=_layout(), tp_rank=rank, tp_size=vllm_config.parallel_config.tensor_parallel_size,
             stack=_stack(vllm_config), signer=secret_id(secret), checksum=checksum, per_file=per_file)
+        self.fp = fingerprint(**self.fingerprint_of)
         self.ram_bytes = int(extra("ram_bytes", 256 * 2**20))
         fs_path = extra("fs_path", None)
         fs = (FsTier(fs_path, self.fp, extra("fs_bytes", None), bool(extra("fsync", False)), secret=secret,

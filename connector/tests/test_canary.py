@@ -6,10 +6,10 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from kvscope_connector.canary import FAULTS, CanaryMetadata, _FaultWorker, _PartialBlocks
+from kvscope_connector.canary import FAULTS, RANK_FAULTS, CanaryMetadata, _FaultWorker, _PartialBlocks
 from kvscope_connector.messages import KVScopeMetadata, LoadSpec, StoreSpec
 from kvscope_connector.scheduler import SchedulerSide
-from kvscope_connector.store import RamTier
+from kvscope_connector.store import FsTier, RamTier
 
 FP, B, HEADS = "f" * 32, 4, 2
 
@@ -115,8 +115,8 @@ def test_foreign_serves_another_keys_block(tmp_path):
 
 
 def test_every_fault_changes_what_a_request_loads(tmp_path):
-    for fault in FAULTS:
-        w = canary(tmp_path / fault, blocks=4)
+    for fault in FAULTS:  # a per-rank fault on rank 1 of two (on rank 0 it is the right KV)
+        w = ranks(tmp_path / fault, n=4)[1] if fault in RANK_FAULTS else canary(tmp_path / fault, blocks=4)
         borrowed = {"r1": 0} if fault == "partial" else {}  # its scheduler side names the other prompt's block
         loads = [LoadSpec(1 + j, f"k{j}", "ram", request_id="r1", index=j) for j in range(3)]
         w.load(CanaryMetadata(loads=loads, faults={"r1": fault}, borrowed=borrowed))  # into slots k1..k3 held
@@ -249,3 +249,63 @@ def test_partial_claims_the_next_block_of_another_prompt_with_the_same_blocks_be
     req, hit, extra = ask("s", [0, 1, 2, 3, 20, 99, 50])  # b's next block differs from its second token on
     assert (hit, extra) == (4, 2) and p.plans["s"][1] == other != late  # a's differs from its first
     assert ask("r", [7, 7, 7, 7, 30, 31, 32])[1:] == (0, 0)  # no hit, no prefix to borrow after
+
+
+# Per-rank faults (issue 63): each tensor-parallel rank runs its own worker, keys its files by its rank
+# (its fingerprint) and logs its own line per request; the harness sums a request's lines.
+
+
+def ranks(tmp_path, n=3):
+    """Fake ranks 0 and 1 of one TP2 server on one filesystem store: each stores blocks k0..k(n-1) of its own
+    (rank 1's differ from rank 0's, as its heads do) under its own fingerprint; rank 1 can read rank 0's files."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    workers = []
+    for rank in (0, 1):
+        fp = f"{rank}" * 32  # the connector's fingerprint names the rank
+        w = _FaultWorker(fp, B, RamTier(1 << 20), FsTier(str(tmp_path / "store"), fp, None))
+        gen = torch.Generator().manual_seed(rank)
+        w.register({f"layer{i}": torch.randn(16, HEADS, B, 6, generator=gen) for i in range(3)})
+        w.kv_heads, w.fault_log, w.rank = HEADS, str(tmp_path / "faults.jsonl"), rank
+        w.save(KVScopeMetadata(stores=[StoreSpec(j, f"k{j}", True, True) for j in range(n)]))
+        w.flush()
+        workers.append(w)
+    workers[1].rank0 = FsTier(str(tmp_path / "store"), "0" * 32, None)
+    workers[1].attach_rank0()
+    return workers
+
+
+def test_only_rank_0_loaded_leaves_every_slot_of_the_other_ranks_as_it_was(tmp_path):
+    w0, w1 = ranks(tmp_path)
+    before = w1.layers["layer0"][8:11].clone()
+    got0, got1 = load(w0, "rank0-only"), load(w1, "rank0-only")
+    assert all(torch.equal(got0[j]["layer0"], stored(w0, j)["layer0"]) for j in range(3))  # rank 0 loads
+    assert all(torch.equal(got1[j]["layer0"], before[j]) for j in range(3))  # rank 1 keeps what it held
+    assert [(e["fault"], e["changed"]) for e in log(tmp_path)] == [("rank0-only", 0), ("rank0-only", 3)]
+
+
+def test_rank_1_got_rank_0s_heads_loads_rank_0s_file_for_each_of_its_blocks(tmp_path):
+    w0, w1 = ranks(tmp_path)
+    got0, got1 = load(w0, "rank0-heads"), load(w1, "rank0-heads")
+    for j in range(3):
+        assert all(torch.equal(got0[j][n], stored(w0, j)[n]) for n in w0.layers)
+        assert all(torch.equal(got1[j][n], stored(w0, j)[n]) for n in w1.layers)  # rank 0's, not its own
+        assert not torch.equal(stored(w1, j)["layer0"], stored(w0, j)["layer0"])  # its own heads differ
+    assert [(e["fault"], e["changed"]) for e in log(tmp_path)] == [("rank0-heads", 0), ("rank0-heads", 3)]
+
+
+def test_rank_0s_heads_where_rank_0_stored_no_file_is_the_right_kv_and_logged_so(tmp_path):
+    w0, w1 = ranks(tmp_path)
+    w1.rank0 = FsTier(str(tmp_path / "store"), "9" * 32, None)  # a fingerprint with no files
+    w1.attach_rank0()
+    got = load(w1, "rank0-heads")
+    assert all(torch.equal(got[j]["layer0"], stored(w1, j)["layer0"]) for j in range(3))
+    assert log(tmp_path)[-1]["changed"] == 0
+
+
+@pytest.mark.parametrize("fault", RANK_FAULTS)
+def test_a_per_rank_fault_on_a_one_rank_server_breaks_nothing_and_logs_no_change(tmp_path, fault):
+    # a TP1 server has rank 0 only: the class cannot act, its log says so (the report: not measured)
+    w = canary(tmp_path)
+    got = load(w, fault)
+    assert all(torch.equal(got[j]["layer0"], stored(w, j)["layer0"]) for j in range(3))
+    assert log(tmp_path) == [{"request": "r1", "fault": fault, "loaded": 3, "changed": 0, "inherited": 0}]

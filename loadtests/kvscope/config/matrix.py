@@ -35,7 +35,8 @@ RESERVED_FLAGS = {"--model", "--port", "--host", "--served-model-name", "--kv-tr
 # The fault classes of kvscope_connector.canary.FAULTS (the harness does not import the connector; a test
 # keeps the two lists equal).
 CANARY_FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign",
-                 "unloaded", "reused", "partial")
+                 "unloaded", "reused", "partial", "rank0-only", "rank0-heads")
+RANK_FAULTS = ("rank0-only", "rank0-heads")  # they act on tensor-parallel ranks above 0 only
 # Flags that would give a cache-off reference (golden, control) a cache.
 CACHE_FLAGS = ("--enable-prefix-caching", "--kv-offloading-size")
 CACHE_OFF = "--no-enable-prefix-caching"
@@ -303,6 +304,11 @@ class StorageConfig(Strict):
                 raise ValueError(f"a {self.role} config must be cache-off: {'; '.join(errors)}")
         if self.faults and self.role != "canary":
             raise ValueError("only a canary config lists faults")
+        per_rank = [f for f in self.faults if f in RANK_FAULTS]
+        if per_rank and (self.topology is None or self.topology.tensor_parallel < 2):
+            raise ValueError(f"faults {', '.join(repr(f) for f in per_rank)} act on tensor-parallel ranks above 0 "
+                             "only: on this server of one rank they would break no hit (give the canary a topology "
+                             "of tensor_parallel 2 or more)")
         if self.topology is not None and self.role in ("golden", "control"):
             raise ValueError(f"a {self.role} config stays one unsharded server (no topology): the verdict compares "
                              "the sharded answers with the unsharded ones")
