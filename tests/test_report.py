@@ -635,6 +635,57 @@ def test_the_environment_says_per_server_whether_vllms_extensible_kv_cache_sized
            "`--kv-cache-memory-bytes` on `baseline`, `control`, `canary-shift`\n" in env
 
 
+SHAPE = {"num_hidden_layers": 6, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 3072, "torch_dtype": "float32"}
+
+
+def environment_shape(tmp_path, name, model_config) -> tuple[str, str]:
+    """The Environment's model-shape line of a run whose servers' manifests recorded MODEL_CONFIG, in report.md
+    and as report.html shows it."""
+    run = make_run(tmp_path / name, four())
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"] = [{**s, "model_config": model_config} for s in doc["servers"]]
+    (run / "run.json").write_text(json.dumps(doc))
+    report.write(run, min_hits=1)
+    line = next(x for x in (run / "report.md").read_text().split("## Environment", 1)[1].splitlines()
+                if "model shape:" in x)
+    return line, (run / "report.html").read_text()
+
+
+@pytest.mark.parametrize("name, pattern, named", [
+    ("gemma3", {"sliding_window": 128, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+     "; attention: 5 sliding_attention : 1 full_attention layers, sliding window 128 tokens"),
+    ("qwen3-next", {"full_attention_interval": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                    "num_nextn_predict_layers": 1},
+     "; attention: 3 linear_attention : 1 full_attention layers, MTP head of 1 layer"),
+    ("deepseek-v2", {"kv_lora_rank": 512, "qk_rope_head_dim": 64},
+     "; attention: MLA (a 512-wide latent vector + a 64-wide RoPE key a token)"),
+    ("awq", {"quantization_config": {"bits": 4, "group_size": 128, "quant_method": "awq"}},
+     "; attention: weights awq 4-bit, groups of 128"),
+    ("interval", {"full_attention_interval": 4, "sliding_window_pattern": 6},
+     "; attention: 1 full-attention layer in 4, 1 global layer in 6"),
+    ("qwen2", {"sliding_window": 32768, "use_sliding_window": False},
+     "; attention: no sliding window (use_sliding_window false)"),
+])
+def test_the_environment_names_the_models_attention_types_and_layer_pattern(tmp_path, name, pattern, named):
+    """run.json records each shape's attention types and layer pattern (servers.MODEL_KEYS); the Environment
+    names them after the sizes. A run without them (every published run) keeps its line as it was."""
+    before = "- server packages: not recorded; model shape: 6 layers, hidden 256, 4 heads / 2 KV heads x 64, " \
+             "vocab 3072, weights stored as float32"
+    assert environment_shape(tmp_path, "plain", SHAPE)[0] == before
+    assert environment_shape(tmp_path, name, {**SHAPE, **pattern})[0] == before + named
+
+
+def test_a_recorded_layer_pattern_cannot_forge_the_reports_markdown_or_html(tmp_path):
+    forged = ["<script>alert(1)</script>", "x | **PASS** |\n## Verdicts", 7, None]
+    line, page = environment_shape(tmp_path, "forged", {**SHAPE, "layer_types": forged, "quantization_config": "awq",
+                                                        "sliding_window": "<img src=x onerror=alert(2)>",
+                                                        "kv_lora_rank": [1]})
+    assert "<script>alert" not in page and "<img src=x" not in page and "&lt;img src=x onerror=alert(2)&gt;" in page
+    assert "&lt;script>alert(1)&lt;/script>" in line and "x \\| \\*\\*PASS\\*\\* \\| ## Verdicts" in line
+    assert "1 &lt;script>alert(1)&lt;/script> : 1" in line and "&lt;img src=x onerror=alert(2)> tokens" in line
+
+
 def test_the_environment_names_the_topology_of_each_sharded_server(tmp_path):
     plain = make_run(tmp_path / "plain", four())
     report.write(plain, min_hits=1)

@@ -746,6 +746,38 @@ def _packages(packages: dict | None) -> str:
 def _shape(config: dict | None) -> str:
     if not config:
         return "not recorded"
+    pattern = _pattern(config)
     return (f"{config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} "
             f"heads / {config['num_key_value_heads']} KV heads x {config.get('head_dim')}, vocab "
-            f"{config['vocab_size']}, weights stored as {config.get('torch_dtype')}")
+            f"{config['vocab_size']}, weights stored as {config.get('torch_dtype')}"
+            + (f"; attention: {', '.join(pattern)}" if pattern else ""))
+
+
+def _pattern(config: dict) -> list[str]:
+    """The attention types and layer pattern a manifest recorded (servers.MODEL_KEYS, docs/paths.md's model
+    shapes); none for a model without one, as every run recorded before them."""
+    parts = []
+    if isinstance(types := config.get("layer_types"), list):
+        names = [str(t) for t in types]
+        parts.append(" : ".join(f"{names.count(kind)} {kind}" for kind in dict.fromkeys(names)) + " layers")
+    elif "full_attention_interval" in config:
+        parts.append(f"1 full-attention layer in {config['full_attention_interval']}")
+    if config.get("use_sliding_window") is False:  # Qwen2's flag: its sliding_window is not applied
+        parts.append("no sliding window (use_sliding_window false)")
+    elif "sliding_window" in config:
+        parts.append(f"sliding window {config['sliding_window']} tokens")
+    if "sliding_window_pattern" in config:
+        parts.append(f"1 global layer in {config['sliding_window_pattern']}")
+    if "kv_lora_rank" in config:
+        parts.append(f"MLA (a {config['kv_lora_rank']}-wide latent vector + a {config.get('qk_rope_head_dim')}-wide "
+                     "RoPE key a token" + (f", q LoRA rank {config['q_lora_rank']}" if "q_lora_rank" in config else "")
+                     + ")")
+    if isinstance(quant := config.get("quantization_config"), dict):
+        parts.append(f"weights {quant.get('quant_method')} {quant.get('bits')}-bit, groups of "
+                     f"{quant.get('group_size')}")
+    elif quant is not None:
+        parts.append(f"weights {quant}")
+    if "num_nextn_predict_layers" in config:
+        n = config["num_nextn_predict_layers"]
+        parts.append(f"MTP head of {n} layer{'' if n == 1 else 's'}")
+    return parts
