@@ -569,3 +569,21 @@ def test_a_per_rank_canary_class_needs_a_canary_of_two_tensor_parallel_ranks(tmp
     assert tp2.role == "canary" and tp2.topology.tensor_parallel == 2
     assert {"rank0-only", "rank0-heads"} <= set(tp2.faults) and tp2.kv_transfer_config.kv_connector == "FaultCanary"
     assert "fs_path" in tp2.kv_transfer_config.kv_connector_extra_config  # rank 1 reads rank 0's files there
+
+
+def test_a_topology_the_model_cannot_split_is_refused_before_a_deploy(tmp_path, model_dir):
+    # vLLM needs the attention heads divisible by the TP ranks and a layer per PP stage; it would crash at start
+    from kvscope.config.render import topology_errors
+
+    m = matrix.load(SHIPPED)
+    assert topology_errors(model_dir, [m.get("apc-tp2"), m.get("baseline")]) == []  # 4 heads, 4 layers
+    model = tmp_path / "three-heads"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 3}))
+    assert topology_errors(model, [m.get("apc-tp2")]) == [
+        "config 'apc-tp2': tensor_parallel 2 does not divide the model's 3 attention heads"]
+    run = subprocess.run([sys.executable, "-m", "kvscope.plumbing", "render", "--configs", "baseline,apc-tp2",
+                          "--platform", "cpu", "--model", str(model), "--run-dir", str(tmp_path), "--out",
+                          str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert run.returncode == 2 and "does not divide the model's 3 attention heads" in run.stderr, run.stderr

@@ -185,3 +185,22 @@ def model_errors(model_dir: Path) -> list[str]:
     if not any(model_dir.glob("*.safetensors")) and not any(model_dir.glob("*.bin")):
         errors.append("no weights (*.safetensors or *.bin)")
     return errors
+
+
+def topology_errors(model_dir: Path, configs: list[StorageConfig]) -> list[str]:
+    """Topologies vLLM would refuse at start for this model: TP ranks that do not divide its attention heads,
+    more PP stages than it has layers (a model folder model_errors passed)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads, layers = text.get("num_attention_heads"), text.get("num_hidden_layers")
+    errors = []
+    for cfg in configs:
+        if cfg.topology is None:
+            continue
+        tp, pp = cfg.topology.tensor_parallel, cfg.topology.pipeline_parallel
+        if isinstance(heads, int) and heads % tp:
+            errors.append(f"config '{cfg.name}': tensor_parallel {tp} does not divide the model's {heads} attention "
+                          "heads")
+        if isinstance(layers, int) and pp > layers:
+            errors.append(f"config '{cfg.name}': pipeline_parallel {pp} is more than the model's {layers} layers")
+    return errors
