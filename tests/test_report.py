@@ -686,6 +686,114 @@ def test_a_recorded_layer_pattern_cannot_forge_the_reports_markdown_or_html(tmp_
     assert "1 &lt;script>alert(1)&lt;/script> : 1" in line and "&lt;img src=x onerror=alert(2)> tokens" in line
 
 
+# The verdict's tier (issue 61 item 4): exact where the run proves invariance, statistical elsewhere, with the
+# power its floor allows per canary class and whether a 1e-3 noise fault may hide under that floor.
+
+def set_fault(run, config, fault):
+    doc = json.loads((run / "run.json").read_text())
+    next(s for s in doc["servers"] if s["config"] == config)["fault"] = fault
+    (run / "run.json").write_text(json.dumps(doc))
+
+
+def tier_doc(run, min_hits=1):
+    """The tier as `kvscope report --json` gives it."""
+    a = report.analyze(loaded.load(run), min_hits)
+    return json.loads(report.as_json(a, 0))["tier"]
+
+
+def test_an_exact_run_whose_control_is_bitwise_equal_to_golden_is_judged_in_the_exact_tier(tmp_path):
+    run = make_run(tmp_path / "run", four(), mode="exact")
+    assert report.write(run, min_hits=1) == 0
+    assert json.loads((run / "run.json").read_text())["scorer"]["tier"] == "exact"
+    md = (run / "report.md").read_text()
+    assert ("- Verdict tier: **exact**: exact mode, and the control bitwise equal to golden on 2 of 2 answers; "
+            "any difference from golden FAILs.") in md
+    assert "may hide" not in md
+    doc = tier_doc(run)
+    assert doc["tier"] == "exact" and doc["tolerance_nats"] == 0.0 and "noise_1e-3" not in doc
+
+
+@pytest.mark.parametrize("mode, control, why", [
+    ("normal", {}, "normal mode: nothing proves a correct cache bitwise equal to golden"),
+    ("exact", {"offset": 1e-7}, "exact mode, but 2 of the control's 2 answers are not bitwise equal to golden's"),
+    ("exact", None, "exact mode, but no control answer was compared with golden's"),
+])
+def test_a_run_that_does_not_prove_invariance_is_judged_in_the_statistical_tier(tmp_path, mode, control, why):
+    outputs, servers = four(), SERVERS
+    if control is None:
+        del outputs["control"]
+        servers = [s for s in SERVERS if s[1] != "control"]
+    run = make_run(tmp_path / "run", outputs, servers=servers, mode=mode, control=control or {})
+    report.write(run, min_hits=1)
+    assert json.loads((run / "run.json").read_text())["scorer"]["tier"] == "statistical"
+    md = (run / "report.md").read_text()
+    assert f"- Verdict tier: **statistical**: {why}; tolerance " in md
+    assert tier_doc(run)["tier"] == "statistical" and tier_doc(run)["why"] == why
+
+
+def test_the_statistical_tier_states_the_power_per_class_and_not_measured_where_a_class_broke_no_hit(tmp_path):
+    servers = [*SERVERS, ("canary-partial", "canary")]
+    run = make_run(tmp_path / "run", {**four(), "canary-partial": GOOD}, servers=servers)
+    set_fault(run, "canary-shift", "shift")
+    set_fault(run, "canary-partial", "partial")
+    write_fault_log(run, "canary-partial", {0: 0, 1: 0})  # it left both hits correct: nothing measured
+    report.write(run, min_hits=1)
+    md = (run / "report.md").read_text()
+    assert "  - `shift`: caught 2 of 2 broken hits (95 % lower bound 0.342)\n" in md
+    assert "  - `partial`: not measured (it broke no hit)\n" in md
+    power = tier_doc(run)["power"]
+    assert power == [{"fault": "shift", "broken": 2, "caught": 2, "rate_low95": 0.3424},
+                     {"fault": "partial", "broken": 0, "caught": 0, "rate_low95": None}]
+
+
+def noise_run(tmp_path, canary, control_offset, canary_offset):
+    servers = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-noise", "canary")]
+    run = make_run(tmp_path / "run", {"baseline": GOOD, "control": GOOD, "apc": GOOD, "canary-noise": canary},
+                   servers=servers, control={"offset": control_offset}, canary_noise={"offset": canary_offset})
+    set_fault(run, "canary-noise", "noise-1e-3")
+    report.write(run, min_hits=1)
+    return run, (run / "report.md").read_text()
+
+
+def test_a_noise_fault_that_moved_logprobs_beyond_the_tolerance_shows_above_the_floor(tmp_path):
+    run, md = noise_run(tmp_path, GOOD, 0.0, 1e-3)  # tolerance 1e-5 (fp32's least): 1e-3 stands out
+    assert ("- A 1e-3 noise fault shows above this floor: the canary's `noise-1e-3` hits moved logprobs by at "
+            "least 0.001 nat, above the tolerance 1e-05 nat; caught 2 of 2 (95 % lower bound 0.342).") in md
+    assert tier_doc(run)["noise_1e-3"]["may_hide"] is False
+
+
+def test_a_noise_fault_within_the_tolerance_may_hide_even_where_a_token_split_caught_it(tmp_path):
+    run, md = noise_run(tmp_path, BAD, 1e-3, 2e-3)  # tolerance 3e-3; caught only by the tokens splitting
+    assert ("- **A 1e-3 noise fault may hide under this floor**: 1 of the canary's 2 `noise-1e-3` hits moved "
+            "logprobs by no more than the tolerance 0.003 nat (as little as 0.002 nat)") in md
+    assert tier_doc(run)["noise_1e-3"]["may_hide"] is True
+
+
+def test_a_noise_fault_the_canary_missed_may_hide(tmp_path):
+    run, md = noise_run(tmp_path, GOOD, 1e-3, 2e-3)  # within the tolerance 3e-3, tokens equal: missed
+    assert ("- **A 1e-3 noise fault may hide under this floor**: the canary's `noise-1e-3` hits were caught on "
+            "0 of 2") in md
+    assert tier_doc(run)["noise_1e-3"]["may_hide"] is True
+
+
+def test_a_run_without_a_noise_canary_says_a_noise_fault_may_hide(tmp_path):
+    run = make_run(tmp_path / "run", four())
+    report.write(run, min_hits=1)
+    assert ("- **A 1e-3 noise fault may hide under this floor**: `noise-1e-3` was not measured (no canary "
+            "treatment of that class ran); the tolerance is 1e-05 nat.") in (run / "report.md").read_text()
+    assert tier_doc(run)["noise_1e-3"] == {
+        "may_hide": True, "why": "`noise-1e-3` was not measured (no canary treatment of that class ran); the "
+                                 "tolerance is 1e-05 nat"}
+
+
+def test_a_fault_class_from_the_run_folder_is_escaped_in_the_tier_lines(tmp_path):
+    run = make_run(tmp_path / "run", four())
+    set_fault(run, "canary-shift", "<img src=x onerror=alert(1)>`|")
+    report.write(run, min_hits=1)
+    page = (run / "report.html").read_text()
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;`|</code>: caught 2 of 2" in page
+
+
 def test_the_environment_names_the_topology_of_each_sharded_server(tmp_path):
     plain = make_run(tmp_path / "plain", four())
     report.write(plain, min_hits=1)
@@ -698,3 +806,18 @@ def test_the_environment_names_the_topology_of_each_sharded_server(tmp_path):
     report.write(run, min_hits=1)
     md = (run / "report.md").read_text()
     assert "- topology: `apc` TP2·PP1; the others one unsharded server each\n" in md.split("## Environment", 1)[1]
+
+
+def test_a_canary_treatment_that_broke_no_hit_reads_not_measured_never_pass(tmp_path):
+    # a per-rank class on a server whose other ranks never loaded, or a class with nothing to break: its
+    # answers are right, so its fidelity alone would read PASS; it measured nothing
+    servers = [*SERVERS, ("canary-rank0-only", "canary")]
+    run = make_run(tmp_path / "run", {**four(), "canary-rank0-only": GOOD}, servers=servers)
+    set_fault(run, "canary-rank0-only", "rank0-only")
+    write_fault_log(run, "canary-rank0-only", {0: 0, 1: 0})
+    report.write(run, min_hits=1)
+    row = pd.read_csv(run / "verdicts.csv").set_index("config").loc["canary-rank0-only"]
+    assert (row.verdict, row.as_expected) == ("UNVERIFIED", False)
+    assert row.why == "not measured: its fault log says it broke no hit"
+    power = pd.read_csv(run / "power.csv").set_index("fault").loc["rank0-only"]
+    assert power.affected_hits == 0 and pd.isna(power.rate)

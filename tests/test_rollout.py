@@ -3,6 +3,7 @@ versions change as the playbooks would change them. tests/test_rollout_cluster.p
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import os
@@ -396,3 +397,68 @@ def test_a_change_deploys_the_batchs_copy_with_relative_paths_resolved_beside_th
     assert ops.change(["h1"], tmp_path / "batches" / "01" / "matrix.yaml", tmp_path / "log") == 0
     assert calls[1] == ("deploy.yml", [f"kvscope_matrix={tmp_path / 'batches' / '01' / 'matrix.yaml'}",
                                        f"vllm_matrix_dir={tmp_path / 'team'}", "vllm_configs=tier"])
+
+
+# The verdict's tier in the gate (issue 61 item 4): the record says which tier each gate judged on, and a gate
+# may require the exact tier (--gate-tier exact; default any).
+
+def gate_run_folder(tmp_path, mode: str = "normal") -> Path:
+    from test_report import four, make_run
+
+    from kvscope.analyze import report as bench_report
+
+    outputs = four()  # golden, control and apc: a control makes the exact tier possible
+    del outputs["canary-shift"]
+    run = make_run(tmp_path / "gate" / "h1", outputs, servers=[("baseline", "golden"), ("control", "control"),
+                                                               ("apc", "candidate")], mode=mode)
+    bench_report.write(run, min_hits=1)
+    return run
+
+
+@pytest.mark.parametrize("mode, tier", [("normal", "statistical"), ("exact", "exact")])
+def test_a_gates_record_says_which_verdict_tier_it_judged_on(tmp_path, mode, tier):
+    from kvscope.rollout import gate
+
+    run = gate_run_folder(tmp_path, mode)
+    result = gate.result("h1", run, "batches/01/gate/h1", 0, ["apc"])
+    assert result.tier == tier and result.tier_required == "any"
+    assert report.gate_words(result) == f"PASS, 2 verified hits, {tier} tier"
+
+
+@pytest.mark.parametrize("required, mode, code", [("any", "normal", 0), ("exact", "normal", 1), ("exact", "exact", 0)])
+def test_a_gate_that_requires_the_exact_tier_fails_a_statistical_verdict(tmp_path, monkeypatch, capsys, required,
+                                                                         mode, code):
+    from kvscope.rollout import gate
+
+    run = gate_run_folder(tmp_path, mode)
+    monkeypatch.setattr(gate.plan, "build", lambda options: None)
+    monkeypatch.setattr(gate.treatments, "run", lambda plan: run)
+    spec = gate.GateSpec(results=str(tmp_path / "gate"), run_id="h1", scenarios_file="s.yaml", servers=[],
+                         min_hits=1, tier=required)
+    assert gate.run(spec) == code
+    out = capsys.readouterr().out
+    if code:
+        assert ("gate: FAILED: the exact verdict tier is required (--gate-tier exact); this gate's is statistical "
+                "(normal mode: nothing proves a correct cache bitwise equal to golden) (exit 1)") in out
+    result = gate.result("h1", run, "batches/01/gate/h1", code, ["apc"], required)
+    assert result.tier_required == required
+    if code:
+        assert report.gate_words(result) == ("FAIL: the exact verdict tier is required (--gate-tier exact); this "
+                                             "gate's is statistical")
+
+
+def test_the_gate_tier_option_is_recorded_and_a_record_from_before_it_resumes_as_any(tmp_path):
+    r = rollout(tmp_path)  # recorded before --gate-tier: its gate has no "tier"
+    asked = r.model_copy(update={"gate": {**r.gate, "tier": "any"}})
+    assert rollout_cli.differences(r, asked) == []
+    assert rollout_cli.differences(r, r.model_copy(update={"gate": {**r.gate, "tier": "exact"}})) == [
+        "--gate-tier 'any' recorded, 'exact' now"]
+    report.write(tmp_path, r.model_copy(update={"gate": {**r.gate, "tier": "exact"}}))
+    assert "PASS needs 20 verified hits; verdict tier: exact; inconclusive: stop |" in (
+        tmp_path / "rollout.md").read_text()
+    parser = argparse.ArgumentParser()
+    rollout_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["rollout", "--inventory", "inv", "--configs", "tier", "--gate-tier", "exact"])
+    assert args.gate_tier == "exact"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["rollout", "--inventory", "inv", "--configs", "tier", "--gate-tier", "bitwise"])

@@ -48,6 +48,8 @@ from kvscope import files
 SCHEMA_VERSION = 2  # 2: run.json nests each treatment's manifest (RunInfo)
 Role = Literal["golden", "control", "candidate", "canary"]
 Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
+# exact: the run proved invariance (exact mode, the control bitwise equal to golden); statistical: it did not
+VerdictTier = Literal["exact", "statistical"]
 
 
 class Verdict(StrEnum):
@@ -533,6 +535,8 @@ class Scorer(Part):
     control_differing: int
     golden_rescored: int
     largest_differences: list[Difference]
+    tier: VerdictTier | None = None  # the verdict's tier (analyze/verdicts.tier); None in files written before tiers
+    tier_why: str | None = None
 
 
 class RunInfo(Artifact):

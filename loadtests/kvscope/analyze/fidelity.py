@@ -304,6 +304,11 @@ def differing(golden: dict[str, Record], control: list[Record]) -> int:
     return sum(i is not None or bool(dev) for _, i, (dev, _) in _against_golden(golden, control))
 
 
+def compared(golden: dict[str, Record], control: list[Record]) -> int:
+    """How many of the control's answers were compared with golden's (both answered the same prompt)."""
+    return sum(1 for _ in _against_golden(golden, control))
+
+
 def continuation_noise(golden: dict[str, Record], calibration: dict[str, tuple[int, list[Alts]]]) -> list[Deviation]:
     """Where golden's own answers, scored again by golden (the prompt_logprobs path continuations use),
     differ from golden's decoding."""

@@ -74,12 +74,13 @@ def scorer(loaded: LoadedRun, min_hits: int, max_failed: float) -> Scorer:
     tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), run.golden().manifest.dtype,
                                      exact=run.mode == "exact")
     nonzero = sorted((d for d in direct + cont if d.nats > 0), key=lambda d: -d.nats)
+    tier, tier_why = verdicts.tier(run.mode, fidelity.compared(by_key, control), fidelity.differing(by_key, control))
     return Scorer(version=fidelity.SCORER_VERSION, min_verified_hits=min_hits, max_failed_share=max_failed,
                   mode=run.mode, direct_noise_nats=fidelity.floor(direct), continuation_noise_nats=fidelity.floor(cont),
                   tolerance_nats=tol.direct, continuation_tolerance_nats=tol.continuation, tie_band_nats=tol.band,
                   source=source, control_answers=len(control), control_differing=fidelity.differing(by_key, control),
                   golden_rescored=len(calibration),
-                  largest_differences=[Difference(**d._asdict()) for d in nonzero[:5]])
+                  largest_differences=[Difference(**d._asdict()) for d in nonzero[:5]], tier=tier, tier_why=tier_why)
 
 
 def tolerance_of(s: Scorer) -> fidelity.Tolerance:
@@ -377,6 +378,42 @@ def _alike(name: str, fresh: bytes | None, held: bytes | None) -> bool:
     return name.endswith(".png") and plots.drawn_alike(fresh, held)
 
 
+def verdict_tier(a: Analysis) -> dict:
+    """The verdict's tier (run.json's scorer) and what it rests on: the tolerance, the canaries' power per fault
+    class, and in the statistical tier whether a 1e-3 noise fault may hide under the floor."""
+    s = a.scorer
+    doc: dict[str, object] = {"tier": s.tier, "why": s.tier_why, "tolerance_nats": s.tolerance_nats,
+           "power": verdicts.class_power(a.power)}
+    if s.tier == verdicts.STATISTICAL and s.tolerance_nats > 0:  # at 0 (exact mode) nothing hides under it
+        deviations = [d for server in a.loaded.run.servers if server.role == "canary"
+                      and server.fault == verdicts.NOISE_PROBE for d in verdicts.broken_hits(
+                          server.config, a.scores, fault_changes(a.loaded, server.config))[0].max_dev]
+        hides, why = verdicts.noise_hides(a.power, [None if pd.isna(d) else float(d) for d in deviations],
+                                          s.tolerance_nats)
+        doc["noise_1e-3"] = {"may_hide": hides, "why": why}
+    return doc
+
+
+def _verdict_tier_lines(a: Analysis) -> list[str]:
+    """The verdict's tier; in the statistical tier the power its floor allows per fault class, and whether a
+    1e-3 noise fault may hide under it."""
+    t, s = verdict_tier(a), a.scorer
+    if t["tier"] == verdicts.EXACT:
+        return [f"- Verdict tier: **{t['tier']}**: {t['why']}; any difference from golden FAILs."]
+    head = (f"- Verdict tier: **{t['tier']}**: {t['why']}; tolerance {s.tolerance_nats:.3g} nat ({s.source})"
+            + (": a wrong hit that moves logprobs less passes." if s.tolerance_nats > 0 else "."))
+    lines = [head + (" The power this floor allows, per canary fault class (the hits each broke, by its fault log, "
+                     "and how many FAILed):" if t["power"] else " No canary ran: the power this floor allows is "
+                                                                "not measured.")]
+    lines += [f"  - {md(p['fault'], code=True)}: " + (
+        f"caught {p['caught']} of {p['broken']} broken hits (95 % lower bound {p['rate_low95']:.3g})" if p["broken"]
+        else "not measured (it broke no hit)") for p in t["power"]]
+    if noise := t.get("noise_1e-3"):
+        lines.append(f"- **A 1e-3 noise fault may hide under this floor**: {noise['why']}." if noise["may_hide"]
+                     else f"- A 1e-3 noise fault shows above this floor: {noise['why']}.")
+    return lines
+
+
 def console(a: Analysis) -> str:
     """The verdicts and the detection power, as plain text for the terminal."""
     run, power = a.loaded.run, a.power
@@ -384,6 +421,7 @@ def console(a: Analysis) -> str:
     lines += golden_missing(run, a.loaded.unrecorded)
     lines += [f"{r.config:<20} {r.role:<9} {r.verdict + ('' if r.as_expected else ' (unexpected)'):<24} {r.why}"
               for r in a.verdicts.itertuples()]
+    lines.append(f"verdict tier: {a.scorer.tier} ({a.scorer.tier_why})")
     if len(power):
         lines += ["", "detection power (wrong KV served by each canary treatment, caught):"]
         lines += [f"  {r.fault:<12} {r.detected:>4} of {r.affected_hits:<4} hits it broke  rate {r.rate:.3f} "
@@ -399,7 +437,7 @@ def as_json(a: Analysis, code: int) -> str:
     doc = {"run": str(a.loaded.folder), "gate": {"exit": code, "words": GATE_WORDS[code]},
            "interrupted": run.interrupted, "golden_missing": golden_missing(run, a.loaded.unrecorded),
            "verdicts": json.loads(a.verdicts.to_json(orient="records")),
-           "power": json.loads(a.power.to_json(orient="records"))}
+           "power": json.loads(a.power.to_json(orient="records")), "tier": verdict_tier(a)}
     return json.dumps(doc, indent=1)
 
 
@@ -443,7 +481,9 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
                   + ".", ""]
     if missing := golden_missing(run, a.loaded.unrecorded):
         lines += [f"- **{md(note)}**" for note in missing] + [""]
-    lines += ["## Summary", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", ""]
+    lines += ["## Summary", "", f"Gate: **{GATE_WORDS[verdicts.gate(a.verdicts)]}**.", "",
+              f"Verdict tier: **{a.scorer.tier}**: {a.scorer.tier_why} (what it rests on: \"How strong the verdict "
+              "is\" below).", ""]
     ov = a.overview.copy()
     ov["verdict"] = [Md(f"**{x}**") for x in ov.verdict]
     heads = {"config": "config", "verdict": "verdict", "advice": "advice", "hits": "hits",
@@ -503,6 +543,7 @@ def markdown(a: Analysis, pngs: list[tuple[str, str]], tier: pd.DataFrame) -> st
                   "golden's) or fail the request. `detected`: blocks the tier refused (kvscope's connector counts "
                   "them; – where a tier has no such counter):", "", _md_table(rot), ""]
     lines += ["", "## How strong the verdict is", ""]
+    lines += _verdict_tier_lines(a)
     lines += _floor_lines(a.scorer)
     lines += [f"- A PASS needs every expected answer scored and at least {a.min_hits} verified cache hits, and as "
               "many from each tier the config certifies.", ""]

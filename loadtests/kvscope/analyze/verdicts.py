@@ -25,7 +25,7 @@ import math
 import pandas as pd
 
 from kvscope.analyze import fidelity
-from kvscope.artifacts import Answer, ResetProbe, Treatment, Verdict
+from kvscope.artifacts import Answer, ResetProbe, Treatment, Verdict, VerdictTier
 
 MIN_VERIFIED_HITS = 20
 MAX_FAILED_SHARE = 0.02
@@ -65,13 +65,8 @@ def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, di
     rows = []
     for server in canaries:
         config = server.config
-        sc = scores[(scores.config == config) & (scores.phase == "measure") & scores.cls.isin(fidelity.SCORED)
-                    & (scores.cached_tokens.fillna(0) > 0)]
         log = changed.get(config)
-        keys = sc.request_id + "@" + sc.phase
-        hit = keys.map({k: n > 0 for k, n in log.items()}).fillna(False) if log is not None \
-            else pd.Series(True, index=sc.index)
-        affected, unaffected = sc[hit.astype(bool)], sc[~hit.astype(bool)]
+        affected, unaffected = broken_hits(config, scores, log)
         detected = int((affected.cls == Answer.FAIL).sum())
         n = len(affected)
         rows.append({"fault": server.fault or config, "config": config, "affected_hits": n,
@@ -81,6 +76,17 @@ def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, di
                      "fault_log": "kept" if log is not None else "missing: every hit counted as affected"})
     return pd.DataFrame(rows, columns=["fault", "config", "affected_hits", "detected", "rate", "rate_low95",
                                        "unaffected_hits", "unaffected_fail", "fault_log"])
+
+
+def broken_hits(config: str, scores: pd.DataFrame, log: dict[str, int] | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A canary treatment's scored cache hits (measure phase): those its fault log says it broke, and those it
+    left correct (`log` None: every hit counts as broken)."""
+    sc = scores[(scores.config == config) & (scores.phase == "measure") & scores.cls.isin(fidelity.SCORED)
+                & (scores.cached_tokens.fillna(0) > 0)]
+    keys = sc.request_id + "@" + sc.phase
+    hit = keys.map({k: n > 0 for k, n in log.items()}).fillna(False) if log is not None \
+        else pd.Series(True, index=sc.index)
+    return sc[hit.astype(bool)], sc[~hit.astype(bool)]
 
 
 def _verified(sc: pd.DataFrame) -> pd.Series:
@@ -103,6 +109,58 @@ def pooled(power_table: pd.DataFrame) -> str:
     """Every canary treatment together: detected of affected, with the 95 % lower bound."""
     k, n = int(power_table.detected.sum()), int(power_table.affected_hits.sum())
     return f"{k} of {n} broken hits caught" + (f", 95 % lower bound {wilson_low(k, n):.3f}" if n else "")
+
+
+EXACT: VerdictTier = "exact"
+STATISTICAL: VerdictTier = "statistical"
+NOISE_PROBE = "noise-1e-3"  # the canary class whose hits say whether a small noise shows above the floor
+
+
+def tier(mode: str, compared: int, differing: int) -> tuple[VerdictTier, str]:
+    """The verdict's tier and why. Exact where the run proves invariance: exact mode, and the control bitwise
+    equal to golden on every answer compared (then any difference FAILs). Statistical elsewhere: a correct
+    cache is judged within a tolerance, which lets through a wrong hit that moves logprobs less."""
+    if mode != "exact":
+        return STATISTICAL, "normal mode: nothing proves a correct cache bitwise equal to golden"
+    if not compared:
+        return STATISTICAL, "exact mode, but no control answer was compared with golden's"
+    if differing:
+        return STATISTICAL, (f"exact mode, but {differing} of the control's {compared} answers are not bitwise "
+                             "equal to golden's")
+    return EXACT, f"exact mode, and the control bitwise equal to golden on {compared} of {compared} answers"
+
+
+def class_power(power_table: pd.DataFrame) -> list[dict]:
+    """Per canary fault class (power.csv's rows summed by class): the hits it broke, how many FAILed and the
+    95 % lower bound; rate_low95 None where it broke none (not measured, never a power of 1)."""
+    out = []
+    for fault, rows in power_table.groupby("fault", sort=False):
+        k, n = int(rows.detected.sum()), int(rows.affected_hits.sum())
+        low = round(wilson_low(k, n) or 0.0, 4) if n else None
+        out.append({"fault": fault, "broken": n, "caught": k, "rate_low95": low})
+    return out
+
+
+def noise_hides(power_table: pd.DataFrame, deviations: list[float | None], tolerance: float) -> tuple[bool, str]:
+    """Whether a 1e-3 noise fault may hide under the floor, and why, from what the canary's NOISE_PROBE hits
+    did: not measured, missed, or moving logprobs no more than the tolerance (caught by other signs, if at
+    all) says it may. `deviations`: each broken NOISE_PROBE hit's largest logprob difference from golden."""
+    power = next((p for p in class_power(power_table) if p["fault"] == NOISE_PROBE), None)
+    if power is None or not power["broken"]:
+        ran = "no canary treatment of that class ran" if power is None else "its canary broke no hit"
+        return True, f"`{NOISE_PROBE}` was not measured ({ran}); the tolerance is {tolerance:.3g} nat"
+    k, n, low = power["caught"], power["broken"], power["rate_low95"]
+    if k < n:
+        return True, (f"the canary's `{NOISE_PROBE}` hits were caught on {k} of {n} (95 % lower bound {low:.3g}); "
+                      f"the tolerance is {tolerance:.3g} nat")
+    moved = [d for d in deviations if d is not None]
+    if within := [d for d in moved if d <= tolerance]:
+        return True, (f"{len(within)} of the canary's {n} `{NOISE_PROBE}` hits moved logprobs by no more than the "
+                      f"tolerance {tolerance:.3g} nat (as little as {min(within):.3g} nat): caught here by other "
+                      "signs (a token split), not by their logprobs")
+    moves = (f"moved logprobs by at least {min(moved):.3g} nat, above the tolerance {tolerance:.3g} nat" if moved
+             else "split from golden's tokens at their first token (no logprob to compare)")
+    return False, f"the canary's `{NOISE_PROBE}` hits {moves}; caught {k} of {n} (95 % lower bound {low:.3g})"
 
 
 # a hit counter of the reset probe -> the tier it speaks for (kvscope's connector counts blocks, the rest tokens)

@@ -31,7 +31,9 @@ from kvscope.rollout.record import (
 
 UNFINISHED = ("running", "interrupted", "rollback-failed")
 GATE_OPTIONS = {"gate-repeats": "repeats", "gate-queries": "queries", "gate-users": "users",
-                "gate-timeout-s": "timeout_s", "min-hits": "min_hits"}  # option -> its key in the record's gate
+                "gate-timeout-s": "timeout_s", "min-hits": "min_hits",
+                "gate-tier": "tier"}  # option -> its key in the record's gate
+GATE_DEFAULTS = {"tier": "any"}  # what a record made before the option holds
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -54,6 +56,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--gate-timeout-s", type=float, default=600, help="the most one gate scenario may take")
     s.add_argument("--min-hits", type=int, default=20, help="verified cache hits a gate needs to PASS (the verdict's "
                                                            "own minimum, verdicts.MIN_VERIFIED_HITS)")
+    s.add_argument("--gate-tier", choices=["any", "exact"], default="any",
+                   help="the verdict tier a gate requires: exact fails a gate whose verdict is statistical (exact "
+                        "mode with a control bitwise equal to golden is exact; docs/deploy.md#rollouts)")
     s.add_argument("--results", default="results", help="the rollout's record goes to RESULTS/<rollout-id>/")
     s.add_argument("--id", dest="rollout_id", default=None,
                    help="the rollout's id, a folder name; an unfinished rollout of that id is resumed, with the "
@@ -84,7 +89,7 @@ def _options(r: Rollout) -> dict[str, object]:
     """The options that shape a rollout besides its plan, as its record holds them (extra vars redacted)."""
     return {"extra vars (-e)": r.extra_vars, "--inconclusive": r.inconclusive,
             "--golden": "/".join(r.golden.values()) or None,
-            **{f"--{flag}": r.gate.get(key) for flag, key in GATE_OPTIONS.items()}}
+            **{f"--{flag}": r.gate.get(key, GATE_DEFAULTS.get(key)) for flag, key in GATE_OPTIONS.items()}}
 
 
 def differences(r: Rollout, candidate: Rollout) -> list[str]:

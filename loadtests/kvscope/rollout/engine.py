@@ -345,12 +345,12 @@ def run_gate(r: Rollout, batch: Batch, host: str, folder: Path) -> GateResult:
     spec = gate_mod.GateSpec(results=str(layout.gate.resolve()), run_id=run_id,
                              scenarios_file=str((Path(r.gate["scenarios_file"])).resolve()), servers=servers,
                              users=r.gate.get("users", 2), timeout_s=r.gate.get("timeout_s", 600),
-                             min_hits=r.gate.get("min_hits", 20))
+                             min_hits=r.gate.get("min_hits", 20), tier=r.gate.get("tier", "any"))
     write_json(layout.gate_spec(run_id), spec)
     code = run_child([sys.executable, "-m", "kvscope.rollout.gate", str(layout.gate_spec(run_id))],
                      layout.gate_log(run_id))
     gate_run = layout.gate_run(run_id)
-    return gate_mod.result(host, gate_run, layout.rollout.relative(gate_run), code, r.configs)
+    return gate_mod.result(host, gate_run, layout.rollout.relative(gate_run), code, r.configs, spec.tier)
 
 
 def _treatment(state: HostState, config: str) -> Treatment:

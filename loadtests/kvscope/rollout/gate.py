@@ -6,6 +6,10 @@ The workload: `gate-repeat`, UCM #867's request sent `repeats` times in a row (a
 first hit and wrong from its second fails here, where a two-request check passes), and `gate-rag`, a small
 RAG slice whose queries share a system prompt and documents. The defaults give about 25 cache hits, above the
 verdict's 20 verified hits.
+
+The verdict's tier (analyze/verdicts.tier) is recorded per gate; `tier: exact` (--gate-tier exact) fails a gate
+whose verdict is statistical: the exact tier needs exact mode and a control bitwise equal to golden, so golden
+and the rolled configs must then serve batch-invariant and include a control-role config.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvscope.analyze import fidelity, loaded, report
-from kvscope.artifacts import Answer, Artifact, Treatment, read_json
-from kvscope.rollout.record import GateResult
+from kvscope.analyze import fidelity, loaded, report, verdicts
+from kvscope.artifacts import Answer, Artifact, RunInfo, Treatment, read_json
+from kvscope.rollout import report as rollout_report
+from kvscope.rollout.record import GateResult, GateTier
 from kvscope.run import plan, treatments
 from kvscope.run.plan import BenchOptions
 from kvscope.runfolder import RunFolder
@@ -51,6 +56,7 @@ class GateSpec(Artifact):
     users: int = 2
     timeout_s: float = 600
     min_hits: int = 20
+    tier: GateTier = "any"  # the verdict tier the gate requires (--gate-tier)
 
 
 def run(spec: GateSpec) -> int:
@@ -66,14 +72,21 @@ def run(spec: GateSpec) -> int:
     a = report.analyze(loaded.load(folder), spec.min_hits)
     code = report.write_report(a)
     print(report.console(a))
-    print(f"report: {RunFolder(folder).report_md}\ngate: {report.GATE_WORDS[code]}")
+    words = report.GATE_WORDS[code]
+    if short := rollout_report.tier_shortfall(spec.tier, a.scorer.tier):
+        code, words = verdicts.GATE_FAIL, f"FAILED: {short} ({a.scorer.tier_why}) (exit {verdicts.GATE_FAIL})"
+    print(f"report: {RunFolder(folder).report_md}\ngate: {words}")
     return code
 
 
-def result(host: str, folder: Path, rel: str, code: int, configs: list[str]) -> GateResult:
-    """A finished gate's verdicts and hits, read from its run folder (verdicts.csv, scores.csv)."""
-    out = GateResult(host=host, folder=rel, exit_code=code)
+def result(host: str, folder: Path, rel: str, code: int, configs: list[str], tier: GateTier = "any") -> GateResult:
+    """A finished gate's verdicts, hits and verdict tier, read from its run folder (verdicts.csv, scores.csv,
+    run.json's scorer); `tier`: the tier it required."""
+    out = GateResult(host=host, folder=rel, exit_code=code, tier_required=tier)
     rf = RunFolder(folder)
+    if rf.run_json.exists():
+        scorer = read_json(rf.run_json, RunInfo).scorer
+        out.tier = scorer.tier if scorer is not None else None
     if rf.table("verdicts").exists():
         v = pd.read_csv(rf.table("verdicts"))
         out.verdicts = dict(zip(v.config, v.verdict))

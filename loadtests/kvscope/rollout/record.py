@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvscope.artifacts import Artifact, Manifest, RenderedServer, read_json, write_json
+from kvscope.artifacts import Artifact, Manifest, RenderedServer, VerdictTier, read_json, write_json
 from kvscope.auth import REDACTED, redact_args, redact_env
 from kvscope.config.matrix import (
     FlagValue,
@@ -33,6 +33,7 @@ from kvscope.rollout.folder import RolloutFolder
 
 BatchState = Literal["pending", "changing", "gating", "passed", "rolling-back", "rolled-back", "rollback-failed"]
 Outcome = Literal["running", "completed", "stopped", "rollback-failed", "interrupted"]
+GateTier = Literal["any", "exact"]  # the verdict tier a gate requires (--gate-tier)
 # exit codes of `kvscope rollout` (and of `kvscope report` on a rollout folder)
 EXIT_OK, EXIT_STOPPED, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_ROLLBACK_FAILED = 0, 1, 2, 3, 4
 EXIT_CODES = """exit codes of rollout (and of report on a rollout folder):
@@ -97,6 +98,8 @@ class GateResult(Artifact):
     hits: int = 0  # scored cache hits of the rolled configs
     wrong_hits: int = 0  # of them, answers that differ from golden's (FAIL)
     verified_hits: int = 0
+    tier: VerdictTier | None = None  # the verdict tier the gate judged on (its run.json's scorer); None: no verdict
+    tier_required: GateTier = "any"  # --gate-tier: "exact" fails a gate whose verdict is statistical
 
 
 class Batch(Artifact):

@@ -16,6 +16,7 @@ from kvscope.rollout.record import (
     EXIT_STOPPED,
     Batch,
     GateResult,
+    GateTier,
     HostState,
     Rollout,
     load,
@@ -27,16 +28,25 @@ from kvscope.rollout.record import (
 ROLLBACK_STATES = ("rolled-back", "rollback-failed", "rolling-back")
 
 
+def tier_shortfall(required: GateTier, tier: str | None) -> str | None:
+    """Why a gate's verdict tier is not the one it requires (--gate-tier); None when it is, or any will do."""
+    if required == "any" or tier == required:
+        return None
+    return f"the {required} verdict tier is required (--gate-tier {required}); this gate's is {tier or 'not recorded'}"
+
+
 def gate_words(g: GateResult) -> str:
     """'PASS, 25 verified hits', 'FAIL, 7 of 12 hits wrong', 'CRASHED: ...', 'inconclusive: UNVERIFIED (...)'."""
     if g.exit_code == 0:
-        return f"{Verdict.PASS}, {g.verified_hits} verified hits"
+        return f"{Verdict.PASS}, {g.verified_hits} verified hits" + (f", {g.tier} tier" if g.tier else "")
     bad = {c: v for c, v in g.verdicts.items() if v not in (Verdict.PASS, Verdict.GOLDEN)}
     if Verdict.CRASHED in bad.values():
         crashed = [f"{c} {g.why.get(c, '')}".strip() for c, v in bad.items() if v == Verdict.CRASHED]
         return f"{Verdict.CRASHED}: " + "; ".join(crashed)
     if Verdict.FAIL in bad.values():
         return f"{Verdict.FAIL}, {g.wrong_hits} of {g.hits} hits wrong"
+    if g.exit_code == 1 and g.folder and (short := tier_shortfall(g.tier_required, g.tier)):
+        return f"{Verdict.FAIL}: {short}"
     if g.exit_code == 3:
         return "inconclusive: " + "; ".join(f"{c} {v} ({g.why.get(c, '')})" for c, v in bad.items())
     return f"gate did not finish (exit {g.exit_code}; {g.folder or 'no run folder'})"
@@ -150,7 +160,8 @@ def markdown(r: Rollout) -> str:
               f"| batches | {r.serial} host(s) at a time: " + "; ".join(", ".join(b.hosts) for b in r.batches) + " |",
               f"| gate | golden {r.golden.get('config', '?')} on {r.golden.get('host', '?')}; "
               f"{r.gate.get('repeats')} repeats of UCM #867's request and {r.gate.get('queries')} RAG queries; "
-              f"PASS needs {r.gate.get('min_hits')} verified hits; inconclusive: {r.inconclusive} |",
+              f"PASS needs {r.gate.get('min_hits')} verified hits; verdict tier: {r.gate.get('tier', 'any')}; "
+              f"inconclusive: {r.inconclusive} |",
               f"| started, finished | {r.started}, {r.finished or '-'} |"]
     if r.extra_vars:
         lines.append(f"| extra vars | `{' '.join(r.extra_vars)}` |")
