@@ -228,6 +228,8 @@ def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFra
         if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
             as_expected, why = False, short
+        if role == "canary" and verdict == Verdict.PASS and not power[power.config == config].affected_hits.sum():
+            verdict, as_expected, why = Verdict.UNVERIFIED, False, "not measured: its fault log says it broke no hit"
         part = summary[summary.config == config]
         sc = scores[(scores.config == config) & (scores.phase == "measure")]
         out.append({
