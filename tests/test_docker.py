@@ -70,21 +70,23 @@ def render_cuda(tmp_path, matrix_file, configs, *extra) -> str:
 
 
 def test_gpu_configs_parse_with_vllms_own_argument_parser(tmp_path, model_dir):
-    rendered = render_cuda(tmp_path, MATRIX, ["baseline", *GPU_CONFIGS])
-    out = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py", rendered)
+    rendered = json.loads(open(render_cuda(tmp_path, MATRIX, ["baseline", *GPU_CONFIGS])).read())["kvscope_servers"]
+    env = {s["config"]: s["env"] for s in rendered}
+    assert env["ucm-blend"]["ENABLE_UCM_PATCH"] == "1" and env["ucm-pipeline"]["ENABLE_UCM_PATCH"] == "1"
+    # exact mode's flags too: every server batch-invariant on TRITON_ATTN, as vLLM's parser reads them; the
+    # CacheBlend configs pin their own token budget, which the mode's step cap would replace: refused.
+    # Both modes in one file: vLLM is imported once (about 10 s of CPU each time)
+    exact_configs = [c for c in GPU_CONFIGS if not c.startswith("ucm-blend")]
+    exact = json.loads(open(render_cuda(tmp_path / "exact", MATRIX, ["baseline", *exact_configs], "--exact")).read())
+    both = rendered + [{**s, "config": f"{s['config']}/exact"} for s in exact["kvscope_servers"]]
+    (tmp_path / "both.json").write_text(json.dumps({"kvscope_servers": both}))
+    out = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py", tmp_path / "both.json")
     assert out.returncode == 0, out.stdout + out.stderr
     for name in GPU_CONFIGS:
         assert f"{name}: ok" in out.stdout
-    env = {s["config"]: s["env"] for s in json.loads(open(rendered).read())["kvscope_servers"]}
-    assert env["ucm-blend"]["ENABLE_UCM_PATCH"] == "1" and env["ucm-pipeline"]["ENABLE_UCM_PATCH"] == "1"
-    # exact mode's flags too: every server batch-invariant on TRITON_ATTN, as vLLM's parser reads them; the
-    # CacheBlend configs pin their own token budget, which the mode's step cap would replace: refused
-    exact_configs = [c for c in GPU_CONFIGS if not c.startswith("ucm-blend")]
-    exact = run(REPO / ".venv-vllm" / "bin" / "python", REPO / "docker" / "check_server_args.py",
-                render_cuda(tmp_path, MATRIX, ["baseline", *exact_configs], "--exact"))
-    assert exact.returncode == 0, exact.stdout + exact.stderr
     for name in exact_configs:  # as vLLM's parser reads them
-        assert f"{name}: ok (attention backend TRITON_ATTN, steps of at most 255 tokens and 32 requests)" in exact.stdout
+        assert f"{name}/exact: ok (attention backend TRITON_ATTN, steps of at most 255 tokens and 32 requests)" \
+            in out.stdout
     blend = run(sys.executable, "-m", "kvscope.plumbing", "--matrix", MATRIX, "render",
                 "--configs", "ucm-blend", "--platform", "cuda", "--model", model_dir, "--run-dir", tmp_path,
                 "--out", tmp_path / "blend.json", "--exact")
