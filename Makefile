@@ -177,7 +177,7 @@ test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docke
 test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs; not test-slow)
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	bash ansible/scripts/dockerd.sh start
-	$(PY) -m pytest -rs --durations=15 -m "not slow" tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
+	KVSCOPE_LINTED=1 $(PY) -m pytest -rs --durations=15 -m "not slow" tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
 
 test-slow: test-deps setup model ## the real-server tests beyond CI's budget: rollouts on namespace hosts (~12 min)
 	$(PY) -m pytest -rs --durations=15 -m slow tests
