@@ -821,18 +821,3 @@ def test_a_canary_treatment_that_broke_no_hit_reads_not_measured_never_pass(tmp_
     assert row.why == "not measured: its fault log says it broke no hit"
     power = pd.read_csv(run / "power.csv").set_index("fault").loc["rank0-only"]
     assert power.affected_hits == 0 and pd.isna(power.rate)
-
-
-def test_a_canary_treatment_that_broke_no_hit_reads_not_measured_never_pass(tmp_path):
-    # a per-rank class on a server whose other ranks never loaded, or a class with nothing to break: its
-    # answers are right, so its fidelity alone would read PASS; it measured nothing
-    servers = [*SERVERS, ("canary-rank0-only", "canary")]
-    run = make_run(tmp_path / "run", {**four(), "canary-rank0-only": GOOD}, servers=servers)
-    set_fault(run, "canary-rank0-only", "rank0-only")
-    write_fault_log(run, "canary-rank0-only", {0: 0, 1: 0})
-    report.write(run, min_hits=1)
-    row = pd.read_csv(run / "verdicts.csv").set_index("config").loc["canary-rank0-only"]
-    assert (row.verdict, row.as_expected) == ("UNVERIFIED", False)
-    assert row.why == "not measured: its fault log says it broke no hit"
-    power = pd.read_csv(run / "power.csv").set_index("fault").loc["rank0-only"]
-    assert power.affected_hits == 0 and pd.isna(power.rate)
