@@ -28,8 +28,8 @@ def get(url: str) -> bytes:
         return resp.read()
 
 
-def complete(port: int, prompt: str, max_tokens: int = 12, key: str | None = None) -> dict:
-    body = json.dumps({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+def complete(port: int, prompt: str, max_tokens: int = 12, key: str | None = None, model: str = "tiny-qwen3") -> dict:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "return_token_ids": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json",
@@ -165,34 +165,6 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
         bystander.kill()
 
 
-def test_an_api_key_guards_the_servers_every_kvscope_client_sends_it_and_it_is_never_written_down(
-        tmp_path, model_dir, monkeypatch):
-    key = "sk-kvscope-" + secrets.token_hex(12)
-    monkeypatch.setenv("KVSCOPE_API_KEY", key)  # how a user hands it over (or KVSCOPE_API_KEY_FILE, or the vault)
-    run_dir, results = tmp_path / "run", tmp_path / "results"
-    try:
-        deploy = ansible("deploy.yml", run_dir, "-e", "vllm_configs=baseline", "-e", "vllm_port_offset=80")
-        assert deploy.returncode == 0, deploy.stdout[-3000:]
-        port = servers_of(run_dir)["baseline"]["port"]
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            complete(port, "The for statement")
-        assert refused.value.code == 401
-        assert complete(port, "The for statement", key=key)["usage"]["completion_tokens"] == 12
-        bench = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--deployment",
-                                str(run_dir / "deployment.json"), "--results", str(results), "--configs", "baseline",
-                                "--scenarios", "repeat-867", "--run-id", "keyed", "--report"],
-                               cwd=REPO, capture_output=True, text=True, timeout=600)
-        recs = [json.loads(line) for line in (results / "keyed" / "records" / "baseline__repeat-867.jsonl")
-                .read_text().splitlines()]
-        assert recs and all(r["ok"] for r in recs), bench.stdout[-2000:] + bench.stderr[-2000:]
-        written = [p for p in [*run_dir.rglob("*"), *results.rglob("*")] if p.is_file()]
-        assert any(p.name == "server.log" for p in written)
-        assert [p for p in written if key.encode() in p.read_bytes()] == []
-        assert key not in deploy.stdout + bench.stdout + bench.stderr
-    finally:
-        ansible("teardown.yml", run_dir)
-
-
 MY_CONNECTOR = """from kvscope_connector import KVScopeConnector
 
 
@@ -201,7 +173,11 @@ class MyConnector(KVScopeConnector):
 """
 
 
-def test_your_own_matrix_connector_folder_and_model_deployed_and_scored(tmp_path, model_dir):
+def test_your_own_matrix_connector_folder_and_model_deployed_and_scored_behind_an_api_key(
+        tmp_path, model_dir, monkeypatch):
+    # one deployment for both (CI's time): a team's own matrix, connector and model, guarded by an API key
+    key = "sk-kvscope-" + secrets.token_hex(12)
+    monkeypatch.setenv("KVSCOPE_API_KEY", key)  # how a user hands it over (or KVSCOPE_API_KEY_FILE, or the vault)
     mine = tmp_path / "team"
     (mine / "connectors").mkdir(parents=True)
     (mine / "connectors" / "my_connectors.py").write_text(MY_CONNECTOR)
@@ -224,15 +200,28 @@ def test_your_own_matrix_connector_folder_and_model_deployed_and_scored(tmp_path
         deployed = servers_of(run_dir)
         assert {s["served_model_name"] for s in deployed.values()} == {"my-model"}
         assert deployed["my-tier"]["env"]["PYTHONPATH"] == str(mine / "connectors")
+        for server in deployed.values():  # the key guards every server
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                complete(server["port"], "The for statement", model="my-model")
+            assert refused.value.code == 401
+            assert complete(server["port"], "The for statement", key=key, model="my-model")["usage"]["completion_tokens"] == 12
         (tmp_path / "small.yaml").write_text("scenarios:\n  - {name: rag-small, kind: rag, num_docs: 6, "
                                              "doc_tokens_median: 120, docs_per_query: 2, num_queries: 8}\n")
         bench = subprocess.run([sys.executable, "-m", "kvscope.cli", "bench", "--deployment",
                                 str(run_dir / "deployment.json"), "--results", str(results), "--scenarios-file",
                                 str(tmp_path / "small.yaml"), "--scenarios", "rag-small", "--run-id", "mine",
                                 "--report", "--min-hits", "3"], cwd=REPO, capture_output=True, text=True, timeout=900)
+        for config in deployed:  # every kvscope client sent the key: Locust, the probes, golden's scoring
+            recs = [json.loads(line) for line in (results / "mine" / "records" / f"{config}__rag-small.jsonl")
+                    .read_text().splitlines()]
+            assert recs and all(r["ok"] for r in recs), bench.stdout[-2000:] + bench.stderr[-2000:]
         verdicts = {r["config"]: r for r in csv.DictReader((results / "mine" / "verdicts.csv").open())}
         assert verdicts["my-tier"]["verdict"] == "PASS", bench.stdout[-3000:] + bench.stderr[-3000:]
         assert int(verdicts["my-tier"]["verified_hits"]) >= 3
+        written = [p for p in [*run_dir.rglob("*"), *results.rglob("*")] if p.is_file()]
+        assert any(p.name == "server.log" for p in written)
+        assert [p for p in written if key.encode() in p.read_bytes()] == []  # the key is never written down
+        assert key not in deploy.stdout + bench.stdout + bench.stderr
     finally:
         ansible("teardown.yml", run_dir)
 
