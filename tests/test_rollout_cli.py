@@ -325,6 +325,24 @@ def test_every_shipped_configs_definition_is_one_a_rollback_may_deploy_in_either
     assert checked >= 5
 
 
+def test_a_record_whose_topology_flags_are_not_its_recorded_ranks_may_not_be_redeployed():
+    m = matrix_mod.load(MATRIX)
+    cfg = next(c for c in m.configs if c.topology is not None and "cpu" in c.platforms)
+    r = render(m, cfg, "cpu", Path("/m/tiny"), Path("/runs/stores"), "127.0.0.1")
+
+    def state(args: list[str], topology) -> ServerState:
+        rendered = r.model_copy(update={"server_args": args, "topology": topology})
+        return ServerState(config=cfg.name, health="healthy", rendered=rendered, manifest=Manifest(
+            **rendered.model_dump(exclude={"server_args", "env"}), server_args=redact_args(args),
+            env=redact_env(r.env), vllm_version="0.32", kv_capacity_tokens=1, block_size=16, prefix_caching=False,
+            model_path="/m/tiny", model_hash="h"))
+
+    assert definition_errors(state(r.server_args, r.topology)) == []
+    four = [a.replace("--tensor-parallel-size=2", "--tensor-parallel-size=4") for a in r.server_args]
+    assert "topology flags are not the ranks" in " ".join(definition_errors(state(four, r.topology)))
+    assert any("sets the server's topology" in e for e in definition_errors(state(r.server_args, None)))
+
+
 @pytest.mark.parametrize("planted", ["rollout.md", "batches/01/logs/change.log", "batches"])
 def test_a_resume_refuses_a_link_in_the_rollouts_folder_and_writes_through_none(setup, capsys, tmp_path, planted):
     folder = interrupted(setup, "r")

@@ -225,6 +225,12 @@ def definition_errors(s: ServerState) -> list[str]:
     rest = pairs[len(OWN_ARGS):]
     if rest and rest[-1][0] == KV_TRANSFER:  # the config's JSON, checked by the matrix's schema when rendered
         rest = rest[:-1]
+    if r.topology is not None:  # its ranks, last before the JSON as the render puts them, as its topology records
+        ranks = [("--tensor-parallel-size", str(r.topology.get("tensor_parallel"))),
+                 ("--pipeline-parallel-size", str(r.topology.get("pipeline_parallel")))]
+        if rest[-2:] != ranks:
+            return [f"its topology flags are not the ranks its record names ({r.topology})"]
+        rest = rest[:-2]
     flags: dict[str, FlagValue] = {}
     for flag, value in rest:
         if flag in flags:
