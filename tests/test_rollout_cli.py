@@ -343,6 +343,28 @@ def test_a_record_whose_topology_flags_are_not_its_recorded_ranks_may_not_be_red
     assert any("sets the server's topology" in e for e in definition_errors(state(r.server_args, None)))
 
 
+def test_a_record_may_not_shard_a_reference_server_or_name_ranks_the_matrix_refuses():
+    # the matrix keeps golden and control unsharded and a topology to whole ranks, more than one in all; a
+    # record is a file, so its recorded topology is held to the same rules before a rollback deploys it
+    m = matrix_mod.load(MATRIX)
+    cfg = next(c for c in m.configs if c.topology is not None and "cpu" in c.platforms)
+    r = render(m, cfg, "cpu", Path("/m/tiny"), Path("/runs/stores"), "127.0.0.1")
+
+    def state(topology, role="candidate") -> ServerState:
+        args = [a.replace("--tensor-parallel-size=2", f"--tensor-parallel-size={topology.get('tensor_parallel')}")
+                for a in r.server_args]
+        rendered = r.model_copy(update={"server_args": args, "topology": topology, "role": role})
+        return ServerState(config=cfg.name, health="healthy", rendered=rendered, manifest=Manifest(
+            **rendered.model_dump(exclude={"server_args", "env"}), server_args=redact_args(args),
+            env=redact_env(r.env), vllm_version="0.32", kv_capacity_tokens=1, block_size=16, prefix_caching=False,
+            model_path="/m/tiny", model_hash="h"))
+
+    assert definition_errors(state(r.topology)) == []
+    assert any("stays one unsharded server" in e for e in definition_errors(state(r.topology, role="control")))
+    for ranks in ({"tensor_parallel": 0, "pipeline_parallel": 1}, {"tensor_parallel": 1, "pipeline_parallel": 1}):
+        assert any("topology" in e for e in definition_errors(state(ranks))), ranks
+
+
 @pytest.mark.parametrize("planted", ["rollout.md", "batches/01/logs/change.log", "batches"])
 def test_a_resume_refuses_a_link_in_the_rollouts_folder_and_writes_through_none(setup, capsys, tmp_path, planted):
     folder = interrupted(setup, "r")

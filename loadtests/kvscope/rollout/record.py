@@ -18,12 +18,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from kvscope.artifacts import Artifact, Manifest, RenderedServer, VerdictTier, read_json, write_json
 from kvscope.auth import REDACTED, redact_args, redact_env
 from kvscope.config.matrix import (
     FlagValue,
+    Topology,
     attention_backend_errors,
     cache_off_errors,
     flag_errors,
@@ -210,7 +211,8 @@ def definition_errors(s: ServerState) -> list[str]:
     """Why a rollback may not deploy what the record says restores `s` ([] when it may): it must be the
     definition its manifest records, with kvscope's own arguments first (and the kv-transfer config last) as
     the render puts them, and flags that the matrix's rules accept (none that kvscope owns, a golden or control
-    server's cache off), as the render it came from checked them. A record is a file: it may have been edited."""
+    server's cache off, ranks only from a topology the matrix accepts), as the render it came from checked them.
+    A record is a file: it may have been edited."""
     r, m = s.rendered, s.manifest
     if r is None or m is None:
         return ["what it was started with is not recorded"]
@@ -226,6 +228,8 @@ def definition_errors(s: ServerState) -> list[str]:
     if rest and rest[-1][0] == KV_TRANSFER:  # the config's JSON, checked by the matrix's schema when rendered
         rest = rest[:-1]
     if r.topology is not None:  # its ranks, last before the JSON as the render puts them, as its topology records
+        if errors := topology_errors(r.topology, r.role):
+            return errors
         ranks = [("--tensor-parallel-size", str(r.topology.get("tensor_parallel"))),
                  ("--pipeline-parallel-size", str(r.topology.get("pipeline_parallel")))]
         if rest[-2:] != ranks:
@@ -240,6 +244,19 @@ def definition_errors(s: ServerState) -> list[str]:
     if r.role in ("golden", "control"):
         errors += cache_off_errors(flags)
     return errors + [f"environment name {k!r} is not a plain variable name" for k in r.env if not ENV_NAME.match(k)]
+
+
+def topology_errors(topology: dict, role: str) -> list[str]:
+    """Why a recorded topology is not one the matrix accepts ([] when it is): whole ranks, more than one in all,
+    and never on golden or control (they stay one unsharded server)."""
+    if role in ("golden", "control"):
+        return [f"a {role} server stays one unsharded server, but its record names a topology ({topology})"]
+    try:
+        ranks = Topology.model_validate(topology)
+    except ValidationError as exc:
+        return [f"its topology {topology} is not one the matrix accepts: "
+                + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())]
+    return [] if ranks.ranks() > 1 else [f"its topology {topology} is one rank, not a sharded server"]
 
 
 def connector(m: Manifest) -> str:
