@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kvscope.analyze import comparison, fidelity, loaded, report
-from kvscope.artifacts import Record
+from kvscope.artifacts import ArtifactError, Record
 
 SERVERS = [("baseline", "golden"), ("control", "control"), ("apc", "candidate"), ("canary-shift", "canary")]
 GOOD = [[1, 2, 3], [4, 5, 6]]
@@ -806,6 +806,17 @@ def test_the_environment_names_the_topology_of_each_sharded_server(tmp_path):
     report.write(run, min_hits=1)
     md = (run / "report.md").read_text()
     assert "- topology: `apc` TP2·PP1; the others one unsharded server each\n" in md.split("## Environment", 1)[1]
+
+
+@pytest.mark.parametrize("topology", [{"tensor_parallel": 2}, {"tensor_parallel": 2, "pipeline_parallel": 1, "x": 1}])
+def test_a_run_json_whose_topology_lacks_a_rank_is_refused_as_a_file_not_a_traceback(tmp_path, topology):
+    # run.json is a file of the run folder: a topology that does not name both ranks is not a kvscope run
+    run = make_run(tmp_path / "tp", four())
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"] = [{**s, "topology": topology} if s["config"] == "apc" else s for s in doc["servers"]]
+    (run / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="topology"):
+        report.write(run, min_hits=1)
 
 
 def test_a_canary_treatment_that_broke_no_hit_reads_not_measured_never_pass(tmp_path):

@@ -50,6 +50,7 @@ Role = Literal["golden", "control", "candidate", "canary"]
 Mode = Literal["normal", "exact"]  # exact: every server batch-invariant (EXACT=1)
 # exact: the run proved invariance (exact mode, the control bitwise equal to golden); statistical: it did not
 VerdictTier = Literal["exact", "statistical"]
+TOPOLOGY_KEYS = ("tensor_parallel", "pipeline_parallel")  # a server's ranks, as config.matrix.Topology names them
 
 
 class Verdict(StrEnum):
@@ -156,6 +157,13 @@ class RenderedServer(Artifact):
             args = data["server_args"]
             data = {**data, "served_model_name": args[args.index("--served-model-name") + 1]}
         return data
+
+    @model_validator(mode="after")
+    def _both_ranks(self) -> RenderedServer:
+        """A topology names both ranks, as the render writes it (the report and the rollback read both)."""
+        if self.topology is not None and set(self.topology) != set(TOPOLOGY_KEYS):
+            raise ValueError(f"topology {self.topology}: names {' and '.join(TOPOLOGY_KEYS)}, nothing else")
+        return self
 
     # What the arguments say, read in one place (run.json keeps only the arguments)
     @property
