@@ -537,6 +537,18 @@ def test_a_topology_flag_in_any_spelling_vllm_reads_is_refused_in_a_config_or_pl
         assert "'topology' field" in str(err.value)
 
 
+@pytest.mark.parametrize("flag", ["--data-parallel-size", "--data_parallel_size", "--decode-context-parallel-size",
+                                  "--decode-context-parallel", "--prefill_context_parallel_size"])
+def test_a_flag_that_runs_ranks_no_topology_records_is_refused(tmp_path, doc, flag):
+    # data and context parallelism shard a server (context parallel splits its KV across ranks), which no
+    # config's topology records: refused as vLLM's parser reads each (in full, '_' for '-', abbreviated)
+    cfg(doc, "apc")["flags"][flag] = 2
+    with pytest.raises(matrix.ConfigError, match=f"flag '{flag}' runs the server on several ranks"):
+        matrix.load(write(tmp_path, doc))
+    with pytest.raises(matrix.ConfigError, match="runs the server on several ranks"):
+        parse_overrides(json.dumps({flag.lstrip("-"): 2}))
+
+
 @pytest.mark.parametrize("override", ['{"tensor_parallel_size": 2}', '{"tensor-parallel": 2}', '{"tp": 2}',
                                       '{"-tp": 2}', '{"--pp": 2}', '{"pipeline-parallel-size": 1}'])
 def test_a_topology_flag_in_the_overrides_is_refused_as_a_conflict(override):

@@ -44,6 +44,9 @@ CACHE_OFF = "--no-enable-prefix-caching"
 # every sharded server is rendered, recorded and judged as one; vLLM also reads the short '-tp' and '-pp'.
 TOPOLOGY_FLAGS = {"--tensor-parallel-size": "tensor_parallel", "--pipeline-parallel-size": "pipeline_parallel"}
 TOPOLOGY_SHORT = {"tp": "--tensor-parallel-size", "pp": "--pipeline-parallel-size"}
+# Other ways vLLM runs one server on several ranks, which no topology records (context parallelism splits the KV
+# across ranks): refused in every spelling (their short '-dp', '-dcp', '-pcp' as every single-dash flag is).
+RANK_FLAGS = ("--data-parallel-size", "--decode-context-parallel-size", "--prefill-context-parallel-size")
 # Flags whose every spelling is checked: vLLM's parser reads an unambiguous prefix as the whole option.
 WATCHED_FLAGS = RESERVED_FLAGS | set(CACHE_FLAGS) | {CACHE_OFF}
 # A value shaped as an option ('--x', '-O3'), not a number ('-1', '-.5'): once the value of a flag that takes
@@ -106,6 +109,9 @@ def flag_errors(flags: dict[str, FlagValue]) -> list[str]:
         if topology := topology_option(flag):
             errors.append(f"flag '{flag}' sets the server's topology ({topology}, as vLLM reads it): set the "
                           "config's 'topology' field instead")
+        elif ranks := option_read(flag, RANK_FLAGS):
+            errors.append(f"flag '{flag}' runs the server on several ranks ({ranks}, as vLLM reads it), which a "
+                          "config's topology does not record (tensor and pipeline parallel only)")
         elif not flag.startswith("--"):
             errors.append(f"flag '{flag}' must start with '--'")
         elif not FLAG_NAME.match(flag):
