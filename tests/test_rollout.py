@@ -402,12 +402,12 @@ def test_a_change_deploys_the_batchs_copy_with_relative_paths_resolved_beside_th
 # The verdict's tier in the gate (issue 61 item 4): the record says which tier each gate judged on, and a gate
 # may require the exact tier (--gate-tier exact; default any).
 
-def gate_run_folder(tmp_path, mode: str = "normal") -> Path:
-    from test_report import four, make_run
+def gate_run_folder(tmp_path, mode: str = "normal", apc_good: bool = True) -> Path:
+    from test_report import BAD, GOOD, four, make_run
 
     from kvscope.analyze import report as bench_report
 
-    outputs = four()  # golden, control and apc: a control makes the exact tier possible
+    outputs = four(apc=GOOD if apc_good else BAD)  # golden, control and apc: a control makes the exact tier possible
     del outputs["canary-shift"]
     run = make_run(tmp_path / "gate" / "h1", outputs, servers=[("baseline", "golden"), ("control", "control"),
                                                                ("apc", "candidate")], mode=mode)
@@ -445,6 +445,21 @@ def test_a_gate_that_requires_the_exact_tier_fails_a_statistical_verdict(tmp_pat
     if code:
         assert report.gate_words(result) == ("FAIL: the exact verdict tier is required (--gate-tier exact); this "
                                              "gate's is statistical")
+
+
+def test_a_gate_that_failed_its_verdicts_says_so_beside_the_tier_it_lacks(tmp_path, monkeypatch, capsys):
+    # a wrong hit and a statistical tier where exact is required: the console names both, the wrong hit first
+    from kvscope.rollout import gate
+
+    run = gate_run_folder(tmp_path, apc_good=False)
+    monkeypatch.setattr(gate.plan, "build", lambda options: None)
+    monkeypatch.setattr(gate.treatments, "run", lambda plan: run)
+    spec = gate.GateSpec(results=str(tmp_path / "gate"), run_id="h1", scenarios_file="s.yaml", servers=[],
+                         min_hits=1, tier="exact")
+    assert gate.run(spec) == 1
+    words = capsys.readouterr().out.split("gate: ", 1)[1]
+    assert words.startswith(gate.report.GATE_WORDS[1]), words
+    assert "the exact verdict tier is required (--gate-tier exact); this gate's is statistical" in words
 
 
 def test_the_gate_tier_option_is_recorded_and_a_record_from_before_it_resumes_as_any(tmp_path):

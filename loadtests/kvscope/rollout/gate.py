@@ -73,8 +73,10 @@ def run(spec: GateSpec) -> int:
     code = report.write_report(a)
     print(report.console(a))
     words = report.GATE_WORDS[code]
-    if short := rollout_report.tier_shortfall(spec.tier, a.scorer.tier):
-        code, words = verdicts.GATE_FAIL, f"FAILED: {short} ({a.scorer.tier_why}) (exit {verdicts.GATE_FAIL})"
+    if short := rollout_report.tier_shortfall(spec.tier, a.scorer.tier):  # after a FAIL's own words, if any
+        why = f"{short} ({a.scorer.tier_why})"
+        words = f"{words}; {why}" if code == verdicts.GATE_FAIL else f"FAILED: {why} (exit {verdicts.GATE_FAIL})"
+        code = verdicts.GATE_FAIL
     print(f"report: {RunFolder(folder).report_md}\ngate: {words}")
     return code
 
