@@ -216,6 +216,10 @@ class Topology(Strict):
     def ranks(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
 
+    def flags(self) -> list[str]:
+        """Its ranks as vLLM's arguments, as the render gives them (and a rollback's check reads them)."""
+        return [f"{flag}={getattr(self, field)}" for flag, field in TOPOLOGY_FLAGS.items()]
+
 
 class PlatformDefaults(Strict):
     flags: dict[str, FlagValue] = Field(default_factory=dict, description="vLLM flags every config gets")

@@ -102,8 +102,7 @@ def render(
                           + "; ".join(errors))
     args += _flag_args(flags)
     if cfg.topology is not None:  # the config's ranks; no other source may set them (flag_errors)
-        args += [f"--tensor-parallel-size={cfg.topology.tensor_parallel}",
-                 f"--pipeline-parallel-size={cfg.topology.pipeline_parallel}"]
+        args += cfg.topology.flags()
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]

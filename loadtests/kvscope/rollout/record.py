@@ -230,8 +230,7 @@ def definition_errors(s: ServerState) -> list[str]:
     if r.topology is not None:  # its ranks, last before the JSON as the render puts them, as its topology records
         if errors := topology_errors(r.topology, r.role):
             return errors
-        ranks = [("--tensor-parallel-size", str(r.topology.get("tensor_parallel"))),
-                 ("--pipeline-parallel-size", str(r.topology.get("pipeline_parallel")))]
+        ranks, _ = _pairs(Topology.model_validate(r.topology).flags())
         if rest[-2:] != ranks:
             return [f"its topology flags are not the ranks its record names ({r.topology})"]
         rest = rest[:-2]
