@@ -174,10 +174,18 @@ test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docke
 	  command -v mmdebstrap >/dev/null && command -v chromium >/dev/null || (apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iproute2 docker.io mmdebstrap chromium)
 
+# The real-server tests wait on vLLM for part of their time: the connector's tests and the tests without servers
+# run beside them (two streams on the 2 cores); their output follows the server tests'.
 test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs; not test-slow)
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests
 	bash ansible/scripts/dockerd.sh start
-	KVSCOPE_LINTED=1 $(PY) -m pytest -rs --durations=15 -m "not slow" tests; status=$$?; bash ansible/scripts/dockerd.sh stop; exit $$status
+	beside=$$(mktemp); \
+	{ $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests && \
+	  KVSCOPE_LINTED=1 $(PY) -m pytest -rs -p no:cacheprovider --durations=5 -m "not server and not slow" tests; \
+	} > $$beside 2>&1 & pid=$$!; \
+	KVSCOPE_LINTED=1 $(PY) -m pytest -rs --durations=15 -m "server and not slow" tests; servers=$$?; \
+	wait $$pid; rest=$$?; echo "== beside the server tests: connector/tests, then the tests without servers (exit $$rest) =="; \
+	cat $$beside; rm -f $$beside; bash ansible/scripts/dockerd.sh stop; \
+	echo "make test: server tests exit $$servers, the rest exit $$rest"; [ $$servers = 0 ] && [ $$rest = 0 ]
 
 test-slow: test-deps setup model ## the real-server tests beyond CI's budget: rollouts on namespace hosts (~12 min)
 	$(PY) -m pytest -rs --durations=15 -m slow tests

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -49,6 +50,10 @@ SESSION_DEPLOY = ("-e", f"vllm_configs={SESSION_CONFIGS}", "-e", "vllm_port_offs
 
 
 def pytest_configure(config):
+    # make test runs a stream of tests as a background job, which sh starts with Ctrl-C (SIGINT) ignored; give
+    # it back, to the tests and to every process they start, so Ctrl-C stops them as it stops the other stream
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "server: starts real vLLM servers (minutes); `make test-fast` skips them")
     config.addinivalue_line("markers", "slow: real servers for longer than CI's budget allows; `make test` skips "
                                        "them, `make test-slow` runs them")

@@ -123,3 +123,26 @@ def test_extra_options_are_words_passed_as_typed_never_shell_syntax(tmp_path, ta
     out = run(f"--help >/dev/null; touch {marker} $(date)")
     assert not marker.exists() and "<--help>\n<>/dev/null;>\n<touch>\n" in out and "<$(date)>" in out
     assert "<--gate-queries>\n<32>\n" in run("--gate-queries 32")
+
+
+def test_make_test_runs_the_server_tests_beside_the_rest_and_fails_if_either_fails():
+    recipe = dry_run("test")
+    servers = next(x for x in recipe.splitlines() if '-m "server and not slow" tests' in x)
+    rest = next(x for x in recipe.splitlines() if '-m "not server and not slow" tests' in x)
+    assert "connector/tests" in recipe.split(rest)[0] and servers != rest
+    assert "[ $servers = 0 ] && [ $rest = 0 ]" in recipe  # either stream's failure fails make test
+
+
+def test_a_test_run_started_as_a_background_job_still_stops_on_ctrl_c(tmp_path):
+    # make test's second stream is a background job of a non-interactive shell: sh starts it with SIGINT
+    # ignored, and Python keeps it so. conftest gives it Ctrl-C back (bench's Ctrl-C test, a user's Ctrl-C).
+    (tmp_path / "test_probe.py").write_text(
+        "import signal, subprocess, sys\n\n"
+        "def test_probe():\n"
+        "    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN\n"
+        "    child = 'import signal; assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN'\n"
+        "    subprocess.run([sys.executable, '-c', child], check=True)\n")
+    pytest_cmd = f"'{REPO}/.venv/bin/python' -m pytest -q -p no:cacheprovider -p conftest '{tmp_path}'"
+    out = subprocess.run(["sh", "-c", f"{pytest_cmd} & wait $!"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
