@@ -193,3 +193,10 @@ def test_a_trace_rows_bad_hash_id_is_refused_with_its_line(tmp_path, hash_ids):
 def test_an_empty_trace_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="t.jsonl: no rows"):
         replay_trace(_trace(tmp_path), 1000, None)
+
+
+def test_the_repeat_past_window_scenario_sends_one_prompt_past_gemma3s_window_many_times(tok, shipped):
+    # kvcached#446: on a sliding-window model the 3rd and 4th identical prompts answered differently
+    rep = generate(shipped["repeat-past-window"], tok)
+    assert len(rep) >= 20 and all(r.messages == rep[0].messages for r in rep)
+    assert len({r.session_id for r in rep}) == 1 and not any(r.with_history for r in rep)
