@@ -50,8 +50,8 @@ SESSION_DEPLOY = ("-e", f"vllm_configs={SESSION_CONFIGS}", "-e", "vllm_port_offs
 
 
 def pytest_configure(config):
-    # make test runs a stream of tests as a background job, which sh starts with Ctrl-C (SIGINT) ignored; give
-    # it back, to the tests and to every process they start, so Ctrl-C stops them as it stops the other stream
+    # A test run started with Ctrl-C (SIGINT) ignored (a simple command run with & by sh or bash, nohup, a
+    # runner) passes that on to every process it starts, and the bench chain's Ctrl-C test fails: give it back
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "server: starts real vLLM servers (minutes); `make test-fast` skips them")
