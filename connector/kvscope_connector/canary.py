@@ -31,7 +31,8 @@ near the numerical floor:
               Both act on ranks above 0 only: on a one-rank server they change nothing (logged so: changed 0).
 - partial:    a hit also gets, beyond its last whole block, the next block of another prompt with the same
               blocks before it (of several, the one whose tokens differ earliest), claimed as loaded up to the
-              request's last prompt token at most: the last,
+              request's last prompt token at most; never one stored on top of a borrowed block (its KV is a
+              third prompt's, maybe this request's own): the last,
               partial block of a prefix from another prompt (Mooncake#4153). vLLM hands a connector whole
               blocks and this connector stores only full prompt blocks, so the canary plays the buggy tier at
               the hit's end on the scheduler side: it claims those tokens too and loads the other prompt's
@@ -275,6 +276,9 @@ class _PartialBlocks:
         self.plans: dict[str, tuple[int, str, int, int]] = {}  # request id -> (its block's index, the other key,
         # the tokens claimed from it, the tokens claimed in all)
         self.loading: dict[str, int] = {}  # this step's borrowed blocks: request id -> index
+        self.wrong: dict[str, int] = {}  # request id -> the index of its first block of wrong KV: its borrowed
+        # block, or a loaded block stored on top of one
+        self.tainted: set[str] = set()  # stored keys whose KV a request computed at or after its first wrong block
 
     def remember(self, request) -> None:
         """Keep a request's prompt until it finishes: the tokens of the blocks it stores."""
@@ -298,7 +302,7 @@ class _PartialBlocks:
         mine = tuple(prompt[hit_end:hit_end + n])
         best: tuple[int, str] | None = None  # (the first position it differs at, its key)
         for key, tokens in reversed(self.children.get(state.keys[j - 1], {}).items()):
-            if key == own or key not in self.scheduler.ram_index:
+            if key == own or key in self.tainted or key not in self.scheduler.ram_index:
                 continue
             first = next((i for i, (a, b) in enumerate(zip(tokens, mine)) if a != b), None)
             if first is not None and (best is None or first < best[0]):
@@ -323,23 +327,31 @@ class _PartialBlocks:
                                                   request_id=request.request_id, index=j, count=0))
 
     def note(self, meta: KVScopeMetadata, finished: Iterable[str]) -> dict[str, int]:
-        """After a step's plan: remember the blocks it stores into RAM, forget those it evicts and the
-        finished requests. Returns the step's borrowed blocks: request id -> index."""
+        """After a step's plan: remember the blocks it stores into RAM (and which hold wrong KV), forget those it
+        evicts and the finished requests. Returns the step's borrowed blocks: request id -> index."""
         bs = self.scheduler.block_size
         if meta.reset:  # the worker empties its RAM tier before this step's stores
             self.children.clear()
             self.parent.clear()
+            self.tainted.clear()
+        for spec in meta.loads:
+            if spec.key in self.tainted or self.loading.get(spec.request_id) == spec.index:
+                self.wrong[spec.request_id] = min(spec.index, self.wrong.get(spec.request_id, spec.index))
         for spec in meta.stores:
             state, prompt = self.scheduler.reqs.get(spec.request_id), self.prompts.get(spec.request_id)
             if spec.to_ram and state is not None and prompt is not None:
                 parent = state.keys[spec.index - 1] if spec.index else ""
                 self.parent[spec.key] = parent
                 self.children.setdefault(parent, {})[spec.key] = tuple(prompt[spec.index * bs:(spec.index + 1) * bs])
+                wrong = spec.index >= self.wrong.get(spec.request_id, spec.index + 1)
+                (self.tainted.add if wrong else self.tainted.discard)(spec.key)
         for key in meta.ram_evict:
+            self.tainted.discard(key)
             if key in self.parent:
                 self.children[self.parent.pop(key)].pop(key, None)
         for request_id in finished:
             self.prompts.pop(request_id, None)
+            self.wrong.pop(request_id, None)
         loading, self.loading = self.loading, {}
         return loading
 
