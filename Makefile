@@ -28,10 +28,15 @@ USERS     ?= 2
 USER_VARS := CONFIGS SCENARIOS USERS REPEATS MATRIX MODEL INVENTORY RUNTIME EXACT OVERRIDES SERVING_PATH RUN_DIR PORT_OFFSET \
   QUERIES RESULTS KVSCOPE_PYTHON DRY_RUN RUN_ID RESUME SLO RUN RUNS OUT REWRITE SERIAL IMAGE ROLLOUT_ID ROLLOUT_ARGS \
   PYTHON3 TORCH_INDEX IMAGE_ARGS
+# Those set in the environment: a run records them beside the command line's (MAKEOVERRIDES), spaces escaped as there.
+FROM_ENV  := $(foreach v,$(USER_VARS),$(if $(filter environment,$(origin $(v))),$(v)))
 $(foreach v,$(USER_VARS),$(if $(filter command line environment,$(origin $(v))),$(eval override $(v) := $$(value $(v)))))
 RUN_ID    := $(or $(RUN_ID),$(shell date -u +%Y%m%dT%H%M%SZ))
 # A user's value as one shell word, whatever it holds: recipes insert every variable a user sets through it.
 q          = '$(subst ','\'',$(1))'
+# The command a run records: the goals, the command line's variables, then the environment's user variables.
+space     := $(subst ,, )
+RECORDED   = make $(MAKECMDGOALS) $(MAKEOVERRIDES) $(foreach v,$(FROM_ENV),$(v)=$(subst $(space),\ ,$(value $(v))))
 # A user's options (ROLLOUT_ARGS, IMAGE_ARGS) as words split at spaces into the bash array $(1), each passed as
 # typed (no shell syntax): `$(call as_words,extra,...); command "$${extra[@]}"`.
 as_words   = read -r -d '' -a $(1) <<< $(call q,$(2))
@@ -143,7 +148,7 @@ lint: $(VENV)/.installed ## ruff and mypy (Python), hadolint (Dockerfiles), ansi
 bench: ON_CRASH := -e vllm_fail_on_crash=false # a server that does not come up is reported as CRASHED
 bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<run-id>/report.md (RESUME=1 RUN_ID=...)
 	$(PRE_BENCH)
-	KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) KVSCOPE_RESTART_CMD=$(call q,$(RESTART_CMD)) $(KVSCOPE) bench \
+	KVSCOPE_COMMAND=$(call q,$(RECORDED)) KVSCOPE_RESTART_CMD=$(call q,$(RESTART_CMD)) $(KVSCOPE) bench \
 	  --inventory $(call q,$(INVENTORY)) $(BENCH_ARGS) $(if $(RUN_DIR),--deployment $(call q,$(RUN_DIR)/deployment.json)) \
 	  --scenarios $(call q,$(SCENARIOS)) --users $(call q,$(USERS)) --report --run-id $(call q,$(RUN_ID)) $(if $(RESUME),--resume) \
 	  $(if $(EXACT),--exact) $(if $(SLO),--slo $(call q,$(SLO))) $(if $(REPEATS),--repeats $(call q,$(REPEATS))) \
@@ -152,7 +157,7 @@ bench: deploy ## deploy CONFIGS, run SCENARIOS, score fidelity, write results/<r
 rollout: $(HARNESS) $(if $(strip $(MODEL)),,model) ## roll CONFIGS to INVENTORY's hosts a batch at a time (SERIAL=1 or 25%), each batch gated on the verdict; stop and roll back on a wrong answer (MATRIX=, IMAGE=, ROLLOUT_ID=)
 	$(if $(filter command line environment override,$(origin CONFIGS)),,$(error make rollout: name the configs to roll, e.g. CONFIGS=kvscope-fs; their new definitions come from MATRIX=, a new image from IMAGE=))
 	$(PRE_ROLLOUT)
-	$(call as_words,extra,$(ROLLOUT_ARGS)); KVSCOPE_COMMAND=$(call q,make $(MAKECMDGOALS) $(MAKEOVERRIDES)) $(KVSCOPE) \
+	$(call as_words,extra,$(ROLLOUT_ARGS)); KVSCOPE_COMMAND=$(call q,$(RECORDED)) $(KVSCOPE) \
 	  --matrix $(call q,$(MATRIX)) rollout --inventory $(call q,$(INVENTORY)) --configs $(call q,$(CONFIGS)) \
 	  --serial $(call q,$(SERIAL)) $(if $(IMAGE),--image $(call q,$(IMAGE))) $(if $(ROLLOUT_ID),--id $(call q,$(ROLLOUT_ID))) \
 	  $(ROLLOUT_VARS) "$${extra[@]}"

@@ -39,6 +39,17 @@ def test_bench_records_the_command_as_the_user_typed_it():
     assert line.startswith("KVSCOPE_COMMAND='make bench") and "RUN_ID=r1" in line and "USERS=4" in line
 
 
+def test_bench_records_the_variables_a_user_set_in_the_environment_too(tmp_path):
+    # a GPU run set MATRIX in bench.sh's environment: its run.json said `make bench ...` without it
+    env = {**os.environ, "MATRIX": f"{tmp_path}/my matrix.yaml", "EXACT": "1"}
+    out = subprocess.run(["make", "-n", "-B", "bench", "RUN_ID=r1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env=env)
+    line = next(x for x in out.stdout.splitlines() if "kvscope.cli bench" in x)
+    recorded = line.split("KVSCOPE_COMMAND='", 1)[1].split("' ", 1)[0]
+    assert recorded.startswith("make bench") and "RUN_ID=r1" in recorded
+    assert f"MATRIX={tmp_path}/my\\ matrix.yaml" in recorded and "EXACT=1" in recorded
+
+
 def user_variables() -> set[str]:
     """The variables the Makefile and its inventory includes read that a user sets: each `?=` default, and each
     one read that they never assign (or assign from its own value, as RUN_ID), make's own left out."""
