@@ -215,7 +215,7 @@ def test_an_unknown_key_in_a_part_of_a_status_row_is_refused(tmp_path, where):
 
 def test_a_flat_run_json_loads_each_treatment_with_its_servers_manifest_and_is_written_back_flat(tmp_path):
     # versions 0 and 1 wrote a treatment as one flat object (Treatment was a Manifest); published runs keep that form
-    published = REPO / "results" / "2026-12-01-h200-vllm0.26-qwen3-4b-bf16-invariant" / "run.json"
+    published = REPO / "results" / "2026-12-02-h200-vllm0.26-qwen3-4b-bf16-exact" / "run.json"
     flat = json.loads(published.read_text())
     assert flat["schema_version"] == 1 and "manifest" not in flat["servers"][0]
     run = read_json(published, RunInfo)
@@ -236,12 +236,12 @@ def test_a_flat_run_json_loads_each_treatment_with_its_servers_manifest_and_is_w
     assert read_json(tmp_path / "new.json", RunInfo) == new
 
 
-INVARIANT = REPO / "results" / "2026-12-01-h200-vllm0.26-qwen3-4b-bf16-invariant" / "run.json"
+FLAT_RUN = REPO / "results" / "2026-12-02-h200-vllm0.26-qwen3-4b-bf16-exact" / "run.json"
 
 
 def test_a_treatments_form_is_its_run_jsons_version_flat_before_2_nested_from_2(tmp_path):
-    flat = json.loads(INVARIANT.read_text())
-    write_json(tmp_path / "new.json", read_json(INVARIANT, RunInfo).model_copy(update={"schema_version": 2}))
+    flat = json.loads(FLAT_RUN.read_text())
+    write_json(tmp_path / "new.json", read_json(FLAT_RUN, RunInfo).model_copy(update={"schema_version": 2}))
     nested = json.loads((tmp_path / "new.json").read_text())
     for doc, version, words in ((flat, 2, "nests"), (nested, 1, "flat"), (nested, 0, "flat")):
         (tmp_path / "x.json").write_text(json.dumps({**doc, "schema_version": version}))
@@ -250,7 +250,7 @@ def test_a_treatments_form_is_its_run_jsons_version_flat_before_2_nested_from_2(
 
 
 def test_a_flat_treatment_deployed_as_its_own_name_re_renders_byte_for_byte(tmp_path):
-    doc = json.loads(INVARIANT.read_text())
+    doc = json.loads(FLAT_RUN.read_text())
     golden = doc["servers"][0]
     assert golden["deployed_as"] is None
     golden["deployed_as"] = golden["config"]
@@ -260,7 +260,7 @@ def test_a_flat_treatment_deployed_as_its_own_name_re_renders_byte_for_byte(tmp_
 
 
 def test_a_flat_treatment_without_schema_version_reads_as_version_1_as_the_flat_form_wrote_it(tmp_path):
-    doc = json.loads(INVARIANT.read_text())
+    doc = json.loads(FLAT_RUN.read_text())
     del doc["servers"][0]["schema_version"]
     (tmp_path / "a.json").write_text(json.dumps(doc))
     assert read_json(tmp_path / "a.json", RunInfo).servers[0].manifest.schema_version == 1
@@ -284,7 +284,7 @@ def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_nam
     from kvscope.analyze import report
     from kvscope.cli import main
 
-    name = "2026-12-02-h200-vllm0.26-qwen3-4b-bf16-exact-triton"  # continuations, fault and load logs
+    name = "2026-12-06-cpu-vllm0.32-tiny-gemma3-sliding-window"  # continuations, fault and load logs
     plain, packed = (_unpacked(REPO / "results" / name, tmp_path / d / name) for d in ("plain", "packed"))
     (packed / "records" / "empty__rag-zipf.jsonl").touch()  # a treatment that recorded nothing stays so
     assert main(["compress", str(packed)]) == 0
