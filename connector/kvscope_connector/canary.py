@@ -334,9 +334,9 @@ class _PartialBlocks:
             self.children.clear()
             self.parent.clear()
             self.tainted.clear()
-        for spec in meta.loads:
-            if spec.key in self.tainted or self.loading.get(spec.request_id) == spec.index:
-                self.wrong[spec.request_id] = min(spec.index, self.wrong.get(spec.request_id, spec.index))
+        for load in meta.loads:
+            if load.key in self.tainted or self.loading.get(load.request_id) == load.index:
+                self.wrong[load.request_id] = min(load.index, self.wrong.get(load.request_id, load.index))
         for spec in meta.stores:
             state, prompt = self.scheduler.reqs.get(spec.request_id), self.prompts.get(spec.request_id)
             if spec.to_ram and state is not None and prompt is not None:
