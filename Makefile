@@ -179,17 +179,23 @@ test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docke
 	  command -v mmdebstrap >/dev/null && command -v chromium >/dev/null || (apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iproute2 docker.io mmdebstrap chromium)
 
-# The real-server tests wait on vLLM for part of their time: the connector's tests and the tests without servers
-# run beside them (two streams on the 2 cores); their output follows the server tests'.
+# The real-server tests wait on vLLM for part of their time: the CPU image's build (make images-cpu), the
+# connector's tests and the tests without servers run beside them (two streams on the 2 cores); their output
+# follows the server tests'. The build writes the image's id to KVSCOPE_CPU_IMAGE_BUILT's file under a lock the
+# containers' test waits on; after a failed build the file stays empty and that test builds, saying why.
 test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs; not test-slow)
 	bash ansible/scripts/dockerd.sh start
-	beside=$$(mktemp); \
-	{ $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests && \
+	beside=$$(mktemp); built=$$(mktemp); \
+	{ echo "== the CPU image, built beside the server tests (the containers' test waits for it) =="; \
+	  flock "$$built" sh -c 'make --no-print-directory images-cpu && \
+	    docker image inspect --format "{{.Id}}" kvscope/kvscope-cpu:latest > "$$1"' sh "$$built"; \
+	  echo "== images-cpu exit $$? (after a failure the containers' test builds it again) =="; \
+	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests && \
 	  KVSCOPE_LINTED=1 $(PY) -m pytest -rs -p no:cacheprovider --durations=5 -m "not server and not slow" tests; \
 	} > $$beside 2>&1 & pid=$$!; \
-	KVSCOPE_LINTED=1 $(PY) -m pytest -rs --durations=15 -m "server and not slow" tests; servers=$$?; \
-	wait $$pid; rest=$$?; echo "== beside the server tests: connector/tests, then the tests without servers (exit $$rest) =="; \
-	cat $$beside; rm -f $$beside; bash ansible/scripts/dockerd.sh stop; \
+	KVSCOPE_CPU_IMAGE_BUILT=$$built KVSCOPE_LINTED=1 $(PY) -m pytest -rs --durations=15 -m "server and not slow" tests; servers=$$?; \
+	wait $$pid; rest=$$?; echo "== beside the server tests: the CPU image, connector/tests, then the tests without servers (exit $$rest) =="; \
+	cat $$beside; rm -f $$beside $$built; bash ansible/scripts/dockerd.sh stop; \
 	echo "make test: server tests exit $$servers, the rest exit $$rest"; [ $$servers = 0 ] && [ $$rest = 0 ]
 
 test-slow: test-deps setup model ## the real-server tests beyond CI's budget: rollouts on namespace hosts (~12 min)

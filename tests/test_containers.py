@@ -5,6 +5,7 @@ the assumed fp32 tolerance, not a measured floor; the process runtime's tests co
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -31,12 +32,26 @@ def docker(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=300)
 
 
+def built_beside() -> bool:
+    """Whether `make test` built IMAGE beside the server tests: its `make images-cpu` writes the image's id to the
+    file KVSCOPE_CPU_IMAGE_BUILT names, under a lock held until then (waited for here); after a failed build the
+    file stays empty and the fixture builds, the build's output in the failure."""
+    path = os.environ.get("KVSCOPE_CPU_IMAGE_BUILT")
+    if not path:
+        return False
+    with open(path) as marker:
+        fcntl.flock(marker, fcntl.LOCK_SH)
+        built = marker.read().strip()
+    return bool(built) and built == docker("image", "inspect", "--format", "{{.Id}}", IMAGE).stdout.strip()
+
+
 @pytest.fixture(scope="module")
 def cpu_image():
     if docker("version").returncode != 0:
         pytest.fail("no Docker engine answers: `make test` starts one (ansible/scripts/dockerd.sh start, as root)")
-    out = subprocess.run(["make", "images-cpu"], cwd=REPO, capture_output=True, text=True, timeout=3000)
-    assert out.returncode == 0, failure_of(out)
+    if not built_beside():
+        out = subprocess.run(["make", "images-cpu"], cwd=REPO, capture_output=True, text=True, timeout=3000)
+        assert out.returncode == 0, failure_of(out)
     return json.loads(docker("image", "inspect", IMAGE).stdout)[0]
 
 

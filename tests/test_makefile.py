@@ -142,6 +142,9 @@ def test_make_test_runs_the_server_tests_beside_the_rest_and_fails_if_either_fai
     rest = next(x for x in recipe.splitlines() if '-m "not server and not slow" tests' in x)
     assert "connector/tests" in recipe.split(rest)[0]
     assert "& pid=$!" in recipe.split(servers)[0].split(rest)[1]  # the rest in the background, started first
+    beside = recipe.split(servers)[0].split("connector/tests")[0]
+    assert "flock \"$built\" sh -c 'make --no-print-directory images-cpu &&" in beside  # the CPU image first
+    assert "KVSCOPE_CPU_IMAGE_BUILT=$built " in servers  # the containers' test waits for that build's image id
     assert "[ $servers = 0 ] && [ $rest = 0 ]" in recipe  # either stream's failure fails make test
 
 
