@@ -179,6 +179,12 @@ def test_a_trace_slice_replays_open_loop_and_a_restart_keeps_the_disk_tiers_bloc
     assert all(r.cached_tokens for r in after if r.phase == "measure")  # every load after the restart hit
     loads = [json.loads(line) for line in (run / "loads" / "kvscope-fs__restart-small.jsonl").read_text().splitlines()]
     assert sum(line.get("disk", 0) for line in loads) > 0  # from the files the prime phase wrote
+    delta = phases["kvscope-fs", "restart-small"]["measure"]["metrics_delta"]  # vLLM's counters after the restart
+    assert delta["vllm:prompt_tokens_cached_by_source_total{source=disk}"] > 0
+    assert delta["kvscope:connector_fs_hits_total"] > 0 and delta["kvscope:connector_corrupt_total"] == 0
+    scores = pd.read_csv(run / "scores.csv")
+    hits = scores[(scores.config == "kvscope-fs") & (scores.scenario == "restart-small") & (scores.cached_tokens > 0)]
+    assert len(hits) >= 6 and hits.cls.isin(["identical", "benign"]).all(), hits.to_dict("records")  # golden's answers
     v = pd.read_csv(run / "verdicts.csv").set_index("config")
     assert v.verdict["kvscope-fs"] == "PASS" and "by tier: disk" in v.why["kvscope-fs"]
 
