@@ -51,7 +51,13 @@ def scrape(port: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def golden(connector_run):
-    return lambda prompt, max_tokens=16: complete(PORTS["baseline"], prompt, max_tokens)[0]
+    answers: dict[tuple[str, int], list[int]] = {}  # the cache-off server's greedy answers, each asked once
+
+    def ask(prompt: str, max_tokens: int = 16) -> list[int]:
+        if (prompt, max_tokens) not in answers:
+            answers[prompt, max_tokens] = complete(PORTS["baseline"], prompt, max_tokens)[0]
+        return answers[prompt, max_tokens]
+    return ask
 
 
 @pytest.fixture(scope="module")
