@@ -76,7 +76,9 @@ comma       := ,
 -include $(patsubst %/,%,$(INVENTORY))/overlay.mk
 
 ##@ Set-up
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VLLM_VENV)/parsers/.installed ## install both environments (idempotent)
+setup: ## install both environments, the two at once (idempotent)
+	make --no-print-directory -j2 $(VENV)/.installed $(VLLM_VENV)/.installed
+	make --no-print-directory $(VLLM_VENV)/parsers/.installed
 
 $(VENV)/.installed: loadtests/constraints.txt loadtests/pyproject.toml
 	$(PYTHON3) -m venv $(VENV)
@@ -179,22 +181,25 @@ test-deps: ## system packages the tests need: sshd and iproute2 (cluster), Docke
 	  command -v mmdebstrap >/dev/null && command -v chromium >/dev/null || (apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server iproute2 docker.io mmdebstrap chromium)
 
-# The real-server tests wait on vLLM for part of their time: the CPU image's build (make images-cpu), the
+# The real-server tests wait on vLLM for part of their time: lint, the CPU image's build (make images-cpu), the
 # connector's tests and the tests without servers run beside them (two streams on the 2 cores); their output
-# follows the server tests'. The build writes the image's id to KVSCOPE_CPU_IMAGE_BUILT's file under a lock the
-# containers' test waits on; after a failed build the file stays empty and that test builds, saying why.
-test: test-deps setup model lint ## lint, unit tests and real-server tests, containers included (what CI runs; not test-slow)
+# follows the server tests', and lint's failure fails make test at the end. The build writes the image's id to
+# KVSCOPE_CPU_IMAGE_BUILT's file under a lock the containers' test waits on; after a failed build the file stays
+# empty and that test builds, saying why.
+test: test-deps setup model ## lint, unit tests and real-server tests, containers included (what CI runs; not test-slow)
 	bash ansible/scripts/dockerd.sh start
 	beside=$$(mktemp); built=$$(mktemp); \
-	{ echo "== the CPU image, built beside the server tests (the containers' test waits for it) =="; \
+	{ echo "== lint =="; make --no-print-directory lint; linted=$$?; \
+	  echo "== the CPU image, built beside the server tests (the containers' test waits for it) =="; \
 	  flock "$$built" sh -c 'make --no-print-directory images-cpu && \
 	    docker image inspect --format "{{.Id}}" kvscope/kvscope-cpu:latest > "$$1"' sh "$$built"; \
 	  echo "== images-cpu exit $$? (after a failure the containers' test builds it again) =="; \
 	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider connector/tests && \
-	  KVSCOPE_LINTED=1 $(PY) -m pytest -rs -p no:cacheprovider --durations=5 -m "not server and not slow" tests; \
+	  KVSCOPE_LINTED=1 $(PY) -m pytest -rs -p no:cacheprovider --durations=5 -m "not server and not slow" tests && \
+	  [ $$linted = 0 ]; \
 	} > $$beside 2>&1 & pid=$$!; \
 	KVSCOPE_CPU_IMAGE_BUILT=$$built KVSCOPE_LINTED=1 $(PY) -m pytest -rs --durations=15 -m "server and not slow" tests; servers=$$?; \
-	wait $$pid; rest=$$?; echo "== beside the server tests: the CPU image, connector/tests, then the tests without servers (exit $$rest) =="; \
+	wait $$pid; rest=$$?; echo "== beside the server tests: lint, the CPU image, connector/tests, then the tests without servers (exit $$rest) =="; \
 	cat $$beside; rm -f $$beside $$built; bash ansible/scripts/dockerd.sh stop; \
 	echo "make test: server tests exit $$servers, the rest exit $$rest"; [ $$servers = 0 ] && [ $$rest = 0 ]
 

@@ -146,6 +146,14 @@ def test_make_test_runs_the_server_tests_beside_the_rest_and_fails_if_either_fai
     assert "flock \"$built\" sh -c 'make --no-print-directory images-cpu &&" in beside  # the CPU image first
     assert "KVSCOPE_CPU_IMAGE_BUILT=$built " in servers  # the containers' test waits for that build's image id
     assert "[ $servers = 0 ] && [ $rest = 0 ]" in recipe  # either stream's failure fails make test
+    assert beside.index("make --no-print-directory lint; linted=$?") < beside.index("images-cpu")  # lint first,
+    assert rest.endswith("&& \\") and "[ $linted = 0 ]" in recipe.split(rest)[1].split(servers)[0]  # its exit kept
+
+
+def test_setup_installs_the_two_environments_at_once():
+    lines = dry_run("setup").splitlines()  # make in a recipe runs its own variable-free command, printed here
+    assert lines == ["make --no-print-directory -j2 .venv/.installed .venv-vllm/.installed",  # one pip beside the
+                     "make --no-print-directory .venv-vllm/parsers/.installed"]  # other, then vLLM's parsers
 
 
 def test_a_test_run_started_as_a_background_job_still_stops_on_ctrl_c(tmp_path):
