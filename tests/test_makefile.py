@@ -12,9 +12,10 @@ from conftest import REPO
 from kvscope.deploy.folder import DRY_RUN, DeploymentFolder
 
 
-def dry_run(*args: str) -> str:
-    # as a user's shell runs it, not as the make that runs these tests (`make test`) would pass its flags down
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+def dry_run(*args: str, env: dict[str, str] | None = None) -> str:
+    # as a user's shell runs it (with `env` added), not as the make that runs these tests (`make test`) would
+    # pass its flags down
+    env = {**{k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}, **(env or {})}
     out = subprocess.run(["make", "-n", "-B", *args], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -43,10 +44,8 @@ def test_bench_records_the_command_as_the_user_typed_it():
 
 def test_bench_records_the_variables_a_user_set_in_the_environment_too(tmp_path):
     # a GPU run set MATRIX in bench.sh's environment: its run.json said `make bench ...` without it
-    env = {**os.environ, "MATRIX": f"{tmp_path}/my matrix.yaml", "EXACT": "1"}
-    out = subprocess.run(["make", "-n", "-B", "bench", "RUN_ID=r1"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, env=env)
-    line = next(x for x in out.stdout.splitlines() if "kvscope.cli bench" in x)
+    out = dry_run("bench", "RUN_ID=r1", env={"MATRIX": f"{tmp_path}/my matrix.yaml", "EXACT": "1"})
+    line = next(x for x in out.splitlines() if "kvscope.cli bench" in x)
     recorded = line.split("KVSCOPE_COMMAND='", 1)[1].split("' ", 1)[0]
     assert recorded.startswith("make bench") and "RUN_ID=r1" in recorded
     assert f"MATRIX={tmp_path}/my\\ matrix.yaml" in recorded and "EXACT=1" in recorded
