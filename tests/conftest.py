@@ -61,8 +61,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     """Tests on the session's servers run last: the modules that deploy servers of their own (the cluster,
-    the connector's) then never run beside them, nor beside a `make deploy` (memory on a 24 GiB machine)."""
-    items.sort(key=lambda item: "deployment" in item.fixturenames)
+    the connector's) then never run beside them, nor beside a `make deploy` (memory on a 24 GiB machine).
+    Of those, the ones on the CPU image run last, so that `make test` builds it beside the others."""
+    items.sort(key=lambda item: ("deployment" in item.fixturenames, "cpu_image" in item.fixturenames))
 
 
 @pytest.fixture(scope="session")
