@@ -15,7 +15,8 @@ from kvscope.deploy.folder import DRY_RUN, DeploymentFolder
 def dry_run(*args: str, env: dict[str, str] | None = None) -> str:
     # as a user's shell runs it (with `env` added), not as the make that runs these tests (`make test`) would
     # pass its flags down
-    env = {**{k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}, **(env or {})}
+    shell = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env = {**shell, **(env or {})}
     out = subprocess.run(["make", "-n", "-B", *args], cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout
