@@ -41,7 +41,9 @@ near the numerical floor:
 Every request a step loads for gets one line in the JSONL file `fault_log` (extra config, optional):
 {"request": vLLM's request id, "fault": NAME, "loaded": blocks, "changed": blocks that the KV cache holds
 otherwise than verified, read back after the write, and "partial"'s block of another prompt (verified as
-that prompt's), "inherited": blocks it loaded that an earlier request computed on top of wrong KV}. A request
+that prompt's), "inherited": blocks it loaded that an earlier request computed on top of wrong KV, "distance":
+per changed block, its largest difference from the verified block relative to the layer's largest value (1.0:
+as far as zeros; near the dtype's rounding: right KV in all but name; 0 for "partial"'s borrowed block)}. A request
 with both 0 was served correct KV ("stale" onto a slot that already held the right bytes, "second-hit" on a
 first load, "foreign" with no other key stored, "reused" or "partial" with no other block to give, noise that
 the KV cache's dtype rounds away). Blocks a request computed on top of wrong KV are stored like any other (so the
@@ -134,16 +136,25 @@ class _FaultWorker(WorkerSide):
                 self._add_noise(ids, float(fault[len("noise-"):]))
             now = self.extract(ids)  # what the KV cache holds after the write: a fault the dtype rounds away is none
             borrowed = getattr(meta, "borrowed", {}).get(request_id)
-            changed = [spec.index for held, (spec, block) in zip(now, loaded)
-                       if spec.index == borrowed or not torch.equal(held, block)]
+            changed = {spec.index: self._distance(held, block) for held, (spec, block) in zip(now, loaded)
+                       if spec.index == borrowed or not torch.equal(held, block)}
             inherited = [spec.index for spec, _ in loaded if spec.key in self.tainted_keys]
             if changed or inherited:
-                self.tainted[request_id] = min(changed + inherited)
+                self.tainted[request_id] = min([*changed, *inherited])
             lines.append({"request": request_id, "fault": fault, "loaded": len(loaded), "changed": len(changed),
-                          "inherited": len(inherited)})
+                          "inherited": len(inherited), "distance": list(changed.values())})
         self.pending = []
         if self.fault_log and lines:
             self.append_log(self.fault_log, lines)
+
+    def _distance(self, now: Block, right: Block) -> float:
+        """How far a block the KV cache holds is from the verified one: the largest difference of a value in
+        any layer, relative to that layer's largest verified value (3 significant digits)."""
+        worst = 0.0
+        for name, got in self.layout.views(now).items():
+            want = self.layout.views(right)[name].float()
+            worst = max(worst, float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+        return float(f"{worst:.3g}")
 
     def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
                  ) -> Iterable[tuple[int, Block]]:

@@ -46,7 +46,9 @@ def test_shift_loads_every_block_one_block_late_and_the_first_as_it_is(tmp_path)
     for name in w.layers:
         assert torch.equal(got[0][name], stored(w, 0)[name])
         assert torch.equal(got[1][name], stored(w, 0)[name]) and torch.equal(got[2][name], stored(w, 1)[name])
-    assert log(tmp_path) == [{"request": "r1", "fault": "shift", "loaded": 3, "changed": 2, "inherited": 0}]
+    assert log(tmp_path) == [{"request": "r1", "fault": "shift", "loaded": 3, "changed": 2, "inherited": 0,
+                              "distance": log(tmp_path)[0]["distance"]}]
+    assert len(log(tmp_path)[0]["distance"]) == 2 and min(log(tmp_path)[0]["distance"]) > 0.1
 
 
 def test_shift_of_a_single_block_moves_its_tokens_one_position_late(tmp_path):
@@ -78,10 +80,20 @@ def test_zeros_and_stale_break_the_last_block_only(tmp_path):
     assert [e["changed"] for e in log(tmp_path)] == [1, 1]
 
 
+def test_the_log_says_how_far_each_changed_block_is_from_the_verified_one(tmp_path):
+    w = canary(tmp_path)
+    load(w, "zeros")  # the last block all zeros: every value off by its own size, 1.0 of the largest
+    load(w, "noise-1e-3", request="r2")
+    zeros, noise = log(tmp_path)
+    assert zeros["distance"] == [1.0]
+    assert len(noise["distance"]) == 3 and all(1e-5 < d < 1e-2 for d in noise["distance"])
+
+
 def test_stale_onto_a_slot_that_already_holds_the_block_is_logged_as_unchanged(tmp_path):
     w = canary(tmp_path)  # slot 2 still holds the bytes block k2 was stored from
     w.load(CanaryMetadata(loads=[LoadSpec(2, "k2", "ram", request_id="r2")], faults={"r2": "stale"}))
-    assert log(tmp_path) == [{"request": "r2", "fault": "stale", "loaded": 1, "changed": 0, "inherited": 0}]
+    assert log(tmp_path) == [{"request": "r2", "fault": "stale", "loaded": 1, "changed": 0, "inherited": 0,
+                              "distance": []}]
 
 
 @pytest.mark.parametrize("fault,scale", [("noise-1e-2", 1e-2), ("noise-1e-3", 1e-3)])
@@ -340,4 +352,5 @@ def test_a_per_rank_fault_on_a_one_rank_server_breaks_nothing_and_logs_no_change
     w = canary(tmp_path)
     got = load(w, fault)
     assert all(torch.equal(got[j]["layer0"], stored(w, j)["layer0"]) for j in range(3))
-    assert log(tmp_path) == [{"request": "r1", "fault": fault, "loaded": 3, "changed": 0, "inherited": 0}]
+    assert log(tmp_path) == [{"request": "r1", "fault": fault, "loaded": 3, "changed": 0, "inherited": 0,
+                              "distance": []}]

@@ -364,6 +364,8 @@ class FaultEvent(Artifact):
     loaded: int
     changed: int  # blocks the KV cache held otherwise than verified, after the write
     inherited: int = 0  # blocks loaded that an earlier request computed on top of wrong KV
+    distance: list[float] = []  # per changed block: its largest difference from the verified block, relative
+    # to the layer's largest value (logs before it: absent)
 
 
 class LoadEvent(Artifact):
