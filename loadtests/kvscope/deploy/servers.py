@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscope import bounded_http
 from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
 from kvscope.auth import redact_args, redact_env
-from kvscope.deploy.folder import FAILED, MANIFEST, PID, DeploymentFolder
+from kvscope.deploy.folder import FAILED, MANIFEST, PID, DeploymentFolder, ServerFolder
 
-HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN = 0, 1, 3, 4  # probe exit codes, read by the Ansible role
+HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN, REDEFINED = 0, 1, 3, 4, 5  # probe exit codes, read by the Ansible role
 
 
 SERVER_COMMAND = "vllm.entrypoints.openai.api_server"
@@ -142,16 +142,21 @@ def describe(pid: int) -> str:
     return f"pid {pid} ({(_cmdline(pid) or '?')[:160]})"
 
 
-def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> tuple[int, str]:
+def probe(pid_file: Path, port: int, host: str = "127.0.0.1", definition: str | None = None) -> tuple[int, str]:
     """(code, message): HEALTHY when our process lives, holds the port and /health answers; STARTING while
     it lives; NOT_RUNNING when it does not and the port is free; PORT_TAKEN when another process holds the
-    port (a server from another deployment, say): /health there would answer for a server we did not start."""
+    port (a server from another deployment, say): /health there would answer for a server we did not start;
+    REDEFINED when our process lives but was started from another `definition` than the one given (the digest
+    of its flags and environment, written beside the pid file at start): it serves other flags than a
+    deployment of this definition would record."""
     pid = started(pid_file)
     holder = listener(port)
     if pid is None:
         if holder is None:
             return NOT_RUNNING, "not running"
         return PORT_TAKEN, f"port {port} is held by {describe(holder)}, not by a server this deployment started"
+    if definition is not None and _started_from(pid_file) != definition:
+        return REDEFINED, "runs another definition (other flags or environment): to be replaced"
     if holder is None or holder < 0 or _pgid(holder) != pid:
         return STARTING, "starting" if holder is None else f"starting; port {port} is held by {describe(holder)}"
     try:
@@ -159,6 +164,14 @@ def probe(pid_file: Path, port: int, host: str = "127.0.0.1") -> tuple[int, str]
         return HEALTHY, "healthy"
     except (urllib.error.URLError, OSError):
         return STARTING, "starting"
+
+
+def _started_from(pid_file: Path) -> str | None:
+    """The definition digest recorded when the server under `pid_file` was started (None: none recorded)."""
+    try:
+        return ServerFolder.of(pid_file).definition.read_text().strip()
+    except OSError:
+        return None
 
 
 def wait(pid_file: Path, port: int, host: str = "127.0.0.1", timeout_s: float = 600.0,
@@ -205,6 +218,7 @@ def stop(pid_file: Path, grace_s: float = 30.0) -> str:
         else:
             outcome = f"stopped {pid}"
     Path(pid_file).unlink()
+    ServerFolder.of(pid_file).definition.unlink(missing_ok=True)
     return outcome
 
 
