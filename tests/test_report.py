@@ -468,6 +468,22 @@ def test_the_tier_table_sums_where_tokens_came_from_over_the_measure_phases():
     assert "corrupt_blocks" not in t  # zero everywhere: left out
 
 
+def test_speculative_decodings_draft_and_accepted_tokens_are_kept_and_summed():
+    from kvscope.analyze import overview
+    from kvscope.artifacts import StatusRow
+    from kvscope.run import metrics
+
+    page = ("# TYPE vllm:spec_decode_num_draft_tokens_total counter\n"  # as vLLM writes it
+            'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0\n'
+            "# TYPE vllm:spec_decode_num_accepted_tokens_total counter\n"
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 4.0\n')
+    delta = metrics.parse(page)
+    assert delta == {"vllm:spec_decode_num_draft_tokens_total": 30.0, "vllm:spec_decode_num_accepted_tokens_total": 4.0}
+    phase = {"locust_exit": 0, "seconds": 1.0, "metrics_delta": delta}
+    t = overview.tiers([StatusRow(config="apc", scenario="a", phases={"measure": phase})]).set_index("config").loc["apc"]
+    assert (t.draft_tokens, t.accepted_draft_tokens) == (30, 4)
+
+
 def test_goodput_under_an_slo_counts_the_requests_that_met_it(tmp_path):
     from kvscope.analyze import overview
 

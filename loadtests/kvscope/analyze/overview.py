@@ -183,6 +183,8 @@ TIER_COLUMNS = {  # counter (summed over a config's measure phases) -> column
     "kvscope:connector_save_errors_total": "save_errors",
     "kvscope:connector_saves_skipped_total": "saves_skipped",
     "vllm:num_preemptions_total": "preemptions",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted_draft_tokens",
 }
 
 

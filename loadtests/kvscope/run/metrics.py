@@ -17,6 +17,7 @@ COUNTERS = (
     "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits",
     "vllm:prompt_tokens", "vllm:prompt_tokens_cached",
     "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached_by_source", "vllm:num_preemptions",
+    "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",  # speculative decoding at work
 )
 HISTOGRAMS = ("vllm:time_to_first_token_seconds",)
 GAUGES = ("vllm:kv_cache_usage_perc",)
