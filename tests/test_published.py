@@ -37,7 +37,7 @@ def test_a_loaded_run_scores_and_renders_with_none_of_its_input_files_left(tmp_p
     # the folder is read once (loaded.load); scoring and rendering read no input file again
     from kvscope.analyze import loaded
 
-    name = "2026-12-06-cpu-vllm0.32-tiny-gemma3-sliding-window"  # continuations, fault and load logs
+    name = "2026-12-06-cpu-vllm0.32-tiny-gemma3-sliding-window-n80"  # continuations, fault and load logs
     run = REPO / "results" / name
     copy = shutil.copytree(run, tmp_path / "results" / name)
     monkeypatch.chdir(tmp_path)
