@@ -599,3 +599,19 @@ def test_a_topology_the_model_cannot_split_is_refused_before_a_deploy(tmp_path, 
                           "--platform", "cpu", "--model", str(model), "--run-dir", str(tmp_path), "--out",
                           str(tmp_path / "r.json")], capture_output=True, text=True)
     assert run.returncode == 2 and "does not divide the model's 3 attention heads" in run.stderr, run.stderr
+
+
+def test_fp8_kv_is_refused_before_deploy_on_a_cpu_without_avx512_or_amx(tmp_path):
+    from kvscope.config.render import cpu_kv_errors
+
+    m = matrix.load(SHIPPED)
+    fp8 = render(m, m.get("apc"), "cpu", tmp_path, tmp_path, "h", serving_path="fp8-e5m2-kv")
+    spelt = render(m, m.get("baseline"), "cpu", tmp_path, tmp_path, "h", parse_overrides('{"kv_cache_dt": "fp8"}'))
+    plain = render(m, m.get("apc"), "cpu", tmp_path, tmp_path, "h")
+    old_cpu = {"fpu", "sse4_2", "avx2"}
+    assert cpu_kv_errors([fp8, spelt, plain], old_cpu) == [
+        "config 'apc': --kv-cache-dtype fp8_e5m2 needs a CPU with AVX-512 or AMX (vLLM's CPU backend refuses it "
+        "at start); this one has neither",
+        "config 'baseline': --kv-cache-dtype fp8 needs a CPU with AVX-512 or AMX (vLLM's CPU backend refuses it "
+        "at start); this one has neither"]
+    assert cpu_kv_errors([fp8, spelt], old_cpu | {"avx512f"}) == cpu_kv_errors([fp8], old_cpu | {"amx_tile"}) == []

@@ -13,7 +13,7 @@ from pathlib import Path
 from kvscope import artifacts
 from kvscope.commandline import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
-from kvscope.config.render import model_errors, parse_overrides, render, topology_errors
+from kvscope.config.render import cpu_kv_errors, model_errors, parse_overrides, render, topology_errors
 from kvscope.deploy import servers
 from kvscope.deploy.folder import DeploymentFolder, ServerFolder
 
@@ -45,6 +45,23 @@ def cmd_render(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(out, rendered)
     print(f"rendered {', '.join(r.config for r in rendered.kvscope_servers)} for {args.platform} into {out}")
+    return 0
+
+
+def _cpu_flags() -> set[str]:
+    """This host's CPU feature flags (/proc/cpuinfo); none where it is not Linux."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def cmd_cpu_check(args) -> int:
+    """What this host's CPU cannot serve of a rendered.json, said before any server starts."""
+    rendered = artifacts.read_json(Path(args.rendered), artifacts.Rendered)
+    if errors := cpu_kv_errors(rendered.kvscope_servers, _cpu_flags()):
+        raise matrix_mod.ConfigError("; ".join(errors))
     return 0
 
 
@@ -128,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vllm-version", default="",
                    help="the serving vLLM's version (exact mode's workarounds by release); empty: unknown, all apply")
     s.set_defaults(func=cmd_render)
+
+    s = sub.add_parser("cpu-check", help="refuse what this host's CPU cannot serve (fp8 KV without AVX-512 or AMX)")
+    s.add_argument("--rendered", required=True, help="the rendered.json its servers are to start from")
+    s.set_defaults(func=cmd_cpu_check)
 
     s = sub.add_parser("probe", help="exit 0 healthy, 1 starting, 3 not running, 4 port held by another process, "
                                       "5 started from another definition")

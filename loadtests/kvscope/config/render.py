@@ -117,6 +117,21 @@ def render(
                           topology=cfg.topology.model_dump() if cfg.topology else None)
 
 
+def cpu_kv_errors(servers: list[RenderedServer], cpu_flags: set[str]) -> list[str]:
+    """fp8 KV cache on a CPU without AVX-512 or AMX (`cpu_flags`: /proc/cpuinfo's), which vLLM's CPU backend
+    refuses at start: said before anything is deployed, in any spelling vLLM reads."""
+    if cpu_flags & {"avx512f", "amx_tile"}:
+        return []
+    errors = []
+    for server in servers:
+        for arg in server.server_args:
+            flag, _, value = arg.partition("=")
+            if option_read(flag, {"--kv-cache-dtype"}) and value.startswith("fp8"):
+                errors.append(f"config '{server.config}': --kv-cache-dtype {value} needs a CPU with AVX-512 or AMX "
+                              "(vLLM's CPU backend refuses it at start); this one has neither")
+    return errors
+
+
 KVSCOPE_CONNECTOR = {"kvscope_connector", "kvscope_connector.canary"}  # modules of kvscope's connector
 
 
