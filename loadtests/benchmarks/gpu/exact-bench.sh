@@ -9,19 +9,22 @@
 #          part's are gone);
 #  normal: then the same 4B workload without batch invariance on baseline, apc and kvscope-fs, same flags
 #          otherwise: speed, and the mode's cost (three servers start in a fraction of the ten's time);
-#  failed-load: last, on the freed GPU, loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt
-#          whose KV load failed?).
+#  failed-load: on the freed GPU, loadtests/repro/vllm_failed_load.py (does this vLLM recompute a prompt
+#          whose KV load failed?);
+#  store-faults: last, the tiny model in fp32, exact: the store faults at rest (docs/workloads.md) on every
+#          file-store config (kvscope-fs, vLLM's example-fs, LMCache's disk tier, UCM's stores), with
+#          offload-cpu-tier and lmcache-cpu beside them for their reset probes.
 # Each part leaves OUT_DIR/<part>.tar.gz (its run folder and log) when it ends; OUT_DIR/DONE at the end. Run
 # folders are written under OUT_DIR/results, outside the checkout: a tool that syncs the checkout while the
 # run goes on (the lent H200's does, at every call) would remove them there. PARTS picks parts (all by default);
 # ATTENTION serves the 4B parts on another attention backend than the matrix's (their run ids then name it);
 # CONFIGS replaces the exact part's configs (e.g. only the correct caches, for a run at one user).
-#   [PARTS=tiny,exact,lmcache-repro,normal,failed-load] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] loadtests/benchmarks/gpu/exact-bench.sh \
+#   [PARTS=tiny,exact,lmcache-repro,normal,failed-load,store-faults] [ATTENTION=FLASH_ATTN] [CONFIGS=a,b] loadtests/benchmarks/gpu/exact-bench.sh \
 #     OUT_DIR [QUERIES=56] [USERS=16]
 set -uo pipefail
 out=$(mkdir -p "$1" && cd "$1" && pwd); queries=${2:-56}; users=${3:-16}
 here=$(dirname "$0"); . "$here/parts.sh"
-pick_parts exact-bench tiny,exact,lmcache-repro,normal,failed-load
+pick_parts exact-bench tiny,exact,lmcache-repro,normal,failed-load,store-faults
 [[ ${ATTENTION:-X} =~ ^[A-Z0-9_]+$ ]] || { echo "exact-bench: ATTENTION '$ATTENTION' is not a backend name" >&2; exit 2; }
 tag=${ATTENTION:+-${ATTENTION,,}}
 export SCENARIOS=rag-zipf,rag-relevance QUERIES=$queries RESULTS=$out/results
@@ -61,5 +64,12 @@ if want failed-load; then
   python3 loadtests/repro/vllm_failed_load.py models/tiny --dtype float32 > "$out/failed-load.txt" 2>&1
   echo "exit $?" >> "$out/failed-load.txt"
   keep failed-load failed-load.txt
+fi
+if want store-faults; then
+  SCENARIOS=store-bitflip,store-truncate,store-swap,store-unreadable QUERIES=6 EXACT=1 bash "$here/bench.sh" tiny \
+    h200-exact-tiny-fp32-store-faults \
+    baseline,control,kvscope-fs,example-fs,offload-cpu-tier,lmcache-cpu,lmcache-disk,ucm-nfs,ucm-pipeline \
+    '{"kv-cache-memory-bytes": 536870912}' 4 > "$out/store-faults.log" 2>&1
+  keep store-faults store-faults.log results/h200-exact-tiny-fp32-store-faults
 fi
 touch "$out/DONE"
