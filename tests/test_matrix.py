@@ -615,3 +615,8 @@ def test_fp8_kv_is_refused_before_deploy_on_a_cpu_without_avx512_or_amx(tmp_path
         "config 'baseline': --kv-cache-dtype fp8 needs a CPU with AVX-512 or AMX (vLLM's CPU backend refuses it "
         "at start); this one has neither"]
     assert cpu_kv_errors([fp8, spelt], old_cpu | {"avx512f"}) == cpu_kv_errors([fp8], old_cpu | {"amx_tile"}) == []
+    # a definition from a record, the value its own argument (as vLLM's parser reads it too)
+    apart = plain.model_copy(update={"server_args": [*plain.server_args, "--kv-cache-dtype", "fp8_e4m3"]})
+    assert cpu_kv_errors([apart], old_cpu) == [
+        "config 'apc': --kv-cache-dtype fp8_e4m3 needs a CPU with AVX-512 or AMX (vLLM's CPU backend refuses it "
+        "at start); this one has neither"]

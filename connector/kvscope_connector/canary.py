@@ -150,9 +150,10 @@ class _FaultWorker(WorkerSide):
     def _distance(self, now: Block, right: Block) -> float:
         """How far a block the KV cache holds is from the verified one: the largest difference of a value in
         any layer, relative to that layer's largest verified value (3 significant digits)."""
+        wants = self.layout.views(right)
         worst = 0.0
         for name, got in self.layout.views(now).items():
-            want = self.layout.views(right)[name].float()
+            want = wants[name].float()
             worst = max(worst, float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)))
         return float(f"{worst:.3g}")
 

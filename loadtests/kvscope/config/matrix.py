@@ -64,6 +64,28 @@ def vllm_flag(flag: str) -> str:
     return name.replace("_", "-") + dot + key
 
 
+NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a value, not a flag, to argparse
+
+
+def arg_pairs(args: list[str]) -> tuple[list[tuple[str, FlagValue]], list[str]]:
+    """Server arguments read back into flags as vLLM's parser reads them (`--flag value`, `--flag=value`, or a
+    switch), in order, and why they could not be."""
+    pairs: list[tuple[str, FlagValue]] = []
+    errors = []
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if not flag.startswith("-"):
+            errors.append(f"argument {args[i]!r} belongs to no flag")
+        elif not eq and i + 1 < len(args) and (not args[i + 1].startswith("-") or NEGATIVE.match(args[i + 1])):
+            pairs.append((flag, args[i + 1]))
+            i += 1
+        else:
+            pairs.append((flag, value if eq else True))
+        i += 1
+    return pairs, errors
+
+
 def vllm_option(flag: str) -> str:
     """The option a flag sets in vLLM's parser (before any abbreviation is expanded)."""
     return vllm_flag(flag).split(".", 1)[0]

@@ -15,6 +15,7 @@ from kvscope.config.matrix import (
     Matrix,
     Platform,
     StorageConfig,
+    arg_pairs,
     attention_backend_errors,
     cache_off_errors,
     flag_errors,
@@ -122,14 +123,10 @@ def cpu_kv_errors(servers: list[RenderedServer], cpu_flags: set[str]) -> list[st
     refuses at start: said before anything is deployed, in any spelling vLLM reads."""
     if cpu_flags & {"avx512f", "amx_tile"}:
         return []
-    errors = []
-    for server in servers:
-        for arg in server.server_args:
-            flag, _, value = arg.partition("=")
-            if option_read(flag, {"--kv-cache-dtype"}) and value.startswith("fp8"):
-                errors.append(f"config '{server.config}': --kv-cache-dtype {value} needs a CPU with AVX-512 or AMX "
-                              "(vLLM's CPU backend refuses it at start); this one has neither")
-    return errors
+    return [f"config '{server.config}': --kv-cache-dtype {value} needs a CPU with AVX-512 or AMX (vLLM's CPU "
+            "backend refuses it at start); this one has neither"
+            for server in servers for flag, value in arg_pairs(server.server_args)[0]
+            if option_read(flag, {"--kv-cache-dtype"}) and str(value).startswith("fp8")]
 
 
 KVSCOPE_CONNECTOR = {"kvscope_connector", "kvscope_connector.canary"}  # modules of kvscope's connector

@@ -25,6 +25,7 @@ from kvscope.auth import REDACTED, redact_args, redact_env
 from kvscope.config.matrix import (
     FlagValue,
     Topology,
+    arg_pairs,
     attention_backend_errors,
     cache_off_errors,
     flag_errors,
@@ -52,7 +53,6 @@ EXIT_CODES = """exit codes of rollout (and of report on a rollout folder):
 
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # the matrix's EnvName
-NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$")  # a value, not a flag, to argparse
 
 
 def now() -> str:
@@ -188,25 +188,6 @@ OWN_ARGS = ("--model", "--served-model-name", "--host", "--port")  # what the re
 KV_TRANSFER = "--kv-transfer-config"  # and last, from the config's kv_transfer_config
 
 
-def _pairs(args: list[str]) -> tuple[list[tuple[str, FlagValue]], list[str]]:
-    """Server arguments read back into flags as vLLM's parser reads them (`--flag value`, `--flag=value`, or a
-    switch), in order, and why they could not be."""
-    pairs: list[tuple[str, FlagValue]] = []
-    errors = []
-    i = 0
-    while i < len(args):
-        flag, eq, value = args[i].partition("=")
-        if not flag.startswith("-"):
-            errors.append(f"argument {args[i]!r} belongs to no flag")
-        elif not eq and i + 1 < len(args) and (not args[i + 1].startswith("-") or NEGATIVE.match(args[i + 1])):
-            pairs.append((flag, args[i + 1]))
-            i += 1
-        else:
-            pairs.append((flag, value if eq else True))
-        i += 1
-    return pairs, errors
-
-
 def definition_errors(s: ServerState) -> list[str]:
     """Why a rollback may not deploy what the record says restores `s` ([] when it may): it must be the
     definition its manifest records, with kvscope's own arguments first (and the kv-transfer config last) as
@@ -219,7 +200,7 @@ def definition_errors(s: ServerState) -> list[str]:
     if (r.config != s.config or m.config != s.config or r.port != m.port or r.role != m.role
             or redact_args(r.server_args) != m.server_args or redact_env(r.env) != m.env):
         return ["its recorded definition is not the definition its manifest records"]
-    pairs, errors = _pairs(r.server_args)
+    pairs, errors = arg_pairs(r.server_args)
     own = dict(pairs[:len(OWN_ARGS)])
     if (list(own) != list(OWN_ARGS) or own["--served-model-name"] != r.served_model_name
             or own["--port"] != str(r.port)):
@@ -230,7 +211,7 @@ def definition_errors(s: ServerState) -> list[str]:
     if r.topology is not None:  # its ranks, last before the JSON as the render puts them, as its topology records
         if errors := topology_errors(r.topology, r.role):
             return errors
-        ranks, _ = _pairs(Topology.model_validate(r.topology).flags())
+        ranks, _ = arg_pairs(Topology.model_validate(r.topology).flags())
         if rest[-2:] != ranks:
             return [f"its topology flags are not the ranks its record names ({r.topology})"]
         rest = rest[:-2]
