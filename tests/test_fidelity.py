@@ -194,3 +194,16 @@ def test_in_exact_mode_a_split_fails_even_at_a_near_tie_golden_would_score_as_be
     assert fidelity.score(gold, cand, TOL, continuation).cls == "benign"
     s = fidelity.score(gold, cand, EXACT, continuation)
     assert s.cls == "FAIL" and "never splits" in s.reason and s.first_divergence == 1
+
+
+def test_a_logprob_that_is_not_a_number_fails_the_answer_even_with_golden_tokens():
+    """None: a logprob the server sent as NaN or infinite. Equal tokens do not save it, and it never widens
+    a noise floor (the control's floor compares finite logprobs only)."""
+    golden = rec([1, 2, 3], config="golden")
+    nan = rec([1, 2, 3], tops=[[[1, -0.1], [999, -3.0]], [[2, None], [999, None]], [[3, -0.1], [999, -3.0]]])
+    for t in (TOL, EXACT):
+        s = fidelity.score(golden, nan, t)
+        assert s.cls == fidelity.Answer.FAIL and "not a number" in s.reason and "token 1" in s.reason
+    assert fidelity.deviation(fidelity.alts(golden, 1), fidelity.alts(nan, 1)) is None
+    bad_golden = fidelity.score(nan.model_copy(update={"config": "golden"}), golden, TOL)
+    assert bad_golden.cls == fidelity.Answer.NO_GOLDEN and "not a number" in bad_golden.reason

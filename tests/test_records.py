@@ -134,3 +134,16 @@ def test_request_bodies_ask_for_token_ids_and_a_canary_fault():
     key = records.request_key("rag-zipf-0003-t0", "measure")
     assert records.key_from_server_id(f"chatcmpl-{key}-1a2b3c4d") == key  # how vLLM names the request
     assert records.key_from_server_id(f"cmpl-{key}-0-96f52fa6") == key  # completions: a prompt index too
+
+
+def test_a_logprob_that_is_not_a_number_is_kept_as_none_and_reads_back(tmp_path):
+    """vLLM streams NaN (wrong KV loaded: UCM's NFS store after a bit flip, fp8 e5m2 KV with noise); JSON has no
+    NaN, so the record keeps None there, in memory as on disk, and the run folder still reads."""
+    nan = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[7],"logprobs":{"content":[{"token":' \
+          b'"token_id:7","logprob":NaN,"top_logprobs":[{"token":"token_id:7","logprob":NaN},{"token":"token_id:9",' \
+          b'"logprob":-Infinity}]}]}}]}\n'
+    r = records.parse_stream(feed((0.1, nan), (0.2, USAGE), (0.3, DONE)), 0.0, rec(), block_size=16)
+    assert r.ok and r.top_logprobs == [[(7, None), (9, None)]]
+    path = tmp_path / "r.jsonl"
+    records.write([r], path)
+    assert records.read(path)[0].top_logprobs == [[(7, None), (9, None)]]

@@ -338,8 +338,9 @@ class Record(Artifact):
     finish_reason: str | None = None
     output_text: str = ""
     output_token_ids: list[int] = Field(default_factory=list)
-    # per position: [[token, logprob], ...] best first; the token is an id (a string in version 0 records)
-    top_logprobs: list[list[tuple[int | str, float]]] = Field(default_factory=list)
+    # per position: [[token, logprob], ...] best first; the token is an id (a string in version 0 records); the
+    # logprob None where the server sent one that is not a finite number (NaN, ±inf: JSON has neither)
+    top_logprobs: list[list[tuple[int | str, float | None]]] = Field(default_factory=list)
     prompt_sha: str | None = None  # sha256 of the prompt token ids: the exact input the server saw
     prompt_block_hashes: list[str] = Field(default_factory=list)  # chained, one per full block
     prompt_token_ids: list[int] | None = None  # kept for the golden config: continuations are scored on it

@@ -130,8 +130,14 @@ def is_degenerate(tokens: list[int]) -> bool:
 
 
 def alts(rec: Record, i: int) -> Alts:
-    """The recorded alternatives at position i; empty past the recorded answer."""
-    return {tok: lp for tok, lp in rec.top_logprobs[i]} if i < len(rec.top_logprobs) else {}
+    """The recorded alternatives at position i with a finite logprob; empty past the recorded answer. (One that
+    is not a number fails the answer first: `not_a_number`.)"""
+    return {tok: lp for tok, lp in rec.top_logprobs[i] if lp is not None} if i < len(rec.top_logprobs) else {}
+
+
+def not_a_number(rec: Record) -> int | None:
+    """The first position at which the server sent a logprob that is not a finite number; None if none."""
+    return next((i for i, top in enumerate(rec.top_logprobs) if any(lp is None for _, lp in top)), None)
 
 
 def deviation(a: Alts, b: Alts) -> float | None:
@@ -193,8 +199,14 @@ def score(golden: Record | None, cand: Record, tol: Tolerance,
     if golden is None or not golden.ok:
         s.cls, s.reason = Answer.NO_GOLDEN, "golden answer missing or failed"
         return s
+    if (p := not_a_number(golden)) is not None:
+        s.cls, s.reason = Answer.NO_GOLDEN, f"golden's answer has a logprob that is not a number at token {p}"
+        return s
     if golden.prompt_sha and cand.prompt_sha and golden.prompt_sha != cand.prompt_sha:
         s.cls, s.reason = Answer.INPUT_DIFFERS, "the server saw other prompt tokens than golden's"
+        return s
+    if (p := not_a_number(cand)) is not None:
+        s.cls, s.reason = Answer.FAIL, f"a logprob that is not a number (NaN or infinite) at token {p}"
         return s
     if not cand.output_token_ids or not golden.output_token_ids:
         s.cls, s.reason = Answer.NO_TOKEN_IDS, "no output token ids to compare (the server ignored return_token_ids)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,13 +37,19 @@ def token_id(token: str) -> int | str:
     return int(token[9:]) if token.startswith("token_id:") else token
 
 
-def _top(entry: dict | None, endpoint: str) -> list[tuple[int | str, float]]:
+def _finite(logprob) -> float | None:
+    """A logprob as the record keeps it: None where it is not a finite number (vLLM streams NaN for wrong KV)."""
+    return logprob if isinstance(logprob, (int, float)) and math.isfinite(logprob) else None
+
+
+def _top(entry: dict | None, endpoint: str) -> list[tuple[int | str, float | None]]:
     """Alternatives at one position, best first, from a chat or a completions logprobs entry."""
     if not entry:
         return []
     if endpoint == "chat":
-        return [(token_id(alt["token"]), alt["logprob"]) for alt in entry.get("top_logprobs", [])]
-    return sorted(((token_id(tok), lp) for tok, lp in entry.items()), key=lambda x: -x[1])
+        return [(token_id(alt["token"]), _finite(alt["logprob"])) for alt in entry.get("top_logprobs", [])]
+    return sorted(((token_id(tok), _finite(lp)) for tok, lp in entry.items()),
+                  key=lambda x: -x[1] if x[1] is not None else math.inf)
 
 
 def parse_stream(lines: Iterable[tuple[float, bytes]], t_start: float, rec: Record, block_size: int,
