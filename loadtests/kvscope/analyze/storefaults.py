@@ -11,8 +11,12 @@ DETECTIONS = ("kvscope:connector_corrupt_total", "kvscope:connector_io_errors_to
 COLUMNS = ["config", "scenario", "fault", "files", "answers", "fail", "failed", "hits", "detected", "outcome"]
 
 
-def outcome(files: int, answers: int, fail: int, failed: int, hits: int, detected: int | None) -> str:
-    """In words, from the measure phase: FAILs first (served wrong), then failures, then the tier's detections."""
+def outcome(files: int, answers: int, fail: int, failed: int, hits: int, detected: int | None,
+            primes: int = 0, primes_failed: int = 0) -> str:
+    """In words, from the measure phase: FAILs first (served wrong), then failures, then the tier's detections.
+    A store left empty because every prime request failed (a server down) is not measured, not spared."""
+    if not files and primes and primes_failed == primes:
+        return f"not measured: every prime request failed ({primes_failed} of {primes}), nothing was stored"
     if not files:
         return "not exercised: no file was damaged"
     if not answers:
@@ -37,12 +41,15 @@ def table(status: list[StatusRow], scores: pd.DataFrame) -> pd.DataFrame:
         phase = row.phases.get("store-fault")
         if not isinstance(phase, StoreFaultPhase):
             continue
-        sc = scores[(scores.config == row.config) & (scores.scenario == row.scenario) & (scores.phase == "measure")]
+        mine = scores[(scores.config == row.config) & (scores.scenario == row.scenario)]
+        sc, prime = mine[mine.phase == "measure"], mine[mine.phase == "prime"]
         delta = row.metrics_delta()
         detected = None if delta is None or not any(k in delta for k in DETECTIONS) else \
             int(sum(delta.get(k, 0.0) for k in DETECTIONS))
         counts = {"answers": len(sc), "fail": int((sc.cls == Answer.FAIL).sum()),
                   "failed": int((sc.cls == Answer.FAILED).sum()), "hits": int((sc.cached_tokens.fillna(0) > 0).sum())}
         rows.append({"config": row.config, "scenario": row.scenario, "fault": phase.fault, "files": phase.files,
-                     **counts, "detected": detected, "outcome": outcome(phase.files, detected=detected, **counts)})
+                     **counts, "detected": detected,
+                     "outcome": outcome(phase.files, detected=detected, **counts, primes=len(prime),
+                                        primes_failed=int((prime.cls == Answer.FAILED).sum()))})
     return pd.DataFrame(rows, columns=COLUMNS)
