@@ -170,6 +170,10 @@ def test_the_connector_import_check_sees_the_configs_python_path(tmp_path):
         "my_connector": "ok"}
     assert servers.connector_imports(sys.executable, ["my_connector"], {})["my_connector"].startswith(
         "ModuleNotFoundError")
+    # UCM prints to standard output as it imports (H200, 2026-12-07): its modules still import
+    (own / "chatty.py").write_text("print('[UCM] init {store: nfs}')\n")
+    assert servers.connector_imports(sys.executable, ["chatty", "my_connector"], {"PYTHONPATH": str(own)}) == {
+        "chatty": "ok", "my_connector": "ok"}
 
 
 def test_the_manifest_checks_imports_with_the_servers_environment(tmp_path, monkeypatch):

@@ -319,11 +319,13 @@ def connector_modules(server: RenderedServer) -> list[str]:
 def _in_server(python: str, code: str, timeout_s: float, tail: int, env: dict[str, str] | None = None) -> dict | str:
     """Run `code` in the server's interpreter (a shell-quoted command, e.g. `docker exec kvscope-apc python3`),
     with the server's environment `env` added to ours (a container has its own already): the JSON object it
-    prints, or why there is none (the last `tail` characters of its error)."""
+    prints last (what it imports may print before it: UCM does), or why there is none (the last `tail`
+    characters of its error)."""
     try:
         out = subprocess.run([*shlex.split(python), "-c", code], capture_output=True, text=True, timeout=timeout_s,
                              env={**os.environ, **(env or {})})
-        return json.loads(out.stdout) if out.returncode == 0 else out.stderr.strip()[-tail:]
+        last = (out.stdout.strip().splitlines() or [""])[-1]
+        return json.loads(last) if out.returncode == 0 else out.stderr.strip()[-tail:]
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
