@@ -101,14 +101,17 @@ def test_the_report_says_what_the_tier_did_with_each_fault():
 
 def test_a_store_left_empty_because_its_prime_phase_failed_is_not_measured():
     """A server down before the prime phase (an earlier fault crashed it: vLLM 0.26 on the H200) stored nothing:
-    that row says the prime failed, not that the tier was spared."""
-    status = [row("truncate", 0, None), row("swap", 0, None)]
+    that row says the prime failed, not that the tier was spared or failed the damaged files' loads."""
+    status = [row("truncate", 0, None), row("swap", 0, None), row("bitflip", 9, None)]
     scores = pd.DataFrame([
         {"config": "fs", "scenario": "store-truncate", "phase": "prime", "cls": "failed", "cached_tokens": None},
         {"config": "fs", "scenario": "store-truncate", "phase": "prime", "cls": "failed", "cached_tokens": None},
         {"config": "fs", "scenario": "store-truncate", "phase": "measure", "cls": "failed", "cached_tokens": None},
         {"config": "fs", "scenario": "store-swap", "phase": "prime", "cls": "identical", "cached_tokens": 0},
+        {"config": "fs", "scenario": "store-bitflip", "phase": "prime", "cls": "failed", "cached_tokens": None},
+        {"config": "fs", "scenario": "store-bitflip", "phase": "measure", "cls": "failed", "cached_tokens": None},
     ])
     said = outcomes.table(status, scores).set_index("fault").outcome
-    assert said["truncate"] == "not measured: every prime request failed (2 of 2), nothing was stored"
+    assert said["truncate"] == "not measured: every prime request failed (2 of 2), this treatment stored nothing"
+    assert said["bitflip"] == "not measured: every prime request failed (1 of 1), this treatment stored nothing"
     assert said["swap"] == "not exercised: no file was damaged"

@@ -14,9 +14,10 @@ COLUMNS = ["config", "scenario", "fault", "files", "answers", "fail", "failed", 
 def outcome(files: int, answers: int, fail: int, failed: int, hits: int, detected: int | None,
             primes: int = 0, primes_failed: int = 0) -> str:
     """In words, from the measure phase: FAILs first (served wrong), then failures, then the tier's detections.
-    A store left empty because every prime request failed (a server down) is not measured, not spared."""
-    if not files and primes and primes_failed == primes:
-        return f"not measured: every prime request failed ({primes_failed} of {primes}), nothing was stored"
+    A treatment whose prime requests all failed (a server down) stored nothing: not measured, whatever files an
+    earlier treatment left to damage."""
+    if primes and primes_failed == primes:
+        return f"not measured: every prime request failed ({primes_failed} of {primes}), this treatment stored nothing"
     if not files:
         return "not exercised: no file was damaged"
     if not answers:
