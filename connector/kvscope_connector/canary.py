@@ -74,6 +74,8 @@ log = logging.getLogger("kvscope_connector")
 FAULTS = ("shift", "zeros", "stale", "layer", "head", "noise-1e-2", "noise-1e-3", "second-hit", "foreign",
           "unloaded", "reused", "partial", "rank0-only", "rank0-heads")
 RANK_FAULTS = ("rank0-only", "rank0-heads")  # they act on tensor-parallel ranks above 0 only
+# vLLM's fp8 KV cache dtypes, whose cache it allocates as uint8 codes of these formats
+FP8_CODES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 Part = Callable[[str, torch.Tensor], "torch.Tensor | None"]  # the slice of a layer's block a fault touches
 
@@ -101,6 +103,7 @@ class _FaultWorker(WorkerSide):
     default_fault = "shift"
     fault_log: str | None = None
     kv_heads = 1
+    fp8: torch.dtype | None = None  # the fp8 format of a KV cache vLLM hands over as uint8 codes (None: not fp8)
     rank = 0  # this worker's tensor-parallel rank
     rank0: FsTier | None = None  # rank 0's files, on a rank above 0 with a filesystem tier (rank0-heads)
 
@@ -153,9 +156,20 @@ class _FaultWorker(WorkerSide):
         wants = self.layout.views(right)
         worst = 0.0
         for name, got in self.layout.views(now).items():
-            want = wants[name].float()
-            worst = max(worst, float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+            want = self._values(wants[name])
+            worst = max(worst, float((self._values(got) - want).abs().max() / want.abs().max().clamp_min(1e-30)))
         return float(f"{worst:.3g}")
+
+    def _values(self, t: torch.Tensor) -> torch.Tensor:
+        """KV values as float32: an fp8 cache's uint8 codes decoded, so faults and distances act on values."""
+        return t.view(self.fp8).float() if self.fp8 is not None and t.dtype == torch.uint8 else t.float()
+
+    def _encoded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Float32 values back in the cache's dtype: an fp8 cache's codes, within fp8's finite range."""
+        if self.fp8 is None or dtype != torch.uint8:
+            return x.to(dtype)
+        big = torch.finfo(self.fp8).max
+        return x.clamp(-big, big).to(self.fp8).view(torch.uint8)
 
     def to_write(self, meta: KVScopeMetadata, verified: Iterator[tuple[LoadSpec, Block]]
                  ) -> Iterable[tuple[int, Block]]:
@@ -255,10 +269,10 @@ class _FaultWorker(WorkerSide):
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(block_ids[0])
         for layer in self.layers.values():
-            x = layer.index_select(0, idx).float()
+            x = self._values(layer.index_select(0, idx))
             std = x.reshape(len(block_ids), -1).std(dim=1).view(-1, *[1] * (x.dim() - 1))
             noise = torch.randn(x.shape, generator=gen, device=self.device) * std * scale
-            layer.index_copy_(0, idx, (x + noise).to(layer.dtype))
+            layer.index_copy_(0, idx, self._encoded(x + noise, layer.dtype))
 
     def _former(self, spec: LoadSpec) -> Block | None:
         """The block of the key the slot held before this load, where that is another key the tier holds."""
@@ -383,6 +397,7 @@ class FaultCanary(KVScopeConnector):
             self.worker_side.default_fault = self.default_fault
             self.worker_side.fault_log = extra("fault_log", None)
             self.worker_side.kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
+            self.worker_side.fp8 = FP8_CODES.get(str(vllm_config.cache_config.cache_dtype))
             self.worker_side.rank = rank = _tp_rank()
             if rank > 0 and (fs := self.worker_side.fs) is not None:  # rank 0's files: its fingerprint's folder
                 self.worker_side.rank0 = FsTier(str(fs.root), fingerprint(**{**self.fingerprint_of, "tp_rank": 0}),

@@ -354,3 +354,23 @@ def test_a_per_rank_fault_on_a_one_rank_server_breaks_nothing_and_logs_no_change
     assert all(torch.equal(got[j]["layer0"], stored(w, j)["layer0"]) for j in range(3))
     assert log(tmp_path) == [{"request": "r1", "fault": fault, "loaded": 3, "changed": 0, "inherited": 0,
                               "distance": []}]
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_noise_on_an_fp8_cache_acts_on_its_values_not_on_its_byte_codes(tmp_path, fp8):
+    """vLLM hands a connector an fp8 KV cache as uint8 codes: noise of 1e-2 of the values' spread moves the values
+    by about that (rounded to fp8's steps), never into NaN or infinity, and the log's distance is in values."""
+    w = _FaultWorker(FP, B, RamTier(1 << 20), None)
+    gen = torch.Generator().manual_seed(0)
+    w.register({f"layer{i}": torch.randn(16, HEADS, B, 64, generator=gen).to(fp8).view(torch.uint8)
+                for i in range(3)})
+    w.fp8, w.fault_log = fp8, str(tmp_path / "faults.jsonl")
+    w.save(KVScopeMetadata(stores=[StoreSpec(j, f"k{j}", True, False) for j in range(3)]))
+    w.flush()
+    got = load(w, "noise-1e-2")
+    for j in range(3):
+        now, was = got[j]["layer0"].view(fp8).float(), stored(w, j)["layer0"].view(fp8).float()
+        assert torch.isfinite(now).all()
+        assert float((now - was).std() / was.std()) < 0.1  # byte noise moved them by whole steps: ~0.1-0.3
+        assert float((now != was).float().mean()) < 0.5
+    assert 0 < max(log(tmp_path)[0]["distance"]) < 0.2
