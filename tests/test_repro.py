@@ -109,3 +109,21 @@ def test_a_failed_request_is_no_verdict_not_a_difference(failure):
     out = run(golden, lambda p: failure)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "a request failed" in out.stderr
+
+
+def test_the_failed_load_repro_names_why_a_variant_did_not_start():
+    """On the H200 (2026-12-07) every variant's engine failed to start and the repro printed only the last three
+    lines of the traceback ("Engine core initialization failed. See root cause above."): the cause it names
+    is the error above that line."""
+    sys.path.insert(0, str(REPO / "loadtests" / "repro"))
+    try:
+        from vllm_failed_load import root_cause
+    finally:
+        sys.path.pop(0)
+    err = "\n".join(["INFO starting", "Traceback (most recent call last):", '  File "x.py", line 1, in f',
+                     "ValueError: Free memory on device (12.1/139.8 GiB) is less than desired (14.0 GiB).",
+                     "Traceback (most recent call last):", '  File "utils.py", line 1272, in wait_for_engine_startup',
+                     "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"])
+    assert root_cause(err) == "ValueError: Free memory on device (12.1/139.8 GiB) is less than desired (14.0 GiB)."
+    assert root_cause("RuntimeError: boom") == "RuntimeError: boom"
+    assert root_cause("") == "no error output"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -101,6 +102,14 @@ def child(model: str, dtype: str, variant: str) -> None:
     print("RESULT " + json.dumps(pairs), flush=True)
 
 
+def root_cause(err: str) -> str:
+    """Why a variant's process failed, from its standard error: the last exception line above vLLM's "See root
+    cause above." (which names none), else the last exception line."""
+    found = [line.strip() for line in err.splitlines() if re.match(r"\s*[\w.]+(Error|Exception)\b.*:", line)]
+    causes = [line for line in found if "See root cause above" not in line]
+    return (causes or found or ["no error output"])[-1]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
@@ -122,7 +131,7 @@ def main() -> int:
         out, err = proc.communicate()
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
-            print(f"{variant}: did not run (exit {proc.returncode}): {err.strip().splitlines()[-3:]}")
+            print(f"{variant}: did not run (exit {proc.returncode}): {root_cause(err)}")
             wrong += 1
             continue
         pairs = json.loads(lines[-1][len("RESULT "):])
