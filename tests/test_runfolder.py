@@ -215,7 +215,7 @@ def test_an_unknown_key_in_a_part_of_a_status_row_is_refused(tmp_path, where):
 
 def test_a_flat_run_json_loads_each_treatment_with_its_servers_manifest_and_is_written_back_flat(tmp_path):
     # versions 0 and 1 wrote a treatment as one flat object (Treatment was a Manifest); published runs keep that form
-    published = REPO / "results" / "2026-12-02-h200-vllm0.26-qwen3-4b-bf16-exact" / "run.json"
+    published = REPO / "results" / "2026-12-03-h200-vllm0.26-qwen3-4b-bf16-exact-step-cap" / "run.json"
     flat = json.loads(published.read_text())
     assert flat["schema_version"] == 1 and "manifest" not in flat["servers"][0]
     run = read_json(published, RunInfo)
@@ -236,7 +236,7 @@ def test_a_flat_run_json_loads_each_treatment_with_its_servers_manifest_and_is_w
     assert read_json(tmp_path / "new.json", RunInfo) == new
 
 
-FLAT_RUN = REPO / "results" / "2026-12-02-h200-vllm0.26-qwen3-4b-bf16-exact" / "run.json"
+FLAT_RUN = REPO / "results" / "2026-12-03-h200-vllm0.26-qwen3-4b-bf16-exact-step-cap" / "run.json"
 
 
 def test_a_treatments_form_is_its_run_jsons_version_flat_before_2_nested_from_2(tmp_path):
