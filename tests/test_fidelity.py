@@ -207,3 +207,23 @@ def test_a_logprob_that_is_not_a_number_fails_the_answer_even_with_golden_tokens
     assert fidelity.deviation(fidelity.alts(golden, 1), fidelity.alts(nan, 1)) is None
     bad_golden = fidelity.score(nan.model_copy(update={"config": "golden"}), golden, TOL)
     assert bad_golden.cls == fidelity.Answer.NO_GOLDEN and "not a number" in bad_golden.reason
+
+
+def test_golden_re_scoring_drops_a_logprob_that_is_not_a_number(monkeypatch):
+    """A NaN in golden's prompt_logprobs would make the continuation floor, and so every near-tie check, NaN
+    (each comparison with it false: every split BENIGN). Golden's view keeps finite logprobs only; a position
+    that loses the candidate's token then lists it as unlisted (FAIL)."""
+    import json
+    from types import SimpleNamespace as NS
+
+    from kvscope.artifacts import Continuation
+    from kvscope.run import continuations
+
+    body = {"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -0.5}, "8": {"logprob": float("nan")}},
+                                             {"9": {"logprob": float("-inf")}, "4": {"logprob": -2.0}}]}]}
+    monkeypatch.setattr(continuations.bounded_http, "fetch", lambda *a, **k: json.dumps(body).encode())
+    golden = NS(url="http://x", manifest=NS(served_model_name="m"))
+    view = continuations.golden_logprobs(golden, [1], [7, 9], 0)
+    assert view == [[(7, -0.5)], [(4, -2.0)]]
+    with pytest.raises(ValueError):
+        Continuation(request_id="r", phase="measure", start=0, logprobs=[[(7, float("nan"))]])

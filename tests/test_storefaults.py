@@ -115,3 +115,5 @@ def test_a_store_left_empty_because_its_prime_phase_failed_is_not_measured():
     assert said["truncate"] == "not measured: every prime request failed (2 of 2), this treatment stored nothing"
     assert said["bitflip"] == "not measured: every prime request failed (1 of 1), this treatment stored nothing"
     assert said["swap"] == "not exercised: no file was damaged"
+    # its measure phase loaded an earlier treatment's damaged files and served wrong: that is said
+    assert outcomes.outcome(3, 5, 2, 0, 2, 0, primes=4, primes_failed=4) == "served wrong: 2 of 5 answers FAIL"

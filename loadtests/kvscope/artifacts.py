@@ -351,6 +351,8 @@ class Record(Artifact):
 class Continuation(Artifact):
     """Golden's logprobs of an answer, position by position from `start`: [[token id, logprob], ...]."""
 
+    model_config = ConfigDict(allow_inf_nan=False)  # a NaN would make every comparison with golden's view pass
+
     request_id: str
     phase: str
     start: int

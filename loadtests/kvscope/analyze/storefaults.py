@@ -15,8 +15,8 @@ def outcome(files: int, answers: int, fail: int, failed: int, hits: int, detecte
             primes: int = 0, primes_failed: int = 0) -> str:
     """In words, from the measure phase: FAILs first (served wrong), then failures, then the tier's detections.
     A treatment whose prime requests all failed (a server down) stored nothing: not measured, whatever files an
-    earlier treatment left to damage."""
-    if primes and primes_failed == primes:
+    earlier treatment left to damage, unless an answer FAILs (a wrong answer is never left unsaid)."""
+    if primes and primes_failed == primes and not fail:
         return f"not measured: every prime request failed ({primes_failed} of {primes}), this treatment stored nothing"
     if not files:
         return "not exercised: no file was damaged"

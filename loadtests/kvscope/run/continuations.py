@@ -13,6 +13,7 @@ position scored) and logprobs ([[token id, logprob], ...] per position from star
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 from pathlib import Path
 
@@ -27,15 +28,16 @@ ANSWER_BYTES_PER_POSITION = 4096  # a position's top-5 prompt_logprobs take ~500
 
 def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[int], start: int
                     ) -> list[list[tuple[int, float]]]:
-    """Golden's top-5 (and the answer's own token) at each answer position from `start` on."""
+    """Golden's top-5 (and the answer's own token) at each answer position from `start` on; a logprob that is not
+    a finite number is left out (a NaN here would make every near-tie check pass)."""
     base = golden.url
     body = {"model": golden.manifest.served_model_name, "prompt": prompt_ids + answer_ids, "max_tokens": 1,
             "temperature": 0, "prompt_logprobs": TOP}
     size = bounded_http.MAX_BYTES + ANSWER_BYTES_PER_POSITION * (len(prompt_ids) + len(answer_ids))
     answer = bounded_http.fetch(f"{base}/v1/completions", json.dumps(body).encode(), timeout=300, limit=size)
     positions = json.loads(answer)["choices"][0]["prompt_logprobs"]
-    return [sorted(((int(tok), alt["logprob"]) for tok, alt in positions[len(prompt_ids) + j].items()),
-                   key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
+    return [sorted(((int(tok), alt["logprob"]) for tok, alt in positions[len(prompt_ids) + j].items()
+                    if math.isfinite(alt["logprob"])), key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
 
 
 def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list[str],
