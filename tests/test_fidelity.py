@@ -220,7 +220,7 @@ def test_golden_re_scoring_drops_a_logprob_that_is_not_a_number(monkeypatch):
     from kvscope.run import continuations
 
     body = {"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -0.5}, "8": {"logprob": float("nan")}},
-                                             {"9": {"logprob": float("-inf")}, "4": {"logprob": -2.0}}]}]}
+                                             {"9": {"logprob": float("-inf")}, "4": {"logprob": -2.0}, "5": {"logprob": None}, "6": {"logprob": True}}]}]}
     monkeypatch.setattr(continuations.bounded_http, "fetch", lambda *a, **k: json.dumps(body).encode())
     golden = NS(url="http://x", manifest=NS(served_model_name="m"))
     view = continuations.golden_logprobs(golden, [1], [7, 9], 0)

@@ -13,13 +13,12 @@ position scored) and logprobs ([[token id, logprob], ...] per position from star
 from __future__ import annotations
 
 import json
-import math
 import urllib.error
 from pathlib import Path
 
 from kvscope import bounded_http
 from kvscope.artifacts import Continuation, Record, Treatment, append_jsonl, read_jsonl
-from kvscope.run.records import read, request_key
+from kvscope.run.records import finite_logprob, read, request_key
 from kvscope.runfolder import RunFolder
 
 TOP = 5
@@ -37,7 +36,8 @@ def golden_logprobs(golden: Treatment, prompt_ids: list[int], answer_ids: list[i
     answer = bounded_http.fetch(f"{base}/v1/completions", json.dumps(body).encode(), timeout=300, limit=size)
     positions = json.loads(answer)["choices"][0]["prompt_logprobs"]
     return [sorted(((int(tok), alt["logprob"]) for tok, alt in positions[len(prompt_ids) + j].items()
-                    if math.isfinite(alt["logprob"])), key=lambda x: -x[1]) for j in range(start, len(answer_ids))]
+                    if finite_logprob(alt["logprob"]) is not None), key=lambda x: -x[1])
+            for j in range(start, len(answer_ids))]
 
 
 def collect(folder: Path, golden: Treatment, configs: list[str], scenarios: list[str],

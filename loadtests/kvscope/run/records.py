@@ -37,9 +37,10 @@ def token_id(token: str) -> int | str:
     return int(token[9:]) if token.startswith("token_id:") else token
 
 
-def _finite(logprob) -> float | None:
+def finite_logprob(logprob) -> float | None:
     """A logprob as the record keeps it: None where it is not a finite number (vLLM streams NaN for wrong KV)."""
-    return logprob if isinstance(logprob, (int, float)) and math.isfinite(logprob) else None
+    number = isinstance(logprob, (int, float)) and not isinstance(logprob, bool)
+    return logprob if number and math.isfinite(logprob) else None
 
 
 def _top(entry: dict | None, endpoint: str) -> list[tuple[int | str, float | None]]:
@@ -47,8 +48,8 @@ def _top(entry: dict | None, endpoint: str) -> list[tuple[int | str, float | Non
     if not entry:
         return []
     if endpoint == "chat":
-        return [(token_id(alt["token"]), _finite(alt["logprob"])) for alt in entry.get("top_logprobs", [])]
-    return sorted(((token_id(tok), _finite(lp)) for tok, lp in entry.items()),
+        return [(token_id(alt["token"]), finite_logprob(alt["logprob"])) for alt in entry.get("top_logprobs", [])]
+    return sorted(((token_id(tok), finite_logprob(lp)) for tok, lp in entry.items()),
                   key=lambda x: -x[1] if x[1] is not None else math.inf)
 
 
