@@ -6,6 +6,7 @@ that never ran, no cache hits, answers without token ids, a golden server that w
 
 import io
 import json
+import math
 
 import numpy as np
 import pandas as pd
@@ -20,10 +21,15 @@ BAD = [[1, 9, 3], [7, 5, 6]]
 SCENARIO = {"name": "s", "kind": "rag"}  # as an older run.json records it: no load level
 
 
+def finite(lp: float) -> float | None:
+    """A logprob as a record holds it: None where the server sent one that is not a number."""
+    return None if math.isnan(lp) else lp
+
+
 def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, servers=SERVERS, status=True,
              mode="normal", **per_config):
     """A run folder as bench writes it. outputs: tokens per answer and config; per_config[config] may set
-    `cached` (tokens per answer), `failed` (indexes of failed answers), `offset` (added to every logprob)."""
+    `cached` (tokens per answer), `failed` (indexes of failed answers), `offset` (added to every logprob; NaN: none is a number)."""
     (folder / "records").mkdir(parents=True)
     (folder / "workloads").mkdir()
     n = len(next(iter(outputs.values())))
@@ -53,7 +59,7 @@ def make_run(folder, outputs: dict[str, list[list[int]]], workload_lines=None, s
                 r = Record(config=config, scenario="s", phase="measure", request_id=f"r{i}", session_id=f"r{i}",
                            turn=0, endpoint="chat", start_unix_s=float(i), ok=ok, error=None if ok else "HTTP 500",
                            ttft_s=0.1 + 0.01 * i, e2e_s=0.5, itl_s=[0.01], prompt_tokens=200, cached_tokens=cached,
-                           output_token_ids=toks, top_logprobs=[[[t, -0.1 + off], [999, -3.0 + off]] for t in toks],
+                           output_token_ids=toks, top_logprobs=[[[t, finite(-0.1 + off)], [999, finite(-3.0 + off)]] for t in toks],
                            prompt_sha=f"p{i}", prompt_block_hashes=["h0", "h1", "h2"])
                 f.write(r.model_dump_json() + "\n")
     return folder
@@ -776,6 +782,21 @@ def test_a_noise_fault_that_moved_logprobs_beyond_the_tolerance_shows_above_the_
     assert ("- A 1e-3 noise fault shows above this floor: the canary's `noise-1e-3` hits moved logprobs by at "
             "least 0.001 nat, above the tolerance 1e-05 nat; caught 2 of 2 (95 % lower bound 0.342).") in md
     assert tier_doc(run)["noise_1e-3"]["may_hide"] is False
+
+
+def test_noise_hits_caught_by_a_logprob_that_is_not_a_number_are_named_so_not_called_a_split(tmp_path):
+    # the fp8-e5m2 noise canary (before b03c252) streamed NaN: the report said the hits "split from golden's
+    # tokens at their first token", though every one kept golden's tokens
+    run, md = noise_run(tmp_path, GOOD, 0.0, float("nan"))
+    assert ("- A 1e-3 noise fault shows above this floor: the canary's `noise-1e-3` hits carried a logprob that is "
+            "not a number (2 of 2); caught 2 of 2 (95 % lower bound 0.342).") in md
+    assert tier_doc(run)["noise_1e-3"]["may_hide"] is False
+
+
+def test_noise_hits_that_split_at_their_first_token_say_so(tmp_path):
+    run, md = noise_run(tmp_path, [[9, 2, 3], [8, 5, 6]], 0.0, 0.0)
+    assert ("the canary's `noise-1e-3` hits split from golden's tokens at their first token (2 of 2: no "
+            "logprob to compare); caught 2 of 2") in md
 
 
 def test_a_noise_fault_within_the_tolerance_may_hide_even_where_a_token_split_caught_it(tmp_path):

@@ -135,6 +135,9 @@ def alts(rec: Record, i: int) -> Alts:
     return {tok: lp for tok, lp in rec.top_logprobs[i] if lp is not None} if i < len(rec.top_logprobs) else {}
 
 
+NOT_A_NUMBER = "a logprob that is not a number"  # a FAIL's reason begins so where not_a_number found one
+
+
 def not_a_number(rec: Record) -> int | None:
     """The first position at which the server sent a logprob that is not a finite number; None if none."""
     return next((i for i, top in enumerate(rec.top_logprobs) if any(lp is None for _, lp in top)), None)
@@ -206,7 +209,7 @@ def score(golden: Record | None, cand: Record, tol: Tolerance,
         s.cls, s.reason = Answer.INPUT_DIFFERS, "the server saw other prompt tokens than golden's"
         return s
     if (p := not_a_number(cand)) is not None:
-        s.cls, s.reason = Answer.FAIL, f"a logprob that is not a number (NaN or infinite) at token {p}"
+        s.cls, s.reason = Answer.FAIL, f"{NOT_A_NUMBER} (NaN or infinite) at token {p}"
         return s
     if not cand.output_token_ids or not golden.output_token_ids:
         s.cls, s.reason = Answer.NO_TOKEN_IDS, "no output token ids to compare (the server ignored return_token_ids)"

@@ -387,11 +387,11 @@ def verdict_tier(a: Analysis) -> dict:
     doc: dict[str, object] = {"tier": s.tier, "why": s.tier_why, "tolerance_nats": s.tolerance_nats,
            "power": verdicts.class_power(a.power)}
     if s.tier == verdicts.STATISTICAL and s.tolerance_nats > 0:  # at 0 (exact mode) nothing hides under it
-        deviations = [d for server in a.loaded.run.servers if server.role == "canary"
-                      and server.fault == verdicts.NOISE_PROBE for d in verdicts.broken_hits(
-                          server.config, a.scores, fault_changes(a.loaded, server.config))[0].max_dev]
-        hides, why = verdicts.noise_hides(a.power, [None if pd.isna(d) else float(d) for d in deviations],
-                                          s.tolerance_nats)
+        hits = pd.concat([verdicts.broken_hits(server.config, a.scores, fault_changes(a.loaded, server.config))[0]
+                          for server in a.loaded.run.servers
+                          if server.role == "canary" and server.fault == verdicts.NOISE_PROBE]
+                         or [a.scores.iloc[:0]])
+        hides, why = verdicts.noise_hides(a.power, hits, s.tolerance_nats)
         doc["noise_1e-3"] = {"may_hide": hides, "why": why}
     return doc
 

@@ -141,10 +141,10 @@ def class_power(power_table: pd.DataFrame) -> list[dict]:
     return out
 
 
-def noise_hides(power_table: pd.DataFrame, deviations: list[float | None], tolerance: float) -> tuple[bool, str]:
+def noise_hides(power_table: pd.DataFrame, hits: pd.DataFrame, tolerance: float) -> tuple[bool, str]:
     """Whether a 1e-3 noise fault may hide under the floor, and why, from what the canary's NOISE_PROBE hits
     did: not measured, missed, or moving logprobs no more than the tolerance (caught by other signs, if at
-    all) says it may. `deviations`: each broken NOISE_PROBE hit's largest logprob difference from golden."""
+    all) says it may. `hits`: the broken NOISE_PROBE hits' scores (max_dev, reason)."""
     power = next((p for p in class_power(power_table) if p["fault"] == NOISE_PROBE), None)
     if power is None or not power["broken"]:
         ran = "no canary treatment of that class ran" if power is None else "its canary broke no hit"
@@ -153,13 +153,16 @@ def noise_hides(power_table: pd.DataFrame, deviations: list[float | None], toler
     if k < n:
         return True, (f"the canary's `{NOISE_PROBE}` hits were caught on {k} of {n} (95 % lower bound {low:.3g}); "
                       f"the tolerance is {tolerance:.3g} nat")
-    moved = [d for d in deviations if d is not None]
+    moved = [float(d) for d in hits.max_dev if not pd.isna(d)]
     if within := [d for d in moved if d <= tolerance]:
         return True, (f"{len(within)} of the canary's {n} `{NOISE_PROBE}` hits moved logprobs by no more than the "
                       f"tolerance {tolerance:.3g} nat (as little as {min(within):.3g} nat): caught here by other "
                       "signs (a token split), not by their logprobs")
+    nan = int(hits.reason.fillna("").str.startswith(fidelity.NOT_A_NUMBER).sum())
     moves = (f"moved logprobs by at least {min(moved):.3g} nat, above the tolerance {tolerance:.3g} nat" if moved
-             else "split from golden's tokens at their first token (no logprob to compare)")
+             else f"carried a logprob that is not a number ({nan} of {len(hits)})" if nan
+             else f"split from golden's tokens at their first token ({len(hits)} of {len(hits)}: no logprob to "
+                  "compare)")
     return False, f"the canary's `{NOISE_PROBE}` hits {moves}; caught {k} of {n} (95 % lower bound {low:.3g})"
 
 
