@@ -298,3 +298,26 @@ def test_why_a_server_died_is_read_through_vllms_per_process_log_prefix():
         pre + "AttributeError: 'SchedulerOutput' object has no attribute 'scheduled_new_reqs'",
     ])
     assert servers.first_error(log) == "AttributeError: 'SchedulerOutput' object has no attribute 'scheduled_new_reqs'"
+
+
+def test_why_a_server_did_not_start_is_read_where_the_api_server_tags_lines_without_a_level():
+    # vLLM 0.28's API server tags its traceback lines "(APIServer pid=N) " with no level or time, and its ERROR
+    # line lost the word ERROR to the prefix: the report said ucm-blend "did not start: process died", and
+    # failed.json "no error line in the log" (H100, 2026-12-07)
+    from kvscope.deploy import servers
+    tag = "(APIServer pid=13437) "
+    log = "\n".join([
+        tag + "INFO 12-07 08:35:15 [api_utils.py:272] non-default args: {}",
+        tag + "ERROR 12-07 08:35:15 [factory.py:122] Connector UCMBlendConnector uses deprecated 2-argument "
+              "constructor signature.",
+        tag + "Traceback (most recent call last):",
+        tag + '  File "/opt/site/vllm/engine/arg_utils.py", line 2501, in create_engine_config',
+        tag + "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
+        tag + "  Value error, Connector UCMBlendConnector uses deprecated 2-argument constructor signature.",
+        tag + "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ])
+    assert servers.first_error(log) == ("pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+                                        "VllmConfig Value error, Connector UCMBlendConnector uses deprecated "
+                                        "2-argument constructor signature.")
+    assert servers.first_error("\n".join(log.splitlines()[:2])) == (
+        "ERROR [factory.py:122] Connector UCMBlendConnector uses deprecated 2-argument constructor signature.")

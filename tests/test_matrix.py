@@ -620,3 +620,19 @@ def test_fp8_kv_is_refused_before_deploy_on_a_cpu_without_avx512_or_amx(tmp_path
     assert cpu_kv_errors([apart], old_cpu) == [
         "config 'apc': --kv-cache-dtype fp8_e4m3 needs a CPU with AVX-512 or AMX (vLLM's CPU backend refuses it "
         "at start); this one has neither"]
+
+
+def test_run_json_records_the_users_locust_ran_where_a_scenario_sets_its_own(tmp_path, model_dir):
+    # rag-preempt runs 8 users whatever --users says; its run.json column recorded the load level (2), so
+    # nothing in the published run said that 8 ran
+    from kvscope.artifacts import Deployment, Manifest, write_json
+    from kvscope.run.plan import BenchOptions, build
+
+    baseline = Manifest(config="baseline", role="golden", port=8100, platform="cpu", served_model_name="tiny",
+                        server_args=[], vllm_version="0.32.0", kv_capacity_tokens=16384, block_size=64,
+                        prefix_caching=False, model_path=str(model_dir), model_hash="f" * 64)
+    write_json(tmp_path / "deployment.json", Deployment(servers=[baseline]))
+    plan = build(BenchOptions(deployments=[tmp_path / "deployment.json"], results=tmp_path / "results",
+                              scenarios=["rag-preempt", "rag-zipf"], users="2"))
+    assert plan.scenarios["rag-preempt"].users == plan.users_of("rag-preempt") == 8
+    assert plan.scenarios["rag-zipf"].users == plan.users_of("rag-zipf") == 2

@@ -223,7 +223,7 @@ def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFra
                                                min_hits, max_failed,
                                                tiers_served(loaded, config), reset_leaks(server, status),
                                                verdicts.source_tokens([r.metrics_delta() for r in status
-                                                                       if r.config == config]))
+                                                                       if r.config == config], server.manifest.tiers))
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
@@ -692,11 +692,12 @@ def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str
             continue
         sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
         hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
-        sources = verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == s.config])
-        if hits is None and tiers and sources:  # no load log: vLLM's per-source counter, per phase
-            out.append(f"- {md(s.config, code=True)}: cached tokens each tier served, by vLLM's "
-                       "per-source counter (over its measure phases, not per request): " + ", ".join(
-                           f"{md(t)} {sources.get(t, 0)}" for t in [*tiers, *sorted(set(sources) - set(tiers))]))
+        sources = verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == s.config], tiers)
+        if hits is None and tiers and sources and sources.tokens:  # no load log: vLLM's counters, per phase
+            got = sources.tokens
+            out.append(f"- {md(s.config, code=True)}: cached tokens each tier served, by {sources.by} (over its "
+                       "measure phases, not per request): " + ", ".join(
+                           f"{md(t)} {got.get(t, 0)}" for t in [*tiers, *sorted(set(got) - set(tiers))]))
             continue
         if hits is None:
             out.append(f"- {md(s.config, code=True)}: " + (f"certifies {md(', '.join(tiers))}, but the run kept no "

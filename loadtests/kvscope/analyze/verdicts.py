@@ -21,6 +21,7 @@ failed but some verdict is INCOMPLETE, UNVERIFIED or INVALID (inconclusive); 2 i
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -237,38 +238,52 @@ def tier_shortfall(declared: list[str], hits: dict[str, int] | None, min_hits: i
 
 SOURCE = "vllm:prompt_tokens_cached_by_source_total{source="  # vLLM's CacheHitSource: device, host, disk, p2p
 UNSPECIFIED = "external_unspecified"  # a connector that does not say which of its tiers served
+CONNECTOR = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"  # every token a connector gave
+BY_SOURCE, BY_CONNECTOR = "vLLM's per-source counter", "vLLM's external_kv_transfer counter, the connector's one tier"
 
 
-def source_tokens(deltas: list[dict[str, float] | None]) -> dict[str, int] | None:
+class TierTokens(NamedTuple):
+    """Cached prompt tokens per tier over a config's measure phases, and what counted them."""
+    tokens: dict[str, int]
+    by: str
+
+
+def source_tokens(deltas: list[dict[str, float] | None], tiers: list[str]) -> TierTokens | None:
     """Cached prompt tokens per source over a config's measure phases (vLLM's prompt_tokens_cached_by_source):
-    {} where its counters were read and have no such counter, None where none were read."""
+    empty where its counters were read and have no such counter, None where none were read. Where vLLM has no
+    per-source counter (0.28) and the config certifies one tier, every token its connector gave is that tier's."""
     read = [delta for delta in deltas if delta is not None]
+    if not read:
+        return None
     out: dict[str, int] = {}
     for delta in read:
         for key, value in delta.items():
             if key.startswith(SOURCE):
                 source = key[len(SOURCE):].rstrip("}")
                 out[source] = out.get(source, 0) + int(value)
-    return out if read else None
+    if not out and len(tiers) == 1 and any(CONNECTOR in delta for delta in read):
+        return TierTokens({tiers[0]: sum(int(delta.get(CONNECTOR, 0)) for delta in read)}, BY_CONNECTOR)
+    return TierTokens(out, BY_SOURCE)
 
 
-def counter_shortfall(declared: list[str], sources: dict[str, int] | None) -> str | None:
-    """Without a load log: why a config cannot PASS on behalf of its tiers from vLLM's per-source counter (a
-    tier that served 0 tokens was not exercised; hits the connector files as external_unspecified, or no
+def counter_shortfall(declared: list[str], sources: TierTokens) -> str | None:
+    """Without a load log: why a config cannot PASS on behalf of its tiers from vLLM's counters (source_tokens:
+    a tier that served 0 tokens was not exercised; hits the connector files as external_unspecified, or no
     counter at all, are not observable); None when each served some. Per phase, not per request: a tier's
     tokens are not tied to the verified hits."""
     if not declared:
         return None
-    if not sources:
+    tokens = sources.tokens
+    if not tokens:
         return (f"its tiers ({', '.join(declared)}) cannot be observed: no load log kept, and no per-source "
                 "counter (vllm:prompt_tokens_cached_by_source)")
-    unspecified = sources.get(UNSPECIFIED, 0)
+    unspecified = tokens.get(UNSPECIFIED, 0)
     short = [f"{t} hits not observable (its connector reports {unspecified} cached tokens as {UNSPECIFIED})"
-             if unspecified else f"{t} not exercised (0 cached tokens from it by vLLM's per-source counter)"
-             for t in declared if sources.get(t, 0) <= 0]
+             if unspecified else f"{t} not exercised (0 cached tokens from it by {sources.by})"
+             for t in declared if tokens.get(t, 0) <= 0]
     if not short:
         return None
-    passed = [t for t in declared if sources.get(t, 0) > 0]
+    passed = [t for t in declared if tokens.get(t, 0) > 0]
     return (f"{Verdict.PASS} for {', '.join(passed)}; " if passed else "") + "; ".join(short)
 
 
@@ -277,7 +292,7 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
                    max_failed: float = MAX_FAILED_SHARE,
                    served: dict[str, dict[str, int]] | None = None,
                    leaks: list[str] | None = None,
-                   sources: dict[str, int] | None = None) -> tuple[str, str]:
+                   sources: TierTokens | None = None) -> tuple[str, str]:
     """(verdict, why) of one config from its measure-phase scores; `expected`: answers per scenario;
     `ran`: the scenarios with a status row; `reference_problems`: why golden or control was not cache-off;
     `served`: which tier served each request's blocks (its connector's load log), for the tiers it certifies;
@@ -335,8 +350,8 @@ def config_verdict(server: Treatment, scores: pd.DataFrame, expected: dict[str, 
     if role == "control":
         return Verdict.PASS, "within the noise floor"
     if hits is None and sources is not None and server.manifest.tiers:
-        per_tier = ", ".join(f"{t} {sources.get(t, 0)} tokens" for t in server.manifest.tiers)
-        return Verdict.PASS, f"{verified} verified cache hits (by tier, vLLM's per-source counter: {per_tier})"
+        per_tier = ", ".join(f"{t} {sources.tokens.get(t, 0)} tokens" for t in server.manifest.tiers)
+        return Verdict.PASS, f"{verified} verified cache hits (by tier, {sources.by}: {per_tier})"
     per_tier = ", ".join(f"{t} {(hits or {}).get(t, 0)}" for t in server.manifest.tiers)
     return Verdict.PASS, f"{verified} verified cache hits" + (f" (by tier: {per_tier})" if per_tier else "")
 

@@ -367,14 +367,17 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
 
 
 ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*")
-# what vLLM writes before each line of a process's log: "(EngineCore pid=7) ERROR 12-06 10:48:48 [core.py:1757] "
-VLLM_PREFIX = re.compile(r"^\(\w+ pid=\d+\) [A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\] ")
+# what vLLM writes before each line of a process's log: a process tag "(EngineCore pid=7) ", then, on a logged
+# line, its head "ERROR 12-06 10:48:48 [core.py:1757] " (a traceback the API server prints has the tag only)
+PROCESS_TAG = re.compile(r"^\(\w+ pid=\d+\) ")
+LOG_HEAD = re.compile(r"^([A-Z]+) \d\d-\d\d [\d:]+ (\[[^\]]+\]) ")
 
 
 def first_error(log_text: str) -> str:
     """Why a server died: the exception of the first traceback (with its indented detail lines, as pydantic
     writes them), else the first ERROR line."""
-    lines = [VLLM_PREFIX.sub("", line, count=1) for line in log_text.splitlines()]
+    tagged = [PROCESS_TAG.sub("", line, count=1) for line in log_text.splitlines()]
+    lines = [LOG_HEAD.sub("", line, count=1) for line in tagged]
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
             for j in range(i + 1, len(lines)):
@@ -382,8 +385,13 @@ def first_error(log_text: str) -> str:
                     detail = [d.strip() for d in lines[j + 1:j + 3]
                               if d.startswith("  ") and "errors.pydantic" not in d]
                     return " ".join([lines[j].strip(), *detail])[:400]
-    return next((line.strip()[:400] for line in lines if " ERROR " in line or "ERROR" in line.split()[:1]),
-                "no error line in the log")
+    for line in tagged:
+        if head := LOG_HEAD.match(line):
+            if head.group(1) == "ERROR":
+                return f"ERROR {head.group(2)} {line[head.end():]}".strip()[:400]
+        elif " ERROR " in line or "ERROR" in line.split()[:1]:
+            return line.strip()[:400]
+    return "no error line in the log"
 
 
 def rendered_servers(path: Path) -> dict[str, RenderedServer]:
