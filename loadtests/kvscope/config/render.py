@@ -198,6 +198,26 @@ def model_errors(model_dir: Path) -> list[str]:
     return errors
 
 
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention"}
+
+
+def hybrid_errors(model_dir: Path, configs: list[StorageConfig]) -> list[str]:
+    """kvscope's connector on a model with layers that keep a recurrent state (linear attention, Mamba): vLLM
+    turns its hybrid KV cache manager off for a connector without SupportsHMA (kvscope's), and such a model then
+    cannot start. Refused here, before a deploy, for kvscope's connectors (a folder model_errors passed)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kinds = sorted({t for t in text.get("layer_types") or [] if t not in ATTENTION_LAYERS}
+                   | ({"mamba"} if "M" in str(text.get("hybrid_override_pattern") or "") else set()))
+    if not kinds:
+        return []
+    return [f"config '{cfg.name}': kvscope's connector cannot serve this model's {', '.join(kinds)} layers: vLLM "
+            "turns its hybrid KV cache manager off for a connector without SupportsHMA, and then fails at start "
+            "('Failed to promote local KV cache specs to one unified type'); apc serves it"
+            for cfg in configs if cfg.kv_transfer_config is not None
+            and (cfg.kv_transfer_config.kv_connector_module_path or "").startswith("kvscope_connector")]
+
+
 def topology_errors(model_dir: Path, configs: list[StorageConfig]) -> list[str]:
     """Topologies vLLM would refuse at start for this model: TP ranks that do not divide its attention heads,
     more PP stages than it has layers (a model folder model_errors passed)."""
