@@ -395,7 +395,7 @@ def test_file_tokens_that_the_connector_would_refuse_stop_the_render_before_a_de
 CPU_BENCH = ("baseline", "control", "apc", "kvscope-ram", "kvscope-fs", "kvscope-shared", "canary")
 
 
-@pytest.mark.parametrize("name", ["fp8-kv", "fp8-e5m2-kv", "ngram-spec", "small-chunk-full-pool"])
+@pytest.mark.parametrize("name", ["fp8-kv", "fp8-e5m2-kv", "ngram-spec", "small-chunk-full-pool", "fp8-kv-full-pool"])
 def test_each_cpu_serving_path_renders_over_every_cpu_config_and_is_recorded(tmp_path, name):
     m = matrix.load(SHIPPED)
     path = m.paths[name]
@@ -623,8 +623,8 @@ def test_fp8_kv_is_refused_before_deploy_on_a_cpu_without_avx512_or_amx(tmp_path
 
 
 def test_run_json_records_the_users_locust_ran_where_a_scenario_sets_its_own(tmp_path, model_dir):
-    # rag-preempt runs 8 users whatever --users says; its run.json column recorded the load level (2), so
-    # nothing in the published run said that 8 ran
+    # rag-preempt runs 8 users whatever --users says; its run.json column recorded only the load level (2),
+    # so nothing in the published run said that 8 ran
     from kvscope.artifacts import Deployment, Manifest, write_json
     from kvscope.run.plan import BenchOptions, build
 
@@ -634,8 +634,9 @@ def test_run_json_records_the_users_locust_ran_where_a_scenario_sets_its_own(tmp
     write_json(tmp_path / "deployment.json", Deployment(servers=[baseline]))
     plan = build(BenchOptions(deployments=[tmp_path / "deployment.json"], results=tmp_path / "results",
                               scenarios=["rag-preempt", "rag-zipf"], users="2"))
-    assert plan.scenarios["rag-preempt"].users == plan.users_of("rag-preempt") == 8
-    assert plan.scenarios["rag-zipf"].users == plan.users_of("rag-zipf") == 2
+    assert plan.scenarios["rag-preempt"].locust_users == plan.users_of("rag-preempt") == 8
+    assert plan.scenarios["rag-zipf"].locust_users is None and plan.users_of("rag-zipf") == 2
+    assert plan.scenarios["rag-preempt"].users == 2  # the load level stays what a sweep's columns are keyed by
 
 
 def test_kvscopes_connector_on_a_hybrid_linear_attention_model_is_refused_before_a_deploy(tmp_path, model_dir):
@@ -658,3 +659,22 @@ def test_kvscopes_connector_on_a_hybrid_linear_attention_model_is_refused_before
                           "--platform", "cpu", "--model", str(model), "--run-dir", str(tmp_path), "--out",
                           str(tmp_path / "r.json")], capture_output=True, text=True)
     assert run.returncode == 2 and "config 'kvscope-ram': kvscope's connector" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("extra,kinds", [
+    ({"full_attention_interval": 4, "linear_conv_kernel_dim": 4}, "linear_attention"),  # Qwen3-Next, no layer_types
+    ({"attn_layer_period": 8, "mamba_d_state": 16}, "mamba"),  # Jamba
+    ({"layers_block_type": ["mamba", "hybrid", "mamba"]}, "hybrid, mamba"),  # Zamba2
+    ({"linear_attn_config": {"kda_layers": [1, 2]}}, "linear_attention"),  # Kimi-Linear
+    ({"llm_config": {"hybrid_override_pattern": "M-M*"}}, "mamba"),  # NemotronH-VL
+    ({"layer_types": ["chunked_attention", "full_attention"]}, None),  # Llama 4: attention only
+])
+def test_hybrid_models_are_found_by_every_key_their_configs_use(tmp_path, model_dir, extra, kinds):
+    from kvscope.config.render import hybrid_errors
+
+    model = tmp_path / "m"
+    shutil.copytree(model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **extra}))
+    errors = hybrid_errors(model, [matrix.load(SHIPPED).get("kvscope-ram")])
+    assert errors == [] if kinds is None else f"this model's {kinds} layers" in errors[0], errors

@@ -799,6 +799,20 @@ def test_noise_hits_that_split_at_their_first_token_say_so(tmp_path):
             "logprob to compare); caught 2 of 2") in md
 
 
+def test_the_noise_line_names_each_way_its_hits_were_caught_where_none_moved_a_compared_logprob():
+    from kvscope.analyze.verdicts import noise_hides
+
+    power = pd.DataFrame({"fault": ["noise-1e-3"], "config": ["c"], "affected_hits": [3], "detected": [3]})
+    hits = pd.DataFrame({"max_dev": [None, None, None], "first_divergence": [None, 0, 2],
+                         "reason": ["a logprob that is not a number (NaN or infinite) at token 4",
+                                    "diverges at token 0, golden margin 1.6 nat", "degenerate answer (repetition 0.9)"]})
+    hides, why = noise_hides(power, hits, 1e-4)
+    assert not hides and why.startswith(
+        "the canary's `noise-1e-3` hits carried a logprob that is not a number (1 of 3); split from golden's "
+        "tokens at their first token (1 of 3: no logprob to compare); were caught otherwise (1 of 3: degenerate "
+        "answer (repetition 0.9)); caught 3 of 3")
+
+
 def test_a_noise_fault_within_the_tolerance_may_hide_even_where_a_token_split_caught_it(tmp_path):
     run, md = noise_run(tmp_path, BAD, 1e-3, 2e-3)  # tolerance 3e-3; caught only by the tokens splitting
     assert ("- **A 1e-3 noise fault may hide under this floor**: 1 of the canary's 2 `noise-1e-3` hits moved "

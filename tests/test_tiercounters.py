@@ -44,26 +44,36 @@ def test_a_tier_without_a_load_log_is_judged_by_its_per_source_counter(tmp_path,
 
 
 CONNECTOR = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+OFFLOAD = ["--kv-offloading-size=8", "--kv-offloading-backend=native"]
 
 
-@pytest.mark.parametrize("tiers,delta,gate,why", [
-    (["host"], {CONNECTOR: 256.0}, 0,
-     "2 verified cache hits (by tier, vLLM's external_kv_transfer counter, the connector's one tier: host 256 "
-     "tokens)"),
-    (["host"], {CONNECTOR: 0.0}, 3,
-     "host not exercised (0 cached tokens from it by vLLM's external_kv_transfer counter, the connector's one tier)"),
-    (["host", "disk"], {CONNECTOR: 256.0}, 3,
-     "its tiers (host, disk) cannot be observed: no load log kept, and no per-source counter "
+def offloading(run, config: str, args: list[str]):
+    doc = json.loads((run / "run.json").read_text())
+    next(s for s in doc["servers"] if s["config"] == config)["server_args"] += args
+    (run / "run.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("tiers,args,delta,gate,why", [
+    (["host"], OFFLOAD, {CONNECTOR: 256.0}, 0,
+     "2 verified cache hits (by tier, vLLM's external_kv_transfer counter of its CPU offload: host 256 tokens)"),
+    (["host"], ["--kv_offloading_size", "8"], {CONNECTOR: 0.0}, 3,
+     "host not exercised (0 cached tokens from it by vLLM's external_kv_transfer counter of its CPU offload)"),
+    # a connector of one certified tier may still hold another in front of it (ucm-pipeline: a RAM cache
+    # before its disk store): without vLLM's CPU offload its tokens speak for no tier
+    (["disk"], [], {CONNECTOR: 256.0}, 3,
+     "its tiers (disk) cannot be observed: no load log kept, and no per-source counter "
      "(vllm:prompt_tokens_cached_by_source)"),
 ])
-def test_without_a_per_source_counter_the_connectors_tokens_speak_for_its_one_tier(tmp_path, tiers, delta, gate, why):
-    # vLLM 0.28 has no prompt_tokens_cached_by_source: offload-cpu-tier (one tier, host) was UNVERIFIED on 78
-    # bitwise hits (H100, 2026-12-07), though every token the connector gave came from its one tier
+def test_without_a_per_source_counter_vllms_cpu_offload_is_judged_by_its_connector_tokens(tmp_path, tiers, args,
+                                                                                          delta, gate, why):
+    # vLLM 0.28 has no prompt_tokens_cached_by_source: offload-cpu-tier (vLLM's CPU offload, one tier: host)
+    # was UNVERIFIED on 78 bitwise hits (H100, 2026-12-07), though every token it gave came from host memory
     run = make_run(tmp_path / "run", four(), status=False)
     certify(run, "apc", tiers)
+    offloading(run, "apc", args)
     with_counters(run, "apc", delta)
     assert report.write(run, min_hits=1) == gate
     assert verdicts(run).why["apc"] == why
     if gate == 0:
-        assert "- `apc`: cached tokens each tier served, by vLLM's external_kv_transfer counter, the connector's one " \
-               "tier (over its measure phases, not per request): host 256" in (run / "report.md").read_text()
+        assert "- `apc`: cached tokens each tier served, by vLLM's external_kv_transfer counter of its CPU offload " \
+               "(over its measure phases, not per request): host 256" in (run / "report.md").read_text()

@@ -291,7 +291,8 @@ class RunScenario(Part, Scenario):
     """A treatment column of run.json: its scenario's settings, the load level it ran at and which repeat;
     written with the keys it was given (a setting, or the level, that an older run did not record stays out)."""
 
-    users: int | None = None  # the users Locust ran: the scenario's own where it sets them, else the load level
+    users: int | None = None  # the load level (--users)
+    locust_users: int | None = None  # the users Locust ran where the scenario sets its own (over the level)
     repeat: int = 1
 
 

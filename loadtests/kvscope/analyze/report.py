@@ -223,7 +223,8 @@ def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFra
                                                min_hits, max_failed,
                                                tiers_served(loaded, config), reset_leaks(server, status),
                                                verdicts.source_tokens([r.metrics_delta() for r in status
-                                                                       if r.config == config], server.manifest.tiers))
+                                                                       if r.config == config],
+                                                                      verdicts.offload_tier(server)))
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
@@ -692,7 +693,8 @@ def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str
             continue
         sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
         hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
-        sources = verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == s.config], tiers)
+        sources = verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == s.config],
+                                         verdicts.offload_tier(s))
         if hits is None and tiers and sources and sources.tokens:  # no load log: vLLM's counters, per phase
             got = sources.tokens
             out.append(f"- {md(s.config, code=True)}: cached tokens each tier served, by {sources.by} (over its "

@@ -159,12 +159,26 @@ def noise_hides(power_table: pd.DataFrame, hits: pd.DataFrame, tolerance: float)
         return True, (f"{len(within)} of the canary's {n} `{NOISE_PROBE}` hits moved logprobs by no more than the "
                       f"tolerance {tolerance:.3g} nat (as little as {min(within):.3g} nat): caught here by other "
                       "signs (a token split), not by their logprobs")
-    nan = int(hits.reason.fillna("").str.startswith(fidelity.NOT_A_NUMBER).sum())
     moves = (f"moved logprobs by at least {min(moved):.3g} nat, above the tolerance {tolerance:.3g} nat" if moved
-             else f"carried a logprob that is not a number ({nan} of {len(hits)})" if nan
-             else f"split from golden's tokens at their first token ({len(hits)} of {len(hits)}: no logprob to "
-                  "compare)")
+             else caught_without_logprobs(hits))
     return False, f"the canary's `{NOISE_PROBE}` hits {moves}; caught {k} of {n} (95 % lower bound {low:.3g})"
+
+
+def caught_without_logprobs(hits: pd.DataFrame) -> str:
+    """How broken hits that moved no compared logprob were caught, each way with its count."""
+    nan = hits.reason.fillna("").str.startswith(fidelity.NOT_A_NUMBER)
+    split = ~nan & (hits.first_divergence == 0)
+    other = hits[~nan & ~split]
+    n = len(hits)
+    ways = []
+    if nan.any():
+        ways.append(f"carried a logprob that is not a number ({int(nan.sum())} of {n})")
+    if split.any():
+        ways.append(f"split from golden's tokens at their first token ({int(split.sum())} of {n}: no logprob to "
+                    "compare)")
+    if len(other):
+        ways.append(f"were caught otherwise ({len(other)} of {n}: {other.reason.iloc[0]})")
+    return "; ".join(ways)
 
 
 # a hit counter of the reset probe -> the tier it speaks for (kvscope's connector counts blocks, the rest tokens)
@@ -239,7 +253,7 @@ def tier_shortfall(declared: list[str], hits: dict[str, int] | None, min_hits: i
 SOURCE = "vllm:prompt_tokens_cached_by_source_total{source="  # vLLM's CacheHitSource: device, host, disk, p2p
 UNSPECIFIED = "external_unspecified"  # a connector that does not say which of its tiers served
 CONNECTOR = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"  # every token a connector gave
-BY_SOURCE, BY_CONNECTOR = "vLLM's per-source counter", "vLLM's external_kv_transfer counter, the connector's one tier"
+BY_SOURCE, BY_OFFLOAD = "vLLM's per-source counter", "vLLM's external_kv_transfer counter of its CPU offload"
 
 
 class TierTokens(NamedTuple):
@@ -248,10 +262,18 @@ class TierTokens(NamedTuple):
     by: str
 
 
-def source_tokens(deltas: list[dict[str, float] | None], tiers: list[str]) -> TierTokens | None:
+def offload_tier(server: Treatment) -> str | None:
+    """The one tier vLLM's CPU offload (`--kv-offloading-size`, the OffloadingConnector) serves from, host
+    memory, where a config certifies only that tier; None for any other connector (one may hold a tier in front
+    of the one it certifies: ucm-pipeline's RAM cache before its disk)."""
+    flags = {arg.split("=", 1)[0].replace("_", "-") for arg in server.manifest.server_args}
+    return "host" if "--kv-offloading-size" in flags and server.manifest.tiers == ["host"] else None
+
+
+def source_tokens(deltas: list[dict[str, float] | None], offload: str | None = None) -> TierTokens | None:
     """Cached prompt tokens per source over a config's measure phases (vLLM's prompt_tokens_cached_by_source):
     empty where its counters were read and have no such counter, None where none were read. Where vLLM has no
-    per-source counter (0.28) and the config certifies one tier, every token its connector gave is that tier's."""
+    per-source counter (0.26, 0.28), every token vLLM's CPU offload gave (`offload`: offload_tier) is host's."""
     read = [delta for delta in deltas if delta is not None]
     if not read:
         return None
@@ -261,8 +283,8 @@ def source_tokens(deltas: list[dict[str, float] | None], tiers: list[str]) -> Ti
             if key.startswith(SOURCE):
                 source = key[len(SOURCE):].rstrip("}")
                 out[source] = out.get(source, 0) + int(value)
-    if not out and len(tiers) == 1 and any(CONNECTOR in delta for delta in read):
-        return TierTokens({tiers[0]: sum(int(delta.get(CONNECTOR, 0)) for delta in read)}, BY_CONNECTOR)
+    if not out and offload and any(CONNECTOR in delta for delta in read):
+        return TierTokens({offload: sum(int(delta.get(CONNECTOR, 0)) for delta in read)}, BY_OFFLOAD)
     return TierTokens(out, BY_SOURCE)
 
 

@@ -198,17 +198,31 @@ def model_errors(model_dir: Path) -> list[str]:
     return errors
 
 
-ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention"}
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+
+
+def recurrent_layers(config: dict) -> list[str]:
+    """The kinds of layer in a model's config.json that keep a recurrent state (linear attention, Mamba), by
+    every key the hybrid families spell them with; [] for an attention-only model."""
+    kinds: set[str] = set()
+    for part in [config, *(config[k] for k in ("text_config", "llm_config") if isinstance(config.get(k), dict))]:
+        for key in ("layer_types", "layers_block_type"):  # Qwen3-Next, Gemma; Zamba2
+            kinds |= {str(t) for t in part.get(key) or [] if t not in ATTENTION_LAYERS}
+        if "M" in str(part.get("hybrid_override_pattern") or ""):  # Nemotron-H
+            kinds.add("mamba")
+        if part.get("attn_layer_period") or any(k.startswith(("mamba_", "ssm_")) for k in part):  # Jamba
+            kinds.add("mamba")
+        if (part.get("full_attention_interval") or 0) > 1 or part.get("linear_attn_config") \
+                or "linear_conv_kernel_dim" in part:  # Qwen3-Next, Kimi-Linear
+            kinds.add("linear_attention")
+    return sorted(kinds)
 
 
 def hybrid_errors(model_dir: Path, configs: list[StorageConfig]) -> list[str]:
     """kvscope's connector on a model with layers that keep a recurrent state (linear attention, Mamba): vLLM
     turns its hybrid KV cache manager off for a connector without SupportsHMA (kvscope's), and such a model then
     cannot start. Refused here, before a deploy, for kvscope's connectors (a folder model_errors passed)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    kinds = sorted({t for t in text.get("layer_types") or [] if t not in ATTENTION_LAYERS}
-                   | ({"mamba"} if "M" in str(text.get("hybrid_override_pattern") or "") else set()))
+    kinds = recurrent_layers(json.loads((model_dir / "config.json").read_text()))
     if not kinds:
         return []
     return [f"config '{cfg.name}': kvscope's connector cannot serve this model's {', '.join(kinds)} layers: vLLM "

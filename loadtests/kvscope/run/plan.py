@@ -101,8 +101,8 @@ class BenchPlan(BaseModel):
         return self.sources[self.scenarios[label].name]
 
     def users_of(self, label: str) -> int:
-        """Locust's users for a column: its scenario's own, else the column's load level (as run.json records)."""
-        return self.scenarios[label].users or 1
+        """Locust's users for a column: its scenario's own, else the column's load level."""
+        return self.scenario(label).users or self.scenarios[label].users or 1
 
     def restarts(self, server: Treatment, label: str) -> bool:
         """A restart scenario restarts a candidate's server between its phases."""
@@ -284,7 +284,7 @@ def build(options: BenchOptions) -> BenchPlan:
         run_id=run_id, folder=folder, resume=options.resume, command=options.command, servers=chosen,
         writers={s.manifest.writer: by_name[s.manifest.writer] for s in sharing if s.manifest.writer},
         crashed=crashed, sources=sources,
-        scenarios={label: RunScenario(**{**sources[name].model_dump(), "users": sources[name].users or u, "repeat": r})
+        scenarios={label: run_scenario(sources[name], u, r)
                    for label, (name, u, r) in variants(options.scenarios, users, options.repeats).items()},
         mode=mode, serving_path=path, users=users, repeats=options.repeats, processes=options.processes,
         rate=options.rate, timeout_s=options.timeout_s, workers=workers, restart_cmd=options.restart_cmd,
@@ -341,6 +341,15 @@ def serving_path(servers_: list[Treatment]) -> str | None:
             f"{config} {path or 'none'}" for config, path in sorted(paths.items()))
             + "; deploy them all with one SERVING_PATH (make deploy SERVING_PATH=...)")
     return next(iter(paths.values()), None)
+
+
+def run_scenario(scenario: Scenario, users: int, repeat: int) -> RunScenario:
+    """A treatment column: the scenario at a load level and repeat, and the users Locust runs where it sets its
+    own (a key only then: run.json keeps the keys it was given)."""
+    doc = {**scenario.model_dump(), "users": users, "repeat": repeat}
+    if scenario.users:
+        doc["locust_users"] = scenario.users
+    return RunScenario.model_validate(doc)
 
 
 def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[str, tuple[str, int, int]]:
