@@ -22,6 +22,18 @@ def with_counters(run, config: str, delta: dict[str, float] | None):
         {"config": c, "scenario": "s", "phases": {"measure": measure} if c == config else {}}) + "\n" for c in four()))
 
 
+def judged(tmp_path, tiers: list[str], delta: dict[str, float], args: list[str] | None = None):
+    """A run whose `apc` certifies `tiers`, keeps no load log, has `args` beside its server arguments and these
+    counter deltas over its measure phase."""
+    run = make_run(tmp_path / "run", four(), status=False)
+    certify(run, "apc", tiers)
+    doc = json.loads((run / "run.json").read_text())
+    next(s for s in doc["servers"] if s["config"] == "apc")["server_args"] += args or []
+    (run / "run.json").write_text(json.dumps(doc))
+    with_counters(run, "apc", delta)
+    return run
+
+
 @pytest.mark.parametrize("delta,gate,why", [
     ({SOURCE % "host": 256.0, SOURCE % "device": 0.0}, 0,
      "2 verified cache hits (by tier, vLLM's per-source counter: host 256 tokens)"),
@@ -33,9 +45,7 @@ def with_counters(run, config: str, delta: dict[str, float] | None):
      "(vllm:prompt_tokens_cached_by_source)"),
 ])
 def test_a_tier_without_a_load_log_is_judged_by_its_per_source_counter(tmp_path, delta, gate, why):
-    run = make_run(tmp_path / "run", four(), status=False)
-    certify(run, "apc", ["host"])
-    with_counters(run, "apc", delta)
+    run = judged(tmp_path, ["host"], delta)
     assert report.write(run, min_hits=1) == gate
     assert verdicts(run).why["apc"] == why
     if gate == 0:
@@ -45,12 +55,6 @@ def test_a_tier_without_a_load_log_is_judged_by_its_per_source_counter(tmp_path,
 
 CONNECTOR = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 OFFLOAD = ["--kv-offloading-size=8", "--kv-offloading-backend=native"]
-
-
-def offloading(run, config: str, args: list[str]):
-    doc = json.loads((run / "run.json").read_text())
-    next(s for s in doc["servers"] if s["config"] == config)["server_args"] += args
-    (run / "run.json").write_text(json.dumps(doc))
 
 
 @pytest.mark.parametrize("tiers,args,delta,gate,why", [
@@ -68,10 +72,7 @@ def test_without_a_per_source_counter_vllms_cpu_offload_is_judged_by_its_connect
                                                                                           delta, gate, why):
     # vLLM 0.28 has no prompt_tokens_cached_by_source: offload-cpu-tier (vLLM's CPU offload, one tier: host)
     # was UNVERIFIED on 78 bitwise hits (H100, 2026-12-07), though every token it gave came from host memory
-    run = make_run(tmp_path / "run", four(), status=False)
-    certify(run, "apc", tiers)
-    offloading(run, "apc", args)
-    with_counters(run, "apc", delta)
+    run = judged(tmp_path, tiers, delta, args)
     assert report.write(run, min_hits=1) == gate
     assert verdicts(run).why["apc"] == why
     if gate == 0:

@@ -27,6 +27,7 @@ import pandas as pd
 
 from kvscope.analyze import fidelity
 from kvscope.artifacts import Answer, ResetProbe, Treatment, Verdict, VerdictTier
+from kvscope.config.matrix import arg_pairs, option_read
 
 MIN_VERIFIED_HITS = 20
 MAX_FAILED_SHARE = 0.02
@@ -266,8 +267,8 @@ def offload_tier(server: Treatment) -> str | None:
     """The one tier vLLM's CPU offload (`--kv-offloading-size`, the OffloadingConnector) serves from, host
     memory, where a config certifies only that tier; None for any other connector (one may hold a tier in front
     of the one it certifies: ucm-pipeline's RAM cache before its disk)."""
-    flags = {arg.split("=", 1)[0].replace("_", "-") for arg in server.manifest.server_args}
-    return "host" if "--kv-offloading-size" in flags and server.manifest.tiers == ["host"] else None
+    offloads = any(option_read(flag, {"--kv-offloading-size"}) for flag, _ in arg_pairs(server.manifest.server_args)[0])
+    return "host" if offloads and server.manifest.tiers == ["host"] else None
 
 
 def source_tokens(deltas: list[dict[str, float] | None], offload: str | None = None) -> TierTokens | None:
