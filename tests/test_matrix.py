@@ -668,6 +668,9 @@ def test_kvscopes_connector_on_a_hybrid_linear_attention_model_is_refused_before
     ({"linear_attn_config": {"kda_layers": [1, 2]}}, "linear_attention"),  # Kimi-Linear
     ({"llm_config": {"hybrid_override_pattern": "M-M*"}}, "mamba"),  # NemotronH-VL
     ({"layer_types": ["chunked_attention", "full_attention"]}, None),  # Llama 4: attention only
+    # a config.json is untrusted: odd types are read as not set (vLLM refuses them itself), never a traceback
+    ({"layer_types": "linear_attention", "full_attention_interval": "4", "layers_block_type": {"a": 1}}, None),
+    ({"layer_types": [["linear_attention"]], "hybrid_override_pattern": 7}, None),
 ])
 def test_hybrid_models_are_found_by_every_key_their_configs_use(tmp_path, model_dir, extra, kinds):
     from kvscope.config.render import hybrid_errors

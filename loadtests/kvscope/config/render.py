@@ -207,12 +207,15 @@ def recurrent_layers(config: dict) -> list[str]:
     kinds: set[str] = set()
     for part in [config, *(config[k] for k in ("text_config", "llm_config") if isinstance(config.get(k), dict))]:
         for key in ("layer_types", "layers_block_type"):  # Qwen3-Next, Gemma; Zamba2
-            kinds |= {str(t) for t in part.get(key) or [] if t not in ATTENTION_LAYERS}
+            layers = part.get(key)
+            kinds |= {t for t in layers if isinstance(t, str) and t not in ATTENTION_LAYERS} \
+                if isinstance(layers, list) else set()
         if "M" in str(part.get("hybrid_override_pattern") or ""):  # Nemotron-H
             kinds.add("mamba")
         if part.get("attn_layer_period") or any(k.startswith(("mamba_", "ssm_")) for k in part):  # Jamba
             kinds.add("mamba")
-        if (part.get("full_attention_interval") or 0) > 1 or part.get("linear_attn_config") \
+        interval = part.get("full_attention_interval")
+        if (isinstance(interval, int) and interval > 1) or part.get("linear_attn_config") \
                 or "linear_conv_kernel_dim" in part:  # Qwen3-Next, Kimi-Linear
             kinds.add("linear_attention")
     return sorted(kinds)
