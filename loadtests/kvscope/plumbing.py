@@ -13,7 +13,15 @@ from pathlib import Path
 from kvscope import artifacts
 from kvscope.commandline import DEFAULT_MATRIX, names, run_cli
 from kvscope.config import matrix as matrix_mod
-from kvscope.config.render import cpu_kv_errors, hybrid_errors, model_errors, parse_overrides, render, topology_errors
+from kvscope.config.render import (
+    cpu_kv_errors,
+    hybrid_errors,
+    model_config,
+    model_errors,
+    parse_overrides,
+    render,
+    topology_errors,
+)
 from kvscope.deploy import servers
 from kvscope.deploy.folder import DeploymentFolder, ServerFolder
 
@@ -25,7 +33,8 @@ def cmd_render(args) -> int:
     if errors := model_errors(model):
         raise matrix_mod.ConfigError(f"model {model} cannot be served: {'; '.join(errors)} "
                                      "(the tiny default: `make model`; your own: MODEL=/path/to/hf-model)")
-    if errors := topology_errors(model, chosen) + hybrid_errors(model, chosen):
+    config = model_config(model)
+    if errors := topology_errors(config, chosen) + hybrid_errors(config, chosen):
         raise matrix_mod.ConfigError(f"model {model}: {'; '.join(errors)}")
     store_root = DeploymentFolder(Path(args.run_dir).resolve()).stores
     overrides = parse_overrides(args.overrides)

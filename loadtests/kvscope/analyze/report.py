@@ -206,6 +206,12 @@ def fault_changes(loaded: LoadedRun, config: str) -> dict[str, int] | None:
     return out
 
 
+def served_sources(loaded: LoadedRun, server: Treatment) -> verdicts.TierTokens | None:
+    """A config's cached tokens per source over its measure phases, from vLLM's counters."""
+    return verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == server.config],
+                                  verdicts.offload_tier(server))
+
+
 def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFrame, power: pd.DataFrame,
                     min_hits: int, max_failed: float) -> pd.DataFrame:
     """One line per config: its verdict, whether that is what its role expects, why, and its speed-up."""
@@ -222,9 +228,7 @@ def config_verdicts(loaded: LoadedRun, scores: pd.DataFrame, summary: pd.DataFra
                                                reference.get(config, []) if role == "golden" else broken,
                                                min_hits, max_failed,
                                                tiers_served(loaded, config), reset_leaks(server, status),
-                                               verdicts.source_tokens([r.metrics_delta() for r in status
-                                                                       if r.config == config],
-                                                                      verdicts.offload_tier(server)))
+                                               served_sources(loaded, server))
         as_expected = verdict == verdicts.expected_verdict(role)
         if role == "canary" and verdict == Verdict.FAIL and (
                 short := verdicts.power_shortfall(power[power.config == config].iloc[0])):
@@ -693,8 +697,7 @@ def _tier_lines(loaded: LoadedRun, scores: pd.DataFrame, least: int) -> list[str
             continue
         sc = scores[(scores.config == s.config) & (scores.phase == "measure")]
         hits = verdicts.tier_hits(sc, tiers_served(loaded, s.config))
-        sources = verdicts.source_tokens([r.metrics_delta() for r in loaded.status if r.config == s.config],
-                                         verdicts.offload_tier(s))
+        sources = served_sources(loaded, s)
         if hits is None and tiers and sources and sources.tokens:  # no load log: vLLM's counters, per phase
             got = sources.tokens
             out.append(f"- {md(s.config, code=True)}: cached tokens each tier served, by {sources.by} (over its "

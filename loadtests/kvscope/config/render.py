@@ -180,13 +180,18 @@ def _path_errors(path_flags: dict, sources: dict[str, dict]) -> list[str]:
             for source, flags in sources.items() for flag in flags if (option := option_read(flag, options))]
 
 
+def model_config(model_dir: Path) -> dict:
+    """A model folder's config.json, parsed."""
+    return json.loads((model_dir / "config.json").read_text())
+
+
 def model_errors(model_dir: Path) -> list[str]:
     """Why a folder is not a model vLLM can serve with its tokenizer ([] when it is)."""
     if not model_dir.is_dir():
         return [f"{model_dir} is not a folder"]
     errors = []
     try:
-        config = json.loads((model_dir / "config.json").read_text())
+        config = model_config(model_dir)
         if not isinstance(config, dict) or not (config.get("architectures") or config.get("model_type")):
             errors.append("config.json names no architectures or model_type")
     except (OSError, ValueError) as exc:
@@ -221,25 +226,24 @@ def recurrent_layers(config: dict) -> list[str]:
     return sorted(kinds)
 
 
-def hybrid_errors(model_dir: Path, configs: list[StorageConfig]) -> list[str]:
-    """kvscope's connector on a model with layers that keep a recurrent state (linear attention, Mamba): vLLM
-    turns its hybrid KV cache manager off for a connector without SupportsHMA (kvscope's), and such a model then
-    cannot start. Refused here, before a deploy, for kvscope's connectors (a folder model_errors passed)."""
-    kinds = recurrent_layers(json.loads((model_dir / "config.json").read_text()))
+def hybrid_errors(config: dict, configs: list[StorageConfig]) -> list[str]:
+    """kvscope's connector on a model (its config.json) with layers that keep a recurrent state (linear
+    attention, Mamba): vLLM turns its hybrid KV cache manager off for a connector without SupportsHMA
+    (kvscope's), and such a model then cannot start. Refused here, before a deploy, for kvscope's connectors."""
+    kinds = recurrent_layers(config)
     if not kinds:
         return []
     return [f"config '{cfg.name}': kvscope's connector cannot serve this model's {', '.join(kinds)} layers: vLLM "
             "turns its hybrid KV cache manager off for a connector without SupportsHMA, and then fails at start "
             "('Failed to promote local KV cache specs to one unified type'); apc serves it"
             for cfg in configs if cfg.kv_transfer_config is not None
-            and (cfg.kv_transfer_config.kv_connector_module_path or "").startswith("kvscope_connector")]
+            and cfg.kv_transfer_config.kv_connector_module_path in KVSCOPE_CONNECTOR]
 
 
-def topology_errors(model_dir: Path, configs: list[StorageConfig]) -> list[str]:
-    """Topologies vLLM would refuse at start for this model: TP ranks that do not divide its attention heads,
-    more PP stages than it has layers (a model folder model_errors passed)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+def topology_errors(config: dict, configs: list[StorageConfig]) -> list[str]:
+    """Topologies vLLM would refuse at start for a model (its config.json): TP ranks that do not divide its
+    attention heads, more PP stages than it has layers."""
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     heads, layers = text.get("num_attention_heads"), text.get("num_hidden_layers")
     errors = []
     for cfg in configs:

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscope import bounded_http
 from kvscope.artifacts import Deployment, Failure, Manifest, Rendered, RenderedServer, read_json, write_json
 from kvscope.auth import redact_args, redact_env
+from kvscope.config.render import model_config
 from kvscope.deploy.folder import FAILED, MANIFEST, PID, DeploymentFolder, ServerFolder
 
 HEALTHY, STARTING, NOT_RUNNING, PORT_TAKEN, REDEFINED = 0, 1, 3, 4, 5  # probe exit codes, read by the Ansible role
@@ -355,7 +356,7 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
     version = json.loads(http_get(f"{base}/version")).get("version")
     if labels.get("block_size", "None") == "None":
         raise ValueError(f"{rendered.config}: the server reports no block size in vllm:cache_config_info")
-    model_config = json.loads((model_dir / "config.json").read_text())
+    config = model_config(model_dir)
     return Manifest(**rendered.model_dump(exclude={"schema_version", "env", "server_args"}),
                     server_args=redact_args(rendered.server_args), env=redact_env(rendered.env),
                     host=host, pid=read_pid(pid_file), container=container, vllm_version=version,
@@ -363,7 +364,7 @@ def manifest(pid_file: Path, rendered: RenderedServer, model_dir: Path, model_ha
                     kv_capacity_tokens=kv_capacity_tokens(labels), extensible_kv_cache=extensible_kv_cache(labels),
                     block_size=int(labels["block_size"]), prefix_caching=labels.get("enable_prefix_caching") == "True",
                     max_model_len=models["data"][0].get("max_model_len"), model_path=str(model_dir),
-                    model_hash=model_hash, model_config=recorded_config(model_config))
+                    model_hash=model_hash, model_config=recorded_config(config))
 
 
 ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?.*")
