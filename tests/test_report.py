@@ -265,6 +265,43 @@ def test_a_canary_missed_on_a_hit_it_broke_fails_the_gate(tmp_path):
     assert v.verdict == "FAIL" and not v.as_expected and v.why == "detected on 1 of 2 hits it broke (goal 99%)"
 
 
+def as_repeats(run, labels):
+    """The run's one scenario `s` run again under each label (REPEATS): same workload, same request ids."""
+    info = json.loads((run / "run.json").read_text())
+    info["scenarios"] = {label: {**SCENARIO, "repeat": i + 1} for i, label in enumerate(labels)}
+    info["load"] = {**info["load"], "repeats": len(labels)}
+    (run / "run.json").write_text(json.dumps(info))
+    for label in labels:
+        (run / "workloads" / f"{label}.measure.jsonl").write_text((run / "workloads" / "s.measure.jsonl").read_text())
+        for records in (run / "records").glob("*__s.jsonl"):
+            (run / "records" / records.name.replace("__s.", f"__{label}.")).write_text(
+                records.read_text().replace('"scenario":"s"', f'"scenario":"{label}"'))
+    for stale in [*(run / "records").glob("*__s.jsonl"), run / "workloads" / "s.measure.jsonl", run / "status.jsonl"]:
+        stale.unlink()
+
+
+def test_a_repeats_fault_and_load_logs_count_for_their_own_repetition_only(tmp_path):
+    # the same request ids run in every repetition: the fault log of #1 (r1 broken, and caught) said nothing of
+    # #2's r1, which the canary left correct; summed over repetitions, #2's r1 counted as a missed broken hit
+    run = make_run(tmp_path / "run", four(canary=[[1, 9, 3], [4, 5, 6]]))
+    as_repeats(run, ["s#1", "s#2"])
+    canary = run / "records" / "canary-shift__s#1.jsonl"
+    canary.write_text(canary.read_text().replace('"output_token_ids":[4,5,6]', '"output_token_ids":[7,5,6]'))
+    (run / "faults").mkdir()
+    (run / "loads").mkdir()
+    for label, changed, apc_tier in (("s#1", {0: 2, 1: 1}, "ram"), ("s#2", {0: 2, 1: 0}, "disk")):
+        (run / "faults" / f"canary-shift__{label}.jsonl").write_text("".join(
+            json.dumps({"request": f"chatcmpl-r{i}@measure-0a1b2c3d", "fault": "shift", "loaded": 2, "changed": n})
+            + "\n" for i, n in changed.items()))
+        (run / "loads" / f"apc__{label}.jsonl").write_text("".join(
+            json.dumps({"request": f"cmpl-r{i}@measure-0a1b2c3d", apc_tier: 2}) + "\n" for i in range(2)))
+    certify(run, "apc", ["ram", "disk"])
+    assert report.write(run, min_hits=2) == 0
+    p = pd.read_csv(run / "power.csv").iloc[0]
+    assert (p.affected_hits, p.detected, p.unaffected_hits, p.unaffected_fail) == (3, 3, 1, 0)
+    assert verdicts(run).why["apc"] == "4 verified cache hits (by tier: ram 2, disk 2)"
+
+
 def test_missing_golden_records_are_named(tmp_path):
     from kvscope import cli
 

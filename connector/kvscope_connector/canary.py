@@ -19,11 +19,12 @@ near the numerical floor:
 - second-hit: correct the first time a key is loaded after a reset; from its second load on, "shift".
 - foreign:    the last loaded block is replaced by the block stored under another key.
 - unloaded:   the load reports success and writes nothing: every loaded block keeps what its slot held before,
-              another request's KV (a failed load counted as done, dynamo#15079).
+              another request's KV (a failed load counted as done, dynamo#15079). Where the slots still hold
+              the request's own blocks in another order, its log says "changed" though attention is the same.
 - reused:     every loaded block gets the KV of the key its slot held before (the block's former owner, from
               the tier) written over the right KV, as a transfer that lands after the block was freed and
-              reassigned (vllm#52234, NIXL's read-after-release race). Its bytes are unloaded's wherever the
-              slot still holds what its former owner stored; they differ where vLLM wrote the slot since.
+              reassigned (vllm#52234, NIXL's read-after-release race); not where the former owner is a key the
+              request loads itself (its own KV in another order: no fault where attention sees it all).
 - rank0-only: only tensor-parallel rank 0 loads; every other rank reports success and writes nothing, so its
               slots keep what they held (UCM PR #716: with TP > 1 only rank 0 loaded KV).
 - rank0-heads: every rank above 0 loads rank 0's file of each block (rank 0's heads) instead of its own
@@ -231,7 +232,7 @@ class _FaultWorker(WorkerSide):
         if fault == "unloaded":
             return [None] * len(blocks)
         if fault == "reused":
-            return [block if (former := self._former(spec)) is None else former for spec, block in loaded]
+            return [block if (former := self._former(spec, keys)) is None else former for spec, block in loaded]
         if fault == "rank0-only":
             return blocks if self.rank == 0 else [None] * len(blocks)
         if fault == "rank0-heads":
@@ -274,10 +275,12 @@ class _FaultWorker(WorkerSide):
             noise = torch.randn(x.shape, generator=gen, device=self.device) * std * scale
             layer.index_copy_(0, idx, self._encoded(x + noise, layer.dtype))
 
-    def _former(self, spec: LoadSpec) -> Block | None:
-        """The block of the key the slot held before this load, where that is another key the tier holds."""
+    def _former(self, spec: LoadSpec, keys: set[str]) -> Block | None:
+        """The block of the key the slot held before this load, where that is a key the tier holds and the
+        request does not load: one of its own `keys` would put its own KV in another order, the same attention
+        where every query sees every loaded position."""
         former = self.held.get(spec.block_id)
-        return self.ram.peek(former) if self.ram is not None and former not in (None, spec.key) else None
+        return self.ram.peek(former) if self.ram is not None and former is not None and former not in keys else None
 
     def _rank0_block(self, key: str) -> Block | None:
         """Rank 0's verified block of `key`, on a rank above 0 whose rank 0 stored one."""

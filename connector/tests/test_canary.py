@@ -209,15 +209,28 @@ def test_unloaded_writes_nothing_and_every_slot_keeps_what_it_held(tmp_path):
 
 
 def test_reused_writes_the_kv_of_the_key_each_slot_held_before(tmp_path):
-    w = canary(tmp_path, blocks=4)  # slots 0..3 held k0..k3 (saved from there)
-    right = [stored(w, j)["layer0"].clone() for j in range(4)]
-    w.layers["layer0"][1:4] = 0  # vLLM wrote the slots since: the former owners' KV comes from the tier
-    got = load(w, "reused", first_slot=1)  # k0..k2 into slots 1..3, once k1..k3's
-    assert all(torch.equal(got[j]["layer0"], right[j + 1]) for j in range(3))
+    w = canary(tmp_path, blocks=6)  # slots 0..5 held k0..k5 (saved from there)
+    right = [stored(w, j)["layer0"].clone() for j in range(6)]
+    w.layers["layer0"][3:6] = 0  # vLLM wrote the slots since: the former owners' KV comes from the tier
+    got = load(w, "reused", first_slot=3)  # k0..k2 into slots 3..5, once k3..k5's
+    assert all(torch.equal(got[j]["layer0"], right[j + 3]) for j in range(3))
     assert log(tmp_path)[0]["changed"] == 3
-    again = load(w, "reused", first_slot=1, request="r2")  # each slot's last key is now its own: right KV
+    again = load(w, "reused", first_slot=3, request="r2")  # each slot's last key is now its own: right KV
     assert all(torch.equal(again[j]["layer0"], right[j]) for j in range(3))
     assert log(tmp_path)[1]["changed"] == 0
+
+
+def test_reused_never_writes_the_requests_own_blocks_into_each_others_slots(tmp_path):
+    # vLLM frees a request's blocks last to first and hands the freed ones out first: a later request with the
+    # same prefix can get them reversed, so each slot's former owner is one of its own keys. Written back, that
+    # is its own KV in another order, the same attention where every query sees every loaded position (a miss
+    # on 2026-12-06: "changed" 4, the answer golden's within 6.7e-06 nat)
+    w = canary(tmp_path, blocks=4)  # slots 0..3 held k0..k3
+    right = [stored(w, j)["layer0"].clone() for j in range(4)]
+    loads = [LoadSpec(3 - j, f"k{j}", "ram", request_id="r1", index=j) for j in range(4)]  # k0..k3 into 3..0
+    w.load(CanaryMetadata(loads=loads, faults={"r1": "reused"}))
+    assert all(torch.equal(w.layers["layer0"][3 - j], right[j]) for j in range(4))
+    assert log(tmp_path)[0]["changed"] == 0
 
 
 def test_partial_claims_the_next_block_of_another_prompt_with_the_same_blocks_before_it():

@@ -182,26 +182,28 @@ def _share(col: pd.Series) -> float | None:
 
 
 def tiers_served(loaded: LoadedRun, config: str) -> dict[str, dict[str, int]] | None:
-    """Request key -> tier -> blocks it served, from the connector's load logs; None when the run kept none."""
-    logs = [loaded.loads[config, s] for s in loaded.run.scenarios if (config, s) in loaded.loads]
+    """Request key (verdicts.request_key) -> tier -> blocks it served, from the connector's load logs; None when
+    the run kept none."""
+    logs = {s: loaded.loads[config, s] for s in loaded.run.scenarios if (config, s) in loaded.loads}
     if not logs:
         return None
     out: dict[str, dict[str, int]] = {}
-    for event in (e for log in logs for e in log):
-        tiers = out.setdefault(key_from_server_id(event.request), {})
+    for scenario, event in ((s, e) for s, log in logs.items() for e in log):
+        tiers = out.setdefault(verdicts.request_key(scenario, key_from_server_id(event.request)), {})
         for tier in ("ram", "disk", "missed"):
             tiers[tier] = tiers.get(tier, 0) + getattr(event, tier)
     return out
 
 
 def fault_changes(loaded: LoadedRun, config: str) -> dict[str, int] | None:
-    """Request key -> blocks the canary changed, from its fault logs; None when the run kept no log."""
-    logs = [loaded.faults[config, s] for s in loaded.run.scenarios if (config, s) in loaded.faults]
+    """Request key (verdicts.request_key) -> blocks the canary changed, from its fault logs; None when the run
+    kept no log."""
+    logs = {s: loaded.faults[config, s] for s in loaded.run.scenarios if (config, s) in loaded.faults}
     if not logs:
         return None
     out: dict[str, int] = {}
-    for event in (e for log in logs for e in log):
-        key = key_from_server_id(event.request)
+    for scenario, event in ((s, e) for s, log in logs.items() for e in log):
+        key = verdicts.request_key(scenario, key_from_server_id(event.request))
         out[key] = out.get(key, 0) + event.changed + event.inherited
     return out
 

@@ -62,7 +62,7 @@ def wilson_low(k: int, n: int, z: float = 1.96) -> float | None:
 
 def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, dict[str, int] | None]) -> pd.DataFrame:
     """Detection power per canary treatment: of the scored cache hits the canary broke, how many FAILed.
-    `changed[config]`: request key -> blocks the canary changed, from its fault log (None: no log, so every
+    `changed[config]`: request_key -> blocks the canary changed, from its fault log (None: no log, so every
     hit counts as affected). Hits it left correct ("changed" 0) are counted apart: they must not FAIL."""
     rows = []
     for server in canaries:
@@ -80,12 +80,24 @@ def power(canaries: list[Treatment], scores: pd.DataFrame, changed: dict[str, di
                                        "unaffected_hits", "unaffected_fail", "fault_log"])
 
 
+def request_key(scenario: str, key: str) -> str:
+    """A request's key in a connector's logs within its run: the scenario (a repetition's own label: every
+    repetition sends the same request ids) and the request key ('<request id>@<phase>')."""
+    return f"{scenario}/{key}"
+
+
+def request_keys(sc: pd.DataFrame) -> pd.Series:
+    """request_key of each scored answer."""
+    return pd.Series([request_key(s, f"{r}@{p}") for s, r, p in zip(sc.scenario, sc.request_id, sc.phase)],
+                     index=sc.index, dtype=object)
+
+
 def broken_hits(config: str, scores: pd.DataFrame, log: dict[str, int] | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """A canary treatment's scored cache hits (measure phase): those its fault log says it broke, and those it
     left correct (`log` None: every hit counts as broken)."""
     sc = scores[(scores.config == config) & (scores.phase == "measure") & scores.cls.isin(fidelity.SCORED)
                 & (scores.cached_tokens.fillna(0) > 0)]
-    keys = sc.request_id + "@" + sc.phase
+    keys = request_keys(sc)
     hit = keys.map({k: n > 0 for k, n in log.items()}).fillna(False) if log is not None \
         else pd.Series(True, index=sc.index)
     return sc[hit.astype(bool)], sc[~hit.astype(bool)]
@@ -223,13 +235,13 @@ def reset_unverified(probe: ResetProbe | None) -> str | None:
 
 
 def tier_hits(sc: pd.DataFrame, served: dict[str, dict[str, int]] | None) -> dict[str, int] | None:
-    """Verified hits per tier: the verified hits that loaded at least one block from it. `served`: request key
+    """Verified hits per tier: the verified hits that loaded at least one block from it. `served`: request_key
     -> tier -> blocks, from the connector's load log (None: the run kept none)."""
     if served is None:
         return None
     ok = sc[_verified(sc)]
     out: dict[str, int] = {}
-    for key in ok.request_id + "@" + ok.phase:
+    for key in request_keys(ok):
         for tier, blocks in served.get(key, {}).items():
             if blocks > 0 and tier != "missed":
                 out[tier] = out.get(tier, 0) + 1
