@@ -273,9 +273,8 @@ def as_repeats(run, labels):
     (run / "run.json").write_text(json.dumps(info))
     for label in labels:
         (run / "workloads" / f"{label}.measure.jsonl").write_text((run / "workloads" / "s.measure.jsonl").read_text())
-        for records in (run / "records").glob("*__s.jsonl"):
-            (run / "records" / records.name.replace("__s.", f"__{label}.")).write_text(
-                records.read_text().replace('"scenario":"s"', f'"scenario":"{label}"'))
+        for records in (run / "records").glob("*__s.jsonl"):  # each record still names its scenario "s"
+            (run / "records" / records.name.replace("__s.", f"__{label}.")).write_text(records.read_text())
     for stale in [*(run / "records").glob("*__s.jsonl"), run / "workloads" / "s.measure.jsonl", run / "status.jsonl"]:
         stale.unlink()
 
@@ -300,6 +299,19 @@ def test_a_repeats_fault_and_load_logs_count_for_their_own_repetition_only(tmp_p
     p = pd.read_csv(run / "power.csv").iloc[0]
     assert (p.affected_hits, p.detected, p.unaffected_hits, p.unaffected_fail) == (3, 3, 1, 0)
     assert verdicts(run).why["apc"] == "4 verified cache hits (by tier: ram 2, disk 2)"
+
+
+def test_the_control_is_compared_with_golden_in_its_own_repetition(tmp_path):
+    # golden and the control agree bitwise in each repetition, and #2's answers differ from #1's (another
+    # batch): compared across repetitions, the control read as differing and exact mode's tier was lost
+    run = make_run(tmp_path / "run", four(), mode="exact")
+    as_repeats(run, ["s#1", "s#2"])
+    for config in ("baseline", "control", "apc"):
+        again = run / "records" / f"{config}__s#2.jsonl"
+        again.write_text(again.read_text().replace('"output_token_ids":[4,5,6]', '"output_token_ids":[4,5,8]'))
+    assert report.write(run, min_hits=1) == 0
+    scorer = json.loads((run / "run.json").read_text())["scorer"]
+    assert (scorer["control_answers"], scorer["control_differing"], scorer["tier"]) == (4, 0, "exact")
 
 
 def test_missing_golden_records_are_named(tmp_path):

@@ -23,8 +23,8 @@ near the numerical floor:
               the request's own blocks in another order, its log says "changed" though attention is the same.
 - reused:     every loaded block gets the KV of the key its slot held before (the block's former owner, from
               the tier) written over the right KV, as a transfer that lands after the block was freed and
-              reassigned (vllm#52234, NIXL's read-after-release race); not where the former owner is a key the
-              request loads itself (its own KV in another order: no fault where attention sees it all).
+              reassigned (vllm#52234, NIXL's read-after-release race); not where the former owners are the
+              request's own blocks in another order (no fault where attention sees every loaded position).
 - rank0-only: only tensor-parallel rank 0 loads; every other rank reports success and writes nothing, so its
               slots keep what they held (UCM PR #716: with TP > 1 only rank 0 loaded KV).
 - rank0-heads: every rank above 0 loads rank 0's file of each block (rank 0's heads) instead of its own
@@ -232,7 +232,7 @@ class _FaultWorker(WorkerSide):
         if fault == "unloaded":
             return [None] * len(blocks)
         if fault == "reused":
-            return [block if (former := self._former(spec, keys)) is None else former for spec, block in loaded]
+            return self._reused(loaded)
         if fault == "rank0-only":
             return blocks if self.rank == 0 else [None] * len(blocks)
         if fault == "rank0-heads":
@@ -275,12 +275,18 @@ class _FaultWorker(WorkerSide):
             noise = torch.randn(x.shape, generator=gen, device=self.device) * std * scale
             layer.index_copy_(0, idx, self._encoded(x + noise, layer.dtype))
 
-    def _former(self, spec: LoadSpec, keys: set[str]) -> Block | None:
-        """The block of the key the slot held before this load, where that is a key the tier holds and the
-        request does not load: one of its own `keys` would put its own KV in another order, the same attention
+    def _reused(self, loaded: list[tuple[LoadSpec, Block]]) -> list[Block]:
+        """Each slot's former owner's block (the key it held before, where the tier holds it and it is another
+        key); the right blocks where those are the request's own blocks in another order: the same attention
         where every query sees every loaded position."""
-        former = self.held.get(spec.block_id)
-        return self.ram.peek(former) if self.ram is not None and former is not None and former not in keys else None
+        got: list[tuple[str, Block]] = []  # per slot: the key whose block it gets, and that block
+        for spec, block in loaded:
+            former = self.held.get(spec.block_id)
+            theirs = self.ram.peek(former) if self.ram is not None and former not in (None, spec.key) else None
+            got.append((spec.key, block) if former is None or theirs is None else (former, theirs))
+        if sorted(key for key, _ in got) == sorted(spec.key for spec, _ in loaded):
+            return [block for _, block in loaded]
+        return [block for _, block in got]
 
     def _rank0_block(self, key: str) -> Block | None:
         """Rank 0's verified block of `key`, on a rank above 0 whose rank 0 stored one."""

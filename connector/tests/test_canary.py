@@ -209,18 +209,18 @@ def test_unloaded_writes_nothing_and_every_slot_keeps_what_it_held(tmp_path):
 
 
 def test_reused_writes_the_kv_of_the_key_each_slot_held_before(tmp_path):
-    w = canary(tmp_path, blocks=6)  # slots 0..5 held k0..k5 (saved from there)
-    right = [stored(w, j)["layer0"].clone() for j in range(6)]
-    w.layers["layer0"][3:6] = 0  # vLLM wrote the slots since: the former owners' KV comes from the tier
-    got = load(w, "reused", first_slot=3)  # k0..k2 into slots 3..5, once k3..k5's
-    assert all(torch.equal(got[j]["layer0"], right[j + 3]) for j in range(3))
+    w = canary(tmp_path, blocks=4)  # slots 0..3 held k0..k3 (saved from there)
+    right = [stored(w, j)["layer0"].clone() for j in range(4)]
+    w.layers["layer0"][1:4] = 0  # vLLM wrote the slots since: the former owners' KV comes from the tier
+    got = load(w, "reused", first_slot=1)  # k0..k2 into slots 1..3, once k1..k3's: k0's KV gone, k3's in
+    assert all(torch.equal(got[j]["layer0"], right[j + 1]) for j in range(3))
     assert log(tmp_path)[0]["changed"] == 3
-    again = load(w, "reused", first_slot=3, request="r2")  # each slot's last key is now its own: right KV
+    again = load(w, "reused", first_slot=1, request="r2")  # each slot's last key is now its own: right KV
     assert all(torch.equal(again[j]["layer0"], right[j]) for j in range(3))
     assert log(tmp_path)[1]["changed"] == 0
 
 
-def test_reused_never_writes_the_requests_own_blocks_into_each_others_slots(tmp_path):
+def test_reused_does_not_write_the_requests_own_blocks_back_in_another_order(tmp_path):
     # vLLM frees a request's blocks last to first and hands the freed ones out first: a later request with the
     # same prefix can get them reversed, so each slot's former owner is one of its own keys. Written back, that
     # is its own KV in another order, the same attention where every query sees every loaded position (a miss

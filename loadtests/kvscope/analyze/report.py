@@ -66,20 +66,23 @@ def scorer(loaded: LoadedRun, min_hits: int, max_failed: float) -> Scorer:
     largest differences behind each."""
     run, recs = loaded.run, loaded.recs
     golden = run.golden().config
-    by_key = {f"{r.request_id}@{r.phase}": r for (c, _), rs in recs.items() if c == golden for r in rs}
-    control = [r for s in run.servers if s.role == "control" for sc in run.scenarios
-               for r in recs.get((s.config, sc), [])]
-    calibration = {k: v for sc in run.scenarios for k, v in loaded.continuations[golden, sc].items()}
-    direct, cont = fidelity.direct_noise(by_key, control), fidelity.continuation_noise(by_key, calibration)
+    # per scenario column: a repetition or load level sends the same request ids again, in other batches
+    columns = [({f"{r.request_id}@{r.phase}": r for r in recs.get((golden, sc), [])},
+                [r for s in run.servers if s.role == "control" for r in recs.get((s.config, sc), [])],
+                loaded.continuations[golden, sc]) for sc in run.scenarios]
+    direct = [d for by_key, control, _ in columns for d in fidelity.direct_noise(by_key, control)]
+    cont = [d for by_key, _, calibration in columns for d in fidelity.continuation_noise(by_key, calibration)]
+    compared = sum(fidelity.compared(by_key, control) for by_key, control, _ in columns)
+    differing = sum(fidelity.differing(by_key, control) for by_key, control, _ in columns)
     tol, source = fidelity.tolerance(fidelity.floor(direct), fidelity.floor(cont), run.golden().manifest.dtype,
                                      exact=run.mode == "exact")
     nonzero = sorted((d for d in direct + cont if d.nats > 0), key=lambda d: -d.nats)
-    tier, tier_why = verdicts.tier(run.mode, fidelity.compared(by_key, control), fidelity.differing(by_key, control))
+    tier, tier_why = verdicts.tier(run.mode, compared, differing)
     return Scorer(version=fidelity.SCORER_VERSION, min_verified_hits=min_hits, max_failed_share=max_failed,
                   mode=run.mode, direct_noise_nats=fidelity.floor(direct), continuation_noise_nats=fidelity.floor(cont),
                   tolerance_nats=tol.direct, continuation_tolerance_nats=tol.continuation, tie_band_nats=tol.band,
-                  source=source, control_answers=len(control), control_differing=fidelity.differing(by_key, control),
-                  golden_rescored=len(calibration),
+                  source=source, control_answers=sum(len(control) for _, control, _ in columns),
+                  control_differing=differing, golden_rescored=sum(len(c) for _, _, c in columns),
                   largest_differences=[Difference(**d._asdict()) for d in nonzero[:5]], tier=tier, tier_why=tier_why)
 
 
