@@ -598,6 +598,19 @@ def test_a_load_sweep_and_repeats_become_their_own_columns_and_a_sweep_table(tmp
     assert overview.sweep(report.analyze(loaded.load(run)).loaded.run, {}).requests_per_s.isna().all()  # no records, no throughput
 
 
+def test_throughput_spans_each_repetition_alone(tmp_path):
+    # each repetition's records name the scenario alone ("s"); measured as one span, the other servers'
+    # treatments between two repetitions counted as this server's time: 0.02 requests/s instead of 1
+    from kvscope.analyze import overview
+
+    def answer(t: float) -> Record:
+        return Record(config="apc", scenario="s", phase="measure", request_id=f"r{t}", session_id="s", turn=0,
+                      endpoint="chat", start_unix_s=t, e2e_s=1.0, ok=True, output_token_ids=[1] * 10)
+
+    recs = {("apc", "s#1"): [answer(float(i)) for i in range(10)], ("apc", "s#2"): [answer(1000.0 + i) for i in range(10)]}
+    assert overview.throughput(overview.columns(recs, "apc")) == (1.0, 10.0)
+
+
 def test_a_connector_module_that_does_not_import_is_named_in_the_report(tmp_path):
     run = make_run(tmp_path / "run1", four())
     doc = json.loads((run / "run.json").read_text())

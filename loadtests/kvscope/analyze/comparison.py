@@ -13,7 +13,7 @@ import pandas as pd
 from kvscope import files
 from kvscope.analyze import html, plots
 from kvscope.analyze.loaded import RunError, load
-from kvscope.analyze.overview import answered, throughput, tpot
+from kvscope.analyze.overview import answered, columns, throughput, tpot
 from kvscope.analyze.report import Analysis, _md_table, analyze
 from kvscope.artifacts import RunInfo
 
@@ -67,7 +67,7 @@ def _mode_cost(analyses: list[Analysis]) -> pd.DataFrame | None:
             tpots = [t for r in done if (t := tpot(r)) is not None]
             raw[f"ttft_p50_ms_{mode}"] = float(np.median(ttfts)) * 1000 if ttfts else None
             raw[f"tpot_p50_ms_{mode}"] = float(np.median(tpots)) * 1000 if tpots else None
-            raw[f"tokens_per_s_{mode}"] = throughput(done)[1]
+            raw[f"tokens_per_s_{mode}"] = throughput(columns(a.loaded.recs, config))[1]
         row: dict = {"config": config, **{k: round(v, 2) if v is not None else None for k, v in raw.items()}}
         for col in ("ttft_p50_ms", "tpot_p50_ms", "tokens_per_s"):
             normal, exact = raw[f"{col}_normal"], raw[f"{col}_exact"]

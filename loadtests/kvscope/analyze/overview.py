@@ -26,18 +26,15 @@ def ratio_ci(pairs: list[tuple[float, float]], seed: int = 0) -> tuple[float, fl
     return point, float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
 
 
-def throughput(records: list[Record]) -> tuple[float | None, float | None]:
-    """(requests/s, output tokens/s) of answered measure-phase requests, over the span each scenario ran."""
-    by_scenario: dict[str, list[Record]] = {}
-    for r in records:
-        if r.ok and r.phase == "measure" and r.e2e_s is not None:
-            by_scenario.setdefault(r.scenario, []).append(r)
-    span = sum(max(r.start_unix_s + (r.e2e_s or 0) for r in rs) - min(r.start_unix_s for r in rs)
-               for rs in by_scenario.values())
+def throughput(columns: list[list[Record]]) -> tuple[float | None, float | None]:
+    """(requests/s, output tokens/s) of answered measure-phase requests, over the span each scenario column (a
+    repetition, a load level) ran: between two of them, other servers' treatments ran."""
+    done = [[r for r in rs if r.ok and r.phase == "measure" and r.e2e_s is not None] for rs in columns]
+    done = [rs for rs in done if rs]
+    span = sum(max(r.start_unix_s + (r.e2e_s or 0) for r in rs) - min(r.start_unix_s for r in rs) for rs in done)
     if span <= 0:
         return None, None
-    done = [r for rs in by_scenario.values() for r in rs]
-    return len(done) / span, sum(len(r.output_token_ids) for r in done) / span
+    return sum(map(len, done)) / span, sum(len(r.output_token_ids) for rs in done for r in rs) / span
 
 
 def parse_slo(text: str) -> dict[str, float]:
@@ -51,9 +48,14 @@ def parse_slo(text: str) -> dict[str, float]:
     return slo
 
 
+def columns(recs: dict, config: str) -> list[list[Record]]:
+    """A config's records, one list per scenario column."""
+    return [rs for (c, _), rs in recs.items() if c == config]
+
+
 def answered(recs: dict, config: str) -> list[Record]:
     """A config's answered measure-phase requests, over every scenario."""
-    return [r for (c, _), rs in recs.items() if c == config for r in rs if r.ok and r.phase == "measure"]
+    return [r for rs in columns(recs, config) for r in rs if r.ok and r.phase == "measure"]
 
 
 def tpot(r: Record) -> float | None:
@@ -131,7 +133,7 @@ def table(run: RunInfo, recs: dict, verdicts: pd.DataFrame, summary: pd.DataFram
         detected = (f"{int(caught.detected.iloc[0])} of {int(caught.affected_hits.iloc[0])} hits it broke"
                     if len(caught) else "")
         mine = answered(recs, v.config)
-        req_s, tok_s = throughput(mine) if not withheld else (None, None)
+        req_s, tok_s = throughput(columns(recs, v.config)) if not withheld else (None, None)
         tpots = [t for r in mine if (t := tpot(r)) is not None and not withheld]
         met = goodput(mine, slo or {})
         repeats = run.load.repeats
@@ -221,11 +223,11 @@ def sweep(run: RunInfo, recs: dict) -> pd.DataFrame:
     rows = []
     for server in run.servers:
         for users in levels:
-            mine = [r for (c, label), rs in recs.items() if c == server.config
-                    and run.scenarios[label].users == users for r in rs]
-            done = [r for r in mine if r.ok and r.phase == "measure" and r.ttft_s]
+            level = [rs for (c, label), rs in recs.items()
+                     if c == server.config and run.scenarios[label].users == users]
+            done = [r for rs in level for r in rs if r.ok and r.phase == "measure" and r.ttft_s]
             hits = [r.ttft_s for r in done if r.cached_tokens]
-            req_s, tok_s = throughput(mine)
+            req_s, tok_s = throughput(level)
             rows.append({"config": server.config, "role": server.role, "users": users, "answers": len(done),
                          "requests_per_s": round(req_s, 2) if req_s else None,
                          "output_tokens_per_s": round(tok_s, 1) if tok_s else None,
