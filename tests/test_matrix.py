@@ -652,10 +652,13 @@ def test_kvscopes_connector_on_a_hybrid_linear_attention_model_is_refused_before
     config = json.loads((model / "config.json").read_text())
     layers = ["linear_attention"] * 3 + ["full_attention"]
     (model / "config.json").write_text(json.dumps({**config, "layer_types": layers}))
-    # ucm-blend-shim loads from kvscope_connector's package, but the connector is UCM's: not said to be kvscope's
+    # ucm-blend-shim loads from kvscope_connector's package, but the connector is UCM's: not said to be kvscope's;
+    # kvscope's own connector named by the module that defines it is kvscope's all the same
+    own = m.get("kvscope-fs").model_copy(deep=True, update={"name": "kvscope-module"})
+    own.kv_transfer_config.kv_connector_module_path = "kvscope_connector.connector"
     errors = hybrid_errors(model_config(model),
-                           [m.get("apc"), m.get("kvscope-ram"), m.get("canary"), m.get("ucm-blend-shim")])
-    assert [e.split(":")[0] for e in errors] == ["config 'kvscope-ram'", "config 'canary'"]
+                           [m.get("apc"), m.get("kvscope-ram"), m.get("canary"), m.get("ucm-blend-shim"), own])
+    assert [e.split(":")[0] for e in errors] == ["config 'kvscope-ram'", "config 'canary'", "config 'kvscope-module'"]
     assert "linear_attention layers" in errors[0] and "Failed to promote local KV cache specs" in errors[0]
     run = subprocess.run([sys.executable, "-m", "kvscope.plumbing", "render", "--configs", "baseline,apc,kvscope-ram",
                           "--platform", "cpu", "--model", str(model), "--run-dir", str(tmp_path), "--out",

@@ -129,7 +129,8 @@ def cpu_kv_errors(servers: list[RenderedServer], cpu_flags: set[str]) -> list[st
             if option_read(flag, {"--kv-cache-dtype"}) and str(value).startswith("fp8")]
 
 
-KVSCOPE_CONNECTOR = {"kvscope_connector", "kvscope_connector.canary"}  # modules of kvscope's connector
+KVSCOPE_CONNECTOR = {"kvscope_connector", "kvscope_connector.connector", "kvscope_connector.canary"}  # its modules
+# (the UCM blend shim in its package is UCM's connector)
 
 
 def _connector_errors(cfg: StorageConfig, flags: dict, platform: str) -> list[str]:
