@@ -227,3 +227,14 @@ def test_golden_re_scoring_drops_a_logprob_that_is_not_a_number(monkeypatch):
     assert view == [[(7, -0.5)], [(4, -2.0)]]
     with pytest.raises(ValueError):
         Continuation(request_id="r", phase="measure", start=0, logprobs=[[(7, float("nan"))]])
+
+
+def test_an_answer_that_ends_where_golden_has_a_near_tie_is_unverified_not_a_crash():
+    # its end token is not recorded, so nothing says how far it is from golden's choice; the scorer took the
+    # largest of the answer's (no) alternatives past its end, and the whole report died
+    gold = rec([1, 2, 3], tops=[[[1, -0.1], [9, -3.0]], [[2, -0.1], [9, -3.0]], [[3, -0.5], [7, -0.50001]]],
+               config="golden")
+    s = fidelity.score(gold, rec([1, 2]), TOL)
+    assert s.cls == "unverified" and s.first_divergence == 2 and "ends at token 2" in s.reason
+    clear = rec([1, 2, 3], config="golden")  # golden's token 2 by a clear margin: the early end FAILs
+    assert fidelity.score(clear, rec([1, 2]), TOL).cls == "FAIL"

@@ -314,6 +314,15 @@ def test_the_control_is_compared_with_golden_in_its_own_repetition(tmp_path):
     assert (scorer["control_answers"], scorer["control_differing"], scorer["tier"]) == (4, 0, "exact")
 
 
+def test_an_exact_run_with_repeats_and_a_failing_hit_gets_its_report(tmp_path):
+    # which stores gave a failing hit's answer was looked up by the records' own scenario ("s"), the scores'
+    # by their column ("s#1"): nothing matched, and the report died on max() of nothing
+    run = make_run(tmp_path / "run", four(apc=[[1, 2, 3], [4, 5, 7]]), mode="exact")
+    as_repeats(run, ["s#1", "s#2"])
+    assert report.write(run, min_hits=1) == 1
+    assert "`r1` (128 cached tokens): apc" in (run / "report.md").read_text()
+
+
 def test_missing_golden_records_are_named(tmp_path):
     from kvscope import cli
 

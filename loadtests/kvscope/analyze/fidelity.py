@@ -260,6 +260,10 @@ def _split(golden: Record, cand: Record, i: int, tol: Tolerance, continuation, s
     if s.golden_margin is None or s.golden_margin > band:
         margin = "unknown" if s.golden_margin is None else f"{s.golden_margin:.3g}"
         return Answer.FAIL, f"diverges at token {i}, golden margin {margin} nat (tie band {band:.3g})"
+    if i >= len(cand.output_token_ids):  # the answer ended here: its end token is not recorded
+        return Answer.UNVERIFIED, (f"the answer ends at token {i}, a near tie of golden's (golden margin "
+                                   f"{s.golden_margin:.3g} nat): how far its end lies from golden's token is "
+                                   "not recorded")
     if continuation is None:  # only the recorded alternatives can tell
         gaps = [(_gap(g, _chosen(cand, i)), g), (_gap(c, _chosen(golden, i)), c)]
         # a token a side does not list lies at least as far below its best as the last token it lists

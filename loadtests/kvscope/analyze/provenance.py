@@ -87,11 +87,11 @@ def shared_differences(recs: dict[tuple[str, str], list[Record]], scores: pd.Dat
     is not isolated by this. Requests where stores agree come first."""
     fails = scores[(scores.cls == Answer.FAIL) & (scores.phase == "measure") & scores.config.isin(candidates)
                    & (scores.cached_tokens.fillna(0) > 0)]
-    answers: dict[tuple[str, str], dict[str, Record]] = {}
-    for (config, _), records in recs.items():
+    answers: dict[tuple[str, str], dict[str, Record]] = {}  # by scenario column, as scores name it
+    for (config, column), records in recs.items():
         for r in records:
             if r.phase == "measure" and r.ok:
-                answers.setdefault((r.scenario, r.request_id), {})[config] = r
+                answers.setdefault((column, r.request_id), {})[config] = r
 
     def answer(r: Record | None) -> str | None:
         return None if r is None else repr((r.output_token_ids, r.top_logprobs))
@@ -104,6 +104,8 @@ def shared_differences(recs: dict[tuple[str, str], list[Record]], scores: pd.Dat
             if (got := served.get(config)) is not None and got.cached_tokens == cached:
                 groups.setdefault(answer(got) or "", []).append(config)
         same = groups.pop(answer(served.get(golden)) or "", [])
+        if not groups:  # no failing store's answer found beside the score
+            continue
         as_control = answer(served.get(control)) if control else None
         text = " | ".join(" = ".join(map(md, g)) + (" (the control's answer)" if key == as_control else "")
                           for key, g in groups.items())
