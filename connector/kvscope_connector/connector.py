@@ -200,6 +200,7 @@ class KVScopeConnector(KVConnectorBase_V1):
         self.fingerprint_of = dict(  # what names this rank's store (the canary names rank 0's from it)
             model_config=json.loads(json.dumps(model.hf_config.to_dict(), sort_keys=True, default=str)),
             weights=extra("model_id", None) or weights_identity(model.model),
+            quantization=getattr(model, "quantization", None), revision=getattr(model, "revision", None),
             dtype=str(model.dtype), kv_dtype=str(vllm_config.cache_config.cache_dtype), block_size=self.block_size,
             layout=_layout(), tp_rank=rank, tp_size=vllm_config.parallel_config.tensor_parallel_size,
             stack=_stack(vllm_config), signer=secret_id(secret), checksum=checksum, per_file=per_file)

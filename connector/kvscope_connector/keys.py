@@ -105,10 +105,13 @@ def secret_id(secret: bytes | None) -> str:
 
 def fingerprint(*, model_config: dict, weights: str, dtype: str, kv_dtype: str, block_size: int, layout: str,
                 tp_rank: int, tp_size: int, stack: dict | None = None, signer: str = "",
-                checksum: str = "xxh3-128", per_file: int = 1) -> str:
-    """What names a store: everything that changes KV bytes, and how they are stored (the checksum, the
-    format, blocks per file: servers that differ in any of it never share a directory)."""
-    doc = {"model_config": model_config, "weights": weights, "dtype": dtype, "kv_dtype": kv_dtype,
+                checksum: str = "xxh3-128", per_file: int = 1, quantization: str | None = None,
+                revision: str | None = None) -> str:
+    """What names a store: everything that changes KV bytes (a checkpoint quantized at load, a hub model's
+    revision too), and how they are stored (the checksum, the format, blocks per file: servers that differ in
+    any of it never share a directory)."""
+    doc = {"model_config": model_config, "weights": weights, "quantization": quantization, "revision": revision,
+           "dtype": dtype, "kv_dtype": kv_dtype,
            "block_size": block_size, "layout": layout, "tp_rank": tp_rank, "tp_size": tp_size,
            "stack": stack or {}, "signer": signer, "checksum": checksum, "format": FORMAT_VERSION,
            "per_file": per_file}

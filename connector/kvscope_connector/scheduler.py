@@ -11,12 +11,15 @@ vLLM recomputes them (kv_load_failure_policy "recompute").
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from .keys import block_keys
 from .messages import KVScopeMetadata, LoadSpec, StoreSpec, TierName
 from .store import FsTier
+
+log = logging.getLogger("kvscope_connector")
 
 try:  # vLLM 0.32+: per-tier hit sources in vllm:prompt_tokens_cached_by_source
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -51,6 +54,15 @@ class _Req:
     stop: int = 1 << 62  # blocks from here on are never stored: computed on a failed load vLLM does not redo
 
 
+def _extra_keys(request) -> str | None:
+    """What besides its token ids makes a request's KV differ, as vLLM's prefix cache keys it (a LoRA adapter,
+    multimodal input, a cache salt, prompt embeddings); None when nothing does."""
+    found = [name for name, attr in (("a LoRA adapter", "lora_request"), ("multimodal input", "mm_features"),
+                                     ("a cache salt", "cache_salt"), ("prompt embeddings", "prompt_embeds"))
+             if (value := getattr(request, attr, None)) is not None and not (isinstance(value, list) and not value)]
+    return ", ".join(found) or None
+
+
 class SchedulerSide:
     def __init__(self, fingerprint: str, block_size: int, ram_blocks: int, fs: FsTier | None):
         self.fp, self.block_size, self.ram_blocks, self.fs = fingerprint, block_size, ram_blocks, fs
@@ -66,6 +78,7 @@ class SchedulerSide:
         # loads, stores and scheduled requests
         self.failures = 0  # steps whose loads vLLM reported failed (the worker stores nothing until it hears)
         self.sources: dict[str, tuple[int, int]] = {}  # request id -> (tokens from RAM, tokens from fs)
+        self.uncached: set[str] = set()  # what kept requests uncached, each logged once
 
     def _req(self, request_id: str, prompt: list[int]) -> _Req:
         if request_id not in self.reqs:
@@ -93,7 +106,14 @@ class SchedulerSide:
         return found
 
     def lookup(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens loadable beyond `num_computed_tokens`: the leading run of stored blocks after them."""
+        """Tokens loadable beyond `num_computed_tokens`: the leading run of stored blocks after them. A request
+        whose KV differs by more than its tokens gets no keys: it neither hits nor stores."""
+        if request.request_id not in self.reqs and (extra := _extra_keys(request)):
+            if extra not in self.uncached:
+                self.uncached.add(extra)
+                log.warning("kvscope connector: requests with %s are not cached: the store's keys cover token ids "
+                            "only (said once)", extra)
+            self.reqs[request.request_id] = _Req(request.request_id, [], 0)
         state = self._req(request.request_id, list(request.prompt_token_ids or []))
         start = num_computed_tokens // self.block_size
         files = self._files(state.keys, start)

@@ -1101,3 +1101,18 @@ def test_a_save_behind_a_full_backlog_takes_its_slots_once_the_save_thread_has_c
     second.join(10)
     w.flush()
     assert all(w.ram.contains(f"k{i}") for i in range(4))
+
+
+@pytest.mark.parametrize("extra", [{"lora_request": NS(lora_name="sql")}, {"mm_features": [NS(identifier="cat")]},
+                                   {"cache_salt": "tenant-2"}, {"prompt_embeds": torch.zeros(9, 4)}])
+def test_a_request_whose_kv_differs_by_more_than_its_tokens_neither_hits_nor_stores(extra):
+    # vLLM's prefix cache keys a LoRA adapter, images, a cache salt and prompt embeddings beside the tokens; the
+    # store keys tokens alone, so such a request got another's KV under the same keys (a hostile review)
+    s = SchedulerSide(FP, B, ram_blocks=32, fs=None)
+    tokens = list(range(2 * B + 1))
+    assert s.lookup(request("a", tokens), 0) == (0, False)
+    s.build_meta(sched_output([new_req("a", tokens, [0, 1, 2])]))
+    assert s.lookup(request("b", tokens), 0) == (2 * B, False)  # a's blocks: stored
+    other = NS(request_id="c", prompt_token_ids=tokens, **extra)
+    assert s.lookup(other, 0) == (0, False)
+    assert s.build_meta(sched_output([new_req("c", tokens, [3, 4, 5])])).stores == []  # nothing of c's stored

@@ -60,7 +60,9 @@ def test_fingerprint_covers_everything_that_changes_kv_bytes():
     for field, other in (("model_config", {"hidden_size": 512}), ("weights", "w2"), ("dtype", "bfloat16"),
                          ("kv_dtype", "fp8"), ("block_size", 32), ("layout", "NHD"), ("tp_rank", 1), ("tp_size", 2),
                          ("stack", {**stack, "vllm": "0.33.0"}), ("stack", {**stack, "attention_backend": "FLASH"}),
-                         ("signer", keys.secret_id(b"s" * 16)), ("checksum", "mix128")):
+                         ("signer", keys.secret_id(b"s" * 16)), ("checksum", "mix128"),
+                         # online quantization of the same checkpoint, another revision of a hub model
+                         ("quantization", "fp8"), ("revision", "0123abc")):
         assert keys.fingerprint(**{**base, field: other}) != fp, field
 
 
