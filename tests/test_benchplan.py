@@ -186,6 +186,8 @@ def test_bench_plan_prints_no_secret(tmp_path, monkeypatch, capsys, model_dir):
     (["--restart-cmd", ""], "restart servers: give --restart-cmd"),
     (["--resume"], "has no run.json; nothing to continue"),
     (["--worker-hosts", "h1"], "Locust workers on h1 need --master-host"),
+    # a Locust process that gets no user sends nothing: its share of the sessions waited out the time limit
+    (["--users", "1", "--processes", "2"], "--processes 2: more Locust processes than the 1 user"),
 ])
 def test_bench_plan_refuses_bad_input_as_the_bench_does(tmp_path, monkeypatch, capsys, model_dir, extra, says):
     tried = nothing_may_start(monkeypatch)

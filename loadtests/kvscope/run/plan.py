@@ -290,6 +290,11 @@ def build(options: BenchOptions) -> BenchPlan:
         rate=options.rate, timeout_s=options.timeout_s, workers=workers, restart_cmd=options.restart_cmd,
         kv_capacity_tokens=capacity,
         workloads={n: generate(sc, tokenizer, capacity, context) for n, sc in sources.items()})
+    share = len(workers.hosts) if workers else options.processes  # Locust's workers, each a share of the sessions
+    if share > (fewest := min(plan.users_of(label) for label in plan.scenarios)):
+        what = f"--worker-hosts ({share} hosts)" if workers else f"--processes {share}"
+        raise ConfigError(f"{what}: more Locust processes than the {fewest} user(s) a scenario runs; one without a "
+                          "user sends nothing, and its share of the sessions would wait out the time limit unsent")
     if options.resume and (changes := plan_changes(read_json(rf.run_json, RunInfo), plan)):
         raise ConfigError("--resume: the plan differs from run.json's (resume with the same scenarios, servers and "
                           "mode, or start another run):\n  " + "\n  ".join(changes))
