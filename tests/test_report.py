@@ -620,6 +620,25 @@ def test_throughput_spans_each_repetition_alone(tmp_path):
     assert overview.throughput(overview.columns(recs, "apc")) == (1.0, 10.0)
 
 
+def test_a_sweep_over_a_scenario_that_sets_its_own_users_is_no_sweep(tmp_path):
+    # USERS=1,16 over a scenario of 8 users runs 8 in both columns: the rows said 1 and 16, a load curve
+    # between two runs at the same load
+    from kvscope.analyze import overview
+
+    run = make_run(tmp_path / "run", four())
+    info = json.loads((run / "run.json").read_text())
+    info["scenarios"] = {f"s@u{u}": {**SCENARIO, "users": u, "locust_users": 8} for u in (1, 16)}
+    (run / "run.json").write_text(json.dumps(info))
+    for u in (1, 16):
+        (run / "workloads" / f"s@u{u}.measure.jsonl").write_text((run / "workloads" / "s.measure.jsonl").read_text())
+        for records in (run / "records").glob("*__s.jsonl"):
+            (run / "records" / records.name.replace("__s.", f"__s@u{u}.")).write_text(records.read_text())
+    for stale in [*(run / "records").glob("*__s.jsonl"), run / "workloads" / "s.measure.jsonl", run / "status.jsonl"]:
+        stale.unlink()
+    done = loaded.load(run)
+    assert overview.sweep(done.run, done.recs).empty
+
+
 def test_a_connector_module_that_does_not_import_is_named_in_the_report(tmp_path):
     run = make_run(tmp_path / "run1", four())
     doc = json.loads((run / "run.json").read_text())

@@ -217,14 +217,14 @@ def tiers(status) -> pd.DataFrame:
 
 def sweep(run: RunInfo, recs: dict) -> pd.DataFrame:
     """Under a load sweep, each config at each load: throughput and TTFT (all answers, and cache hits)."""
-    levels = sorted({sc.users for sc in run.scenarios.values() if sc.users})
+    ran = {label: sc.locust_users or sc.users for label, sc in run.scenarios.items()}  # a scenario's own users win
+    levels = sorted({users for users in ran.values() if users})
     if len(levels) < 2:
         return pd.DataFrame()
     rows = []
     for server in run.servers:
         for users in levels:
-            level = [rs for (c, label), rs in recs.items()
-                     if c == server.config and run.scenarios[label].users == users]
+            level = [rs for (c, label), rs in recs.items() if c == server.config and ran[label] == users]
             done = [r for rs in level for r in rs if r.ok and r.phase == "measure" and r.ttft_s]
             hits = [r.ttft_s for r in done if r.cached_tokens]
             req_s, tok_s = throughput(level)
