@@ -973,3 +973,20 @@ def test_a_canary_treatment_that_broke_no_hit_reads_not_measured_never_pass(tmp_
     assert row.why == "not measured: its fault log says it broke no hit"
     power = pd.read_csv(run / "power.csv").set_index("fault").loc["rank0-only"]
     assert power.affected_hits == 0 and pd.isna(power.rate)
+
+
+def test_the_ideal_lru_starts_from_what_the_prime_phase_left():
+    # a restart, shared-store or store-fault scenario primes the cache, then measures without a reset; the
+    # ideal started empty there and read 0.00 beside a measured 0.96: a tier that lost everything looked ideal
+    from kvscope.analyze import hitrate
+
+    def answer(rid, phase, t, hashes):
+        return Record(config="kvscope-fs", scenario="restart", phase=phase, request_id=rid, session_id=rid, turn=0,
+                      endpoint="chat", start_unix_s=t, ok=True, ttft_s=0.1, e2e_s=0.2, prompt_tokens=4 * 64 + 10,
+                      cached_tokens=0, output_token_ids=[1], prompt_block_hashes=hashes)
+
+    prompts = [[f"p{i}b{j}" for j in range(4)] for i in range(8)]
+    prime = [answer(f"prime-r{i}", "prime", i, h) for i, h in enumerate(prompts)]
+    measure = [answer(f"r{i}", "measure", 100 + i, h) for i, h in enumerate(prompts)]
+    assert hitrate.theoretical(prime + measure, 10_000, 64) == pytest.approx(256 / 266)  # the measure phase's
+    assert hitrate.theoretical(measure, 10_000, 64) == 0.0

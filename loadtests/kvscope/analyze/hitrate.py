@@ -14,9 +14,10 @@ from kvscope.artifacts import Record
 
 
 def theoretical(records: list[Record], capacity_tokens: int | None, block_size: int) -> float | None:
-    """Hit rate (cached / prompt tokens) of an LRU prefix cache; capacity None means unbounded."""
+    """Hit rate (cached / prompt tokens) of the measure phase through an LRU prefix cache that the prime phase
+    filled first (nothing resets between them); capacity None means unbounded."""
     trace = sorted((r for r in records if r.ok and r.prompt_tokens), key=lambda r: r.start_unix_s)
-    if not trace:
+    if not any(r.phase == "measure" for r in trace):
         return None
     capacity = None if capacity_tokens is None else max(1, capacity_tokens // block_size)
     lru: OrderedDict[str, None] = OrderedDict()
@@ -29,8 +30,9 @@ def theoretical(records: list[Record], capacity_tokens: int | None, block_size: 
             if h not in lru:
                 break
             hits += 1
-        hit_tokens += hits * block_size
-        prompt_tokens += r.prompt_tokens
+        if r.phase == "measure":
+            hit_tokens += hits * block_size
+            prompt_tokens += r.prompt_tokens
         for h in r.prompt_block_hashes:
             lru[h] = None
             lru.move_to_end(h)

@@ -141,7 +141,7 @@ def summarize(run: RunInfo, status: list[StatusRow], recs: dict, scores: pd.Data
             "hit_rate_counters": rates["overall"],
             "hit_rate_counters_local": rates["local"],
             "hit_rate_counters_external": rates["external"],
-            "hit_rate_theoretical": hitrate.theoretical(measure, server.manifest.kv_capacity_tokens,
+            "hit_rate_theoretical": hitrate.theoretical(records, server.manifest.kv_capacity_tokens,
                                                         server.manifest.block_size),
             "identical_hit": cls(hit_sc, Answer.IDENTICAL), "benign_hit": cls(hit_sc, Answer.BENIGN),
             "fail_hit": cls(hit_sc, Answer.FAIL),
