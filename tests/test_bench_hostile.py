@@ -246,6 +246,12 @@ def test_a_resume_whose_plan_changed_is_refused_saying_what_changed(tmp_path, mo
                 assert why in err, err
         finally:
             elsewhere.stop()
+        upgraded = Fake({"GET /v1/models": models, "GET /version": lambda h: reply(h, 200, b'{"version": "0.34.0"}')})
+        try:  # the same address, another vLLM (a STACK change): its answers would mix with the first one's
+            assert cli.main(bench_args(tmp_path, model_dir, upgraded.url, "--resume", golden=fake.url)) == 2
+            assert "servers: theirs (port, vllm_version)" in capsys.readouterr().err
+        finally:
+            upgraded.stop()
         workload.write_text(written.splitlines()[0] + "\n")  # a workload generated otherwise (another version)
         assert cli.main(bench_args(tmp_path, model_dir, fake.url, "--resume")) == 2
         assert "workloads: rep.measure" in capsys.readouterr().err

@@ -365,12 +365,12 @@ def variants(scenario_names: list[str], users: list[int], repeats: int) -> dict[
 
 
 def _server_plan(server: Treatment) -> dict:
-    """What a treatment's records depend on: where its server is, what it serves and how."""
+    """What a treatment's records depend on: where its server is, what it serves and how, on which stack."""
     m = server.manifest
     return {"role": m.role, "deployed_as": m.config, "fault": server.fault, "scheme": server.scheme, "host": m.host,
             "port": m.port, "served_model_name": m.served_model_name, "model_hash": m.model_hash,
             "server_args": m.server_args, "block_size": m.block_size, "prefix_caching": m.prefix_caching,
-            "exact": m.exact}
+            "exact": m.exact, "vllm_version": m.vllm_version, "packages": m.packages, "tiers": m.tiers}
 
 
 def _differences(was: dict, now: dict, fields: bool = False) -> list[str]:
