@@ -187,6 +187,22 @@ def test_a_golden_server_that_hit_a_cache_invalidates_the_run(tmp_path):
     assert v.loc["apc", "verdict"] == "UNVERIFIED" and "baseline is not cache-off" in v.loc["apc", "why"]
 
 
+def test_a_golden_endpoint_that_nothing_shows_cache_off_invalidates_the_run(tmp_path):
+    # an endpoint whose /metrics has no vllm:cache_config_info, answering without cached_tokens (vLLM without
+    # --enable-prompt-tokens-details): its cache-off state was assumed, and every verdict judged against it
+    run = make_run(tmp_path / "run", four(), baseline={"cached": [None, None]})
+    doc = json.loads((run / "run.json").read_text())
+    doc["servers"][0] |= {"prefix_caching": None, "platform": "endpoint"}
+    (run / "run.json").write_text(json.dumps(doc))
+    assert report.write(run, min_hits=1) != 0
+    assert "nothing shows it cache-off" in verdicts(run).why["baseline"]
+    answered = make_run(tmp_path / "answered", four())  # answers that report 0 cached tokens show it
+    doc = json.loads((answered / "run.json").read_text())
+    doc["servers"][0] |= {"prefix_caching": None, "platform": "endpoint"}
+    (answered / "run.json").write_text(json.dumps(doc))
+    assert report.write(answered, min_hits=1) == 0
+
+
 def test_the_control_sets_the_tolerance(tmp_path):
     # control off by 1e-4: the tolerance is 3e-4, so apc off by 2e-4 passes, and off by 4e-4 fails
     run = make_run(tmp_path / "a", four(), control={"offset": 1e-4}, apc={"offset": 2e-4})

@@ -202,7 +202,7 @@ class Manifest(RenderedServer):
     extensible_kv_cache: bool | None = None  # vLLM 0.34+ on CUDA: KV sized after warm-up (None: not reported,
     # no key written)
     block_size: int
-    prefix_caching: bool
+    prefix_caching: bool | None  # None: not known (an endpoint whose /metrics does not say)
     max_model_len: int | None = None
     model_path: str
     model_hash: str

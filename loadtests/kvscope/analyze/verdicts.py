@@ -47,6 +47,9 @@ def cache_off_problems(server: Treatment, cached_tokens: list[int | None]) -> li
     hits = sum(1 for c in cached_tokens if c)
     if hits:
         problems.append(f"{hits} of its answers report cached prompt tokens")
+    if server.manifest.prefix_caching is None and all(c is None for c in cached_tokens):
+        problems.append("nothing shows it cache-off: its /metrics has no vllm:cache_config_info and no answer "
+                        "reports cached prompt tokens (vLLM: --enable-prompt-tokens-details)")
     return problems
 
 

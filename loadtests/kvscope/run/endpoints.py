@@ -70,7 +70,8 @@ def treatment(address: Address, role: Role, model_dir: Path) -> Treatment:
     except (urllib.error.URLError, OSError, ValueError):
         version = None
     block = labels.get("block_size", "None")
-    caching = labels.get("enable_prefix_caching") == "True" if labels else role == "candidate"  # unknown: assumed
+    # unknown: assumed on for a server under test; for a reference, its answers' cached tokens must show it off
+    caching = labels.get("enable_prefix_caching") == "True" if labels else (True if role == "candidate" else None)
     if caching and labels and role in ("golden", "control"):
         raise ConfigError(f"endpoint '{name}' ({role}) has prefix caching on: the reference must be cache-off "
                           "(vLLM: --no-enable-prefix-caching)")
