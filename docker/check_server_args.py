@@ -65,7 +65,7 @@ def namespace_errors(server: dict, parse) -> list[str]:
     if server["role"] in ("golden", "control"):
         if read["enable_prefix_caching"] is not False:
             errors.append(f"the {server['role']} server's prefix caching is not off")
-        if read["kv_offloading_size"]:
+        if read["kv_offloading_size"] is not None:  # any size, 0 too, attaches vLLM's offloading connector
             errors.append(f"the {server['role']} server has KV offloading")
         if read["kv_transfer_config"] is not None:
             errors.append(f"the {server['role']} server has a KV connector")

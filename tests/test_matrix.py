@@ -62,6 +62,9 @@ def test_shipped_matrix_has_the_three_first_configs():
          "a control config must be cache-off: has a kv_transfer_config"),
         (lambda d: cfg(d, "control")["flags"].update({"--kv-offloading-size": 4}),
          "a control config must be cache-off: flag '--kv-offloading-size' turns a cache on"),
+        # vLLM attaches its offloading connector whenever the size is set, 0 included
+        (lambda d: cfg(d, "baseline")["flags"].update({"--kv-offloading-size": 0}),
+         "a golden config must be cache-off: flag '--kv-offloading-size' turns a cache on"),
         (lambda d: cfg(d, "apc").update(faults=["shift"]), "config 'apc': field '(top level)': Value error, only a canary config lists faults"),
         (lambda d: cfg(d, "canary").update(faults=["shiftt"]),
          "config 'canary': field 'faults.0'"),

@@ -105,7 +105,8 @@ def topology_option(flag: str) -> str | None:
 
 def cache_off_errors(flags: dict[str, FlagValue]) -> list[str]:
     """Why these server flags do not keep vLLM's prefix cache and KV offloading off ([] when they do)."""
-    on = {vllm_option(f) for f, v in flags.items() if v not in (None, False, 0)}
+    on = {vllm_option(f) for f, v in flags.items() if v is not None and v is not False}  # 0 too: vLLM attaches
+    # its offloading connector whenever --kv-offloading-size is set
     errors = [f"flag '{f}' turns a cache on" for f in CACHE_FLAGS if f in on]
     if not any(vllm_flag(f) == CACHE_OFF and v is True for f, v in flags.items()):
         errors.append(f"needs '{CACHE_OFF}: true' (vLLM caches prefixes by default)")
