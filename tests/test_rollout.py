@@ -187,6 +187,17 @@ def test_inconclusive_gates_stop_or_continue_as_asked(tmp_path):
     assert engine(tmp_path / "b", hosts, unverified=True, inconclusive="stop").run() == 1
     assert report.headline(load(tmp_path / "b")).startswith(
         "stopped at host 1 (h1): inconclusive: tier UNVERIFIED (4 verified cache hits (at least 20 needed)), rolled back")
+    # an INVALID verdict (a golden that was not cache-off, a reset that did not reset) also exits 3, and is not
+    # what `continue` lets through: only INCOMPLETE and UNVERIFIED are
+    (tmp_path / "c").mkdir()
+    hosts = FakeHosts()
+
+    def invalid_golden(r, batch, host, folder) -> GateResult:
+        return GateResult(host=host, folder="g", exit_code=3, verdicts={"baseline": "INVALID", "tier": "UNVERIFIED"},
+                          why={"baseline": "it ran with --kv-offloading-size"})
+    e = Engine(rollout(tmp_path / "c", inconclusive="continue"), tmp_path / "c", hosts, gate=invalid_golden,
+               out=lambda *a, **k: None)
+    assert e.run() == 1 and hosts.changes == ["h1"] and load(tmp_path / "c").batches[0].state == "rolled-back"
 
 
 def test_ctrl_c_stops_between_steps_with_the_state_recorded_and_a_rerun_resumes_without_rolling_twice(tmp_path):

@@ -236,15 +236,21 @@ class Engine:
                     step.outcome = report.gate_words(result)
                 if result.exit_code == 0:
                     self.stop.check()
-            if all(g.exit_code == 0 or (g.exit_code == 3 and self.r.inconclusive == "continue") for g in batch.gates):
+            if all(self._passes(g) for g in batch.gates):
                 batch.state, batch.decision = "passed", "continue"
                 self.save()
                 self.stop.check()
                 return None
-            failed = next(g for g in batch.gates if g.exit_code != 0)
+            failed = next(g for g in batch.gates if not self._passes(g))
             batch.state, batch.reason = "rolling-back", f"{failed.host}: {report.gate_words(failed)}"
             self.save()
         return self._rollback(batch)
+
+    def _passes(self, g: GateResult) -> bool:
+        """A gate the rollout goes on after: exit 0, or inconclusive (exit 3) under `--inconclusive continue`
+        where no verdict is INVALID (a golden that was not cache-off, a reset that did not reset: also exit 3)."""
+        return g.exit_code == 0 or (g.exit_code == 3 and self.r.inconclusive == "continue"
+                                    and Verdict.INVALID not in g.verdicts.values())
 
     def _check_matrix(self, batch: Batch) -> bytes:
         """The matrix file's content, refused (before anything of the batch is touched) unless its sha256 is the
