@@ -378,3 +378,17 @@ def test_a_resume_refuses_a_link_in_the_rollouts_folder_and_writes_through_none(
     assert f"{folder / planted}: a symbolic link" in capsys.readouterr().err
     assert len(setup.playbook_calls()) == before
     assert (victim.read_text() == "ssh-ed25519 AAAA owner\n") if planted != "batches" else not list(victim.iterdir())
+
+
+def test_a_recorded_reference_with_a_kv_connector_may_not_be_redeployed():
+    # the record's trailing --kv-transfer-config was set aside before the cache-off checks: a control record
+    # carrying a connector passed, and a rollback would have deployed it (the render refuses the same)
+    m = matrix_mod.load(MATRIX)
+    r = render(m, m.get("control"), "cpu", Path("/m/tiny"), Path("/runs/stores"), "127.0.0.1")
+    args = [*r.server_args, "--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}']
+    rendered = r.model_copy(update={"server_args": args})
+    state = ServerState(config="control", health="healthy", rendered=rendered, manifest=Manifest(
+        **rendered.model_dump(exclude={"server_args", "env"}), server_args=redact_args(args), env=redact_env(r.env),
+        vllm_version="0.32", kv_capacity_tokens=1, block_size=16, prefix_caching=False, model_path="/m/tiny",
+        model_hash="h"))
+    assert any("KV connector" in e for e in definition_errors(state)), definition_errors(state)

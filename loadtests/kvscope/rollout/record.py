@@ -207,10 +207,12 @@ def definition_errors(s: ServerState) -> list[str]:
         return [f"its arguments do not start with kvscope's own ({', '.join(OWN_ARGS)}, in that order)"]
     rest = pairs[len(OWN_ARGS):]
     if rest and rest[-1][0] == KV_TRANSFER:  # the config's JSON, checked by the matrix's schema when rendered
+        if r.role in ("golden", "control"):
+            errors.append(f"a {r.role} server must be cache-off, but its record has a KV connector")
         rest = rest[:-1]
     if r.topology is not None:  # its ranks, last before the JSON as the render puts them, as its topology records
-        if errors := topology_errors(r.topology, r.role):
-            return errors
+        if wrong := topology_errors(r.topology, r.role):
+            return errors + wrong
         ranks, _ = arg_pairs(Topology.model_validate(r.topology).flags())
         if rest[-2:] != ranks:
             return [f"its topology flags are not the ranks its record names ({r.topology})"]
