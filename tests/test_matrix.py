@@ -442,8 +442,21 @@ def test_a_serving_path_is_refused_where_it_cannot_apply(tmp_path, doc):
     doc["paths"]["apc-everywhere"] = {"description": "d", "covers": "c", "platforms": ["cpu"],
                                       "flags": {"--enable-prefix-caching": True}}
     m = matrix.load(write(tmp_path, doc))
-    with pytest.raises(matrix.ConfigError, match="config 'baseline': the flag overrides would give the golden server"):
+    with pytest.raises(matrix.ConfigError, match="config 'baseline' cannot take serving path 'apc-everywhere': the "
+                                                 "config sets '--no-enable-prefix-caching', which the path sets"):
         render(m, m.get("baseline"), "cpu", tmp_path, tmp_path, "h", serving_path="apc-everywhere")
+    # the other way round: a path's flag that abbreviates exact mode's or a config's, or switches it off, is
+    # read last by vLLM, and the server was recorded as exact (or with prefix caching) all the same
+    doc["paths"]["fast-attn"] = {"description": "d", "covers": "c", "platforms": ["cuda"],
+                                 "flags": {"--attention-back": "FLASH_ATTN"}}
+    doc["paths"]["no-apc"] = {"description": "d", "covers": "c", "platforms": ["cpu"],
+                              "flags": {"--no-enable-prefix-caching": True}}
+    m = matrix.load(write(tmp_path, doc))
+    with pytest.raises(matrix.ConfigError, match="exact mode sets '--attention-backend', which the path sets"):
+        render(m, m.get("kvscope-fs"), "cuda", tmp_path, tmp_path, "h", exact=True, vllm_version="0.26.0",
+               serving_path="fast-attn")
+    with pytest.raises(matrix.ConfigError, match="the config sets '--enable-prefix-caching', which the path sets"):
+        render(m, m.get("apc"), "cpu", tmp_path, tmp_path, "h", serving_path="no-apc")
 
 
 def test_a_serving_path_of_the_matrix_is_validated_like_a_config(tmp_path, doc):

@@ -174,11 +174,20 @@ def _override_errors(overrides: dict, mode_flags: dict) -> list[str]:
 
 
 def _path_errors(path_flags: dict, sources: dict[str, dict]) -> list[str]:
-    """A serving path's flag that a config, exact mode or an override also sets (in any spelling vLLM reads):
-    one of the two would be dropped silently, so the path would not be what was served."""
-    options = _options(path_flags)
-    return [f"{source} sets '{flag}', which the path sets ({option}); a bench serves one or the other"
-            for source, flags in sources.items() for flag in flags if (option := option_read(flag, options))]
+    """A serving path's flag that a config, exact mode or an override also sets, either way round, in any
+    spelling vLLM reads (in full, abbreviated, its --no- form): one of the two would be dropped silently, so
+    what was served would not be what the record says."""
+    return [f"{source} sets '{flag}', which the path sets ({path_flag})" for source, flags in sources.items()
+            for flag in flags for path_flag in path_flags if _same_setting(flag, path_flag)]
+
+
+def _same_setting(a: str, b: str) -> bool:
+    """Whether two flags set one of vLLM's settings: the same option, one abbreviating the other, or a --no- form."""
+    def forms(flag: str) -> set[str]:
+        option = vllm_option(flag)
+        return {option, "--" + option[len("--no-"):]} if option.startswith("--no-") else {option}
+    mine, theirs = forms(a), forms(b)
+    return any(option_read(f, theirs) for f in mine) or any(option_read(f, mine) for f in theirs)
 
 
 def model_config(model_dir: Path) -> dict:
