@@ -702,3 +702,16 @@ def test_hybrid_models_are_found_by_every_key_their_configs_use(tmp_path, model_
     (model / "config.json").write_text(json.dumps({**config, **extra}))
     errors = hybrid_errors(model_config(model), [matrix.load(SHIPPED).get("kvscope-ram")])
     assert errors == [] if kinds is None else f"this model's {kinds} layers" in errors[0], errors
+
+
+def test_a_secret_in_a_servers_arguments_is_refused_before_a_deploy(tmp_path, doc):
+    # a rollout records each host's rendered definition to restore it: a token given as a flag, or a password
+    # inside the kv-transfer config, was written there in clear (a hostile review); secrets come from the
+    # environment (ansible-vault), which the records leave out
+    m = matrix.load(SHIPPED)
+    with pytest.raises(matrix.ConfigError, match="'--hf-token' holds a secret"):
+        render(m, m.get("apc"), "cpu", tmp_path, tmp_path, "h", parse_overrides('{"hf-token": "hf_0123456789abc"}'))
+    cfg(doc, "kvscope-ram")["kv_transfer_config"]["kv_connector_extra_config"]["remote_password"] = "pw-0123456"
+    m = matrix.load(write(tmp_path, doc))
+    with pytest.raises(matrix.ConfigError, match="'--kv-transfer-config' holds a secret"):
+        render(m, m.get("kvscope-ram"), "cpu", tmp_path, tmp_path, "h")

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from kvscope.artifacts import RenderedServer
+from kvscope.auth import redact_args
 from kvscope.config.matrix import (
     ConfigError,
     Matrix,
@@ -107,6 +108,10 @@ def render(
     if cfg.kv_transfer_config is not None:
         ktc = cfg.kv_transfer_config.model_dump(exclude_none=True)
         args += ["--kv-transfer-config", json.dumps(_fill_stores(ktc, stores), sort_keys=True)]
+    if held := _secret_args(args):
+        raise ConfigError(f"config '{cfg.name}': {', '.join(held)} holds a secret, which the deployment's and a "
+                          "rollout's records would keep in clear: give it by environment (the config's env, from "
+                          "ansible-vault: e.g. HF_TOKEN), which they leave out")
     env = {**defaults.env, **cfg.env, **(mode.env if mode else {})}
     if cfg.python_path:  # a connector from the user's own directory, ahead of the platform's path
         env["PYTHONPATH"] = ":".join(cfg.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -116,6 +121,12 @@ def render(
                           upstream=list(cfg.upstream), exact=mode is not None, exact_workarounds=workarounds,
                           tiers=list(cfg.tiers), writer=cfg.writer, serving_path=serving_path,
                           topology=cfg.topology.model_dump() if cfg.topology else None)
+
+
+def _secret_args(args: list[str]) -> list[str]:
+    """The flags whose values redact_args would hide ('--flag' quoted), in a rendered argument list."""
+    return [f"'{(args[i - 1] if i and not arg.startswith('--') else arg).split('=', 1)[0]}'"
+            for i, (arg, shown) in enumerate(zip(args, redact_args(args))) if arg != shown]
 
 
 def cpu_kv_errors(servers: list[RenderedServer], cpu_flags: set[str]) -> list[str]:
