@@ -21,7 +21,17 @@ from kvscope.rollout import cli as rollout_cli
 from kvscope.rollout import report
 from kvscope.rollout.ansible import RolloutError, parse_state
 from kvscope.rollout.engine import Engine, StopFlag
-from kvscope.rollout.record import GateResult, HostState, Rollout, ServerState, load, restorable, save, sha256
+from kvscope.rollout.record import (
+    EXIT_ROLLBACK_FAILED,
+    GateResult,
+    HostState,
+    Rollout,
+    ServerState,
+    load,
+    restorable,
+    save,
+    sha256,
+)
 
 
 def manifest(config: str, version: str, pid: int, role: str = "candidate") -> Manifest:
@@ -488,3 +498,26 @@ def test_the_gate_tier_option_is_recorded_and_a_record_from_before_it_resumes_as
     assert args.gate_tier == "exact"
     with pytest.raises(SystemExit):
         parser.parse_args(["rollout", "--inventory", "inv", "--configs", "tier", "--gate-tier", "bitwise"])
+
+
+def test_a_rollback_that_cannot_be_shown_done_is_a_failed_rollback(tmp_path):
+    # a new config's first rollout (no host served it before) FAILs its gate; the teardown cannot reach the host
+    # and its state cannot be read: "no healthy server" before and after read as restored (exit 1), while the
+    # failed version may still serve
+    class Unreachable(FakeHosts):
+        def __init__(self):
+            super().__init__(new="bad")
+            for served in self.serving.values():
+                served.pop("tier")
+
+        def state(self, hosts, dest, log):
+            if "restored" in str(dest):
+                return {h: HostState(host=h, run_dir="?", error="not read (exit 4)") for h in hosts}
+            return super().state(hosts, dest, log)
+
+        def restore(self, before, folder, log):
+            return 4
+
+    hosts = Unreachable()
+    assert engine(tmp_path, hosts).run() == EXIT_ROLLBACK_FAILED
+    assert load(tmp_path).batches[0].state == "rollback-failed"

@@ -45,7 +45,7 @@ from kvscope.rollout.record import (
     definition_errors,
     describe,
     now,
-    same,
+    restored,
     save,
 )
 
@@ -315,7 +315,8 @@ class Engine:
                     step.outcome = "failed on " + ", ".join(f"{h} (exit {rc})" for h, rc in rcs.items() if rc)
             with self.step(batch, "restored", "what the hosts serve after the rollback") as step:
                 batch.restored = self.ops.state(batch.hosts, folder.state("restored"), self.log(step))
-            ok = all(same(batch.before[h], batch.restored[h], self.r.configs) for h in batch.hosts)
+            ok = not any(rcs.values()) and all(restored(batch.before[h], batch.restored[h], self.r.configs)
+                                               for h in batch.hosts)
             batch.state = "rolled-back" if ok else "rollback-failed"
             batch.decision = "stopped, rolled back" if ok else "stopped, ROLLBACK FAILED"
             self.save()

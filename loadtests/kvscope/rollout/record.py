@@ -280,6 +280,13 @@ def same(a: HostState | None, b: HostState | None, configs: list[str] | None = N
     return all(identity(a.serving(c)) == identity(b.serving(c)) for c in names)
 
 
+def restored(before: HostState | None, after: HostState | None, configs: list[str]) -> bool:
+    """A rollback shown done: the host read, serving what it served before, and none of `configs` it did not
+    serve then left there (a server that runs unhealthy, or one a failed teardown left, is not gone)."""
+    return (before is not None and after is not None and after.error is None and same(before, after, configs)
+            and not any(c in after.servers for c in configs if c not in before.servers))
+
+
 def untouched(a: HostState | None, b: HostState | None) -> bool:
     """Not even restarted: the same versions, by the same processes (pid or container image)."""
     if not same(a, b) or a is None or b is None:
