@@ -1015,9 +1015,11 @@ def test_the_forward_threads_connector_time_is_split_into_its_waits(tmp_path, lo
     w.take_stats()
     shed, store = w._shed_files, w._store
     monkeypatch.setattr(w, "_shed_files", lambda stores: (time.sleep(0.2), shed(stores))[1])
-    monkeypatch.setattr(w, "_store", lambda *a: (time.sleep(0.6), store(*a))[1])  # on the save thread
+    monkeypatch.setattr(w, "_store", lambda *a: (time.sleep(2.0), store(*a))[1])  # on the save thread
     w.save(KVScopeMetadata(stores=[StoreSpec(i, f"k{i}", to_ram=False, to_fs=True) for i in (1, 2)]))
-    assert 0.2 <= w.stats.save_forward_seconds < 0.5  # from save()'s first line, never the save thread's work
+    # from save()'s first line, never the save thread's 2 s (a bound with room for a loaded machine: beside make
+    # test's servers save() once took 0.78 s)
+    assert 0.2 <= w.stats.save_forward_seconds < 1.5
     w.flush()
     w.take_stats()
     loads = KVScopeMetadata(loads=[LoadSpec(5 + i, f"k{i}", "fs") for i in (1, 2)])
