@@ -20,7 +20,7 @@ from kvscope.rollout.record import (
     HostState,
     Rollout,
     load,
-    same,
+    restored,
     serves,
     untouched,
 )
@@ -114,11 +114,11 @@ def host_line(r: Rollout, host: str) -> str:
     if b.state == "passed":
         return f"{host}: rolled: serves {serves(after, r.configs)}; gate {gate_words(gate) if gate else '?'}"
     if b.state in ROLLBACK_STATES:
-        restored = b.restored.get(host)
+        back = b.restored.get(host)
         why = f" (gate {gate_words(gate)})" if gate and gate.exit_code != 0 else ""
-        if b.state != "rolling-back" and same(before, restored, r.configs):
-            return f"{host}: rolled back: serves {serves(restored, r.configs)} again, as before{why}"
-        now = restored or final
+        if b.state != "rolling-back" and restored(before, back, r.configs):  # as the engine judged the rollback
+            return f"{host}: rolled back: serves {serves(back, r.configs)} again, as before{why}"
+        now = back or final
         lost = _neither(r, before, after, now)
         return (f"{host}: ROLLBACK {'FAILED' if b.state == 'rollback-failed' else 'NOT FINISHED'}: serves "
                 f"{serves(now, r.configs)}; before it served {serves(before, r.configs)}"
